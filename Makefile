@@ -1,0 +1,43 @@
+# Every target sets itself up: on a fresh machine `make test` or `make demo` is all it takes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch where no NVIDIA GPU is present, so setup never pulls the multi-GB CUDA build.
+# TORCH_CPU_INDEX_URL may name a PyTorch CPU wheel index (the GitHub workflows set it); empty means pip's defaults.
+TORCH_CPU_VERSION ?= 2.13.0
+TORCH_CPU_INDEX_URL ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint typecheck unittest demo docs build clean
+
+$(VENV)/.installed: pyproject.toml setup.py requirements/base.txt requirements/test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)" $(if $(TORCH_CPU_INDEX_URL),--extra-index-url $(TORCH_CPU_INDEX_URL)); \
+	fi
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: setup
+	$(PY) -m mypy
+
+unittest: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck unittest
+
+demo: setup
+	$(PY) examples/train.py --devices 2 --accelerator cpu --algorithm gradient_allreduce
+
+build: setup
+	$(PY) -m build --outdir dist .
+
+clean:
+	rm -rf $(VENV) build dist docs/build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,61 @@
+"""Bagua's communication algorithms for PyTorch Lightning, implemented on ``torch.distributed``.
+
+Importing this package is cheap: it loads neither torch nor Lightning. The public names below are
+resolved on first access, and the package's start-up hook (``lightning_bagua._registration``) makes
+``Trainer(strategy="bagua")`` work as soon as a Lightning strategy registry is imported.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_bagua.__about__ import __version__
+from lightning_bagua._registration import install_registration_hook
+
+if TYPE_CHECKING:
+    from lightning_bagua.engine import (
+        Algorithm,
+        AlgorithmImpl,
+        BaguaDistributedDataParallel,
+        CommunicationCounter,
+        GradientAllReduceAlgorithm,
+    )
+    from lightning_bagua.environments.bagua import BaguaEnvironment
+    from lightning_bagua.strategies.bagua import BaguaStrategy
+
+__all__ = [
+    "Algorithm",
+    "AlgorithmImpl",
+    "BaguaDistributedDataParallel",
+    "BaguaEnvironment",
+    "BaguaStrategy",
+    "CommunicationCounter",
+    "GradientAllReduceAlgorithm",
+    "__version__",
+]
+
+_LAZY_ATTRIBUTES = {
+    "Algorithm": "lightning_bagua.engine",
+    "AlgorithmImpl": "lightning_bagua.engine",
+    "BaguaDistributedDataParallel": "lightning_bagua.engine",
+    "CommunicationCounter": "lightning_bagua.engine",
+    "GradientAllReduceAlgorithm": "lightning_bagua.engine",
+    "BaguaEnvironment": "lightning_bagua.environments.bagua",
+    "BaguaStrategy": "lightning_bagua.strategies.bagua",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Resolving public names lazily keeps `import lightning_bagua` (and the start-up hook) free of torch.
+    module_name = _LAZY_ATTRIBUTES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'lightning_bagua' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+install_registration_hook()

@@ -1,0 +1,33 @@
+"""The engine: Bagua's algorithms on ``torch.distributed``. Imports torch only, never Lightning.
+
+Use it from plain PyTorch::
+
+    from lightning_bagua.engine import BaguaDistributedDataParallel
+
+    model = BaguaDistributedDataParallel(model, optimizers=[optimizer], algorithm="gradient_allreduce")
+"""
+
+from lightning_bagua.engine.algorithms import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    GradientAllReduceAlgorithm,
+    available_algorithms,
+    register_algorithm,
+)
+from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, NodeLayout
+from lightning_bagua.engine.data_parallel import DEFAULT_BUCKET_CAP_MB, BaguaDistributedDataParallel
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "Algorithm",
+    "AlgorithmContext",
+    "AlgorithmImpl",
+    "BaguaDistributedDataParallel",
+    "CommunicationCounter",
+    "CommunicationGroups",
+    "GradientAllReduceAlgorithm",
+    "NodeLayout",
+    "available_algorithms",
+    "register_algorithm",
+]

@@ -1,0 +1,215 @@
+"""The algorithm interface and the registry behind ``Algorithm.init(name, **kwargs)``."""
+
+import inspect
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
+
+__all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "available_algorithms", "register_algorithm"]
+
+log = logging.getLogger(__name__)
+
+# Bagua's algorithm names that later releases of this package implement; asking for one is not a typo.
+_PLANNED_ALGORITHMS = ("bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async")
+
+_REGISTRY: dict[str, type["Algorithm"]] = {}
+
+_A = TypeVar("_A", bound="Algorithm")
+
+CommunicationHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+@dataclass(frozen=True)
+class AlgorithmContext:
+    """What an algorithm gets from the wrapper it is bound to.
+
+    Args:
+        groups: the engine's own communicators.
+        counter: records every collective the algorithm issues.
+        executor: runs multi-step communication jobs in bucket order.
+        device: the device the model's gradients live on.
+    """
+
+    groups: CommunicationGroups
+    counter: CommunicationCounter
+    executor: OrderedExecutor
+    device: torch.device
+
+
+class AlgorithmImpl(ABC):
+    """An algorithm bound to one wrapped model: its communication hook and its per-model state.
+
+    Args:
+        context: the wrapper's groups, counter, executor and device.
+    """
+
+    def __init__(self, context: AlgorithmContext) -> None:
+        self.context = context
+
+    @abstractmethod
+    def communication_hook(self) -> tuple[Any, CommunicationHook]:
+        """Return the ``(state, hook)`` pair the wrapper registers with DDP's reducer."""
+
+    def bind_optimizers(self, optimizers: Sequence[Optimizer]) -> None:  # noqa: B027 - optional hook
+        """Take note of the optimizers that update the model (algorithms that act around a step override this).
+
+        Args:
+            optimizers: the optimizers, in the order the user gave them.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release threads and buffers; the wrapper calls this once when it is closed."""
+
+
+class Algorithm(ABC):
+    """A Bagua communication algorithm's configuration; :meth:`reify` binds it to a wrapped model.
+
+    Build one by name with :meth:`init`, or construct a subclass directly. Every keyword of an algorithm is
+    keyword-only and validated at construction, so a typo fails before any process group starts.
+    """
+
+    name: ClassVar[str]
+    """The registry name, e.g. ``"gradient_allreduce"``."""
+
+    hierarchical: bool = False
+    """Whether to communicate in two levels: inside each node, then among node leaders."""
+
+    @abstractmethod
+    def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
+        """Bind this algorithm to one wrapped model.
+
+        Args:
+            context: the wrapper's groups, counter, executor and device.
+
+        Returns:
+            The bound implementation.
+        """
+
+    @classmethod
+    def init(cls, name: str, **kwargs: Any) -> "Algorithm":
+        """Build the algorithm registered as ``name`` with ``kwargs``.
+
+        Args:
+            name: one of :func:`available_algorithms`.
+            **kwargs: the algorithm's keywords (see each algorithm's class).
+
+        Returns:
+            The configured algorithm.
+
+        Raises:
+            ValueError: ``name`` is not an algorithm.
+            NotImplementedError: ``name`` is a Bagua algorithm this release does not provide yet.
+            TypeError: a keyword is unknown or its value has the wrong type.
+        """
+        algorithm_cls = algorithm_class(name)
+        accepted = algorithm_cls.keywords()
+        unknown = sorted(set(kwargs) - set(accepted))
+        if unknown:
+            raise TypeError(
+                f"Unknown keyword argument(s) {', '.join(map(repr, unknown))} for algorithm {name!r}."
+                f" It accepts: {_describe_keywords(accepted)}."
+            )
+        return algorithm_cls(**kwargs)
+
+    @classmethod
+    def keywords(cls) -> dict[str, Any]:
+        """Return the algorithm's keywords and their defaults (``inspect.Parameter.empty`` if required)."""
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{key}={getattr(self, key)!r}" for key in self.keywords())
+        return f"{type(self).__name__}({values})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(getattr(self, key) == getattr(other, key) for key in self.keywords())
+
+    def __hash__(self) -> int:
+        return hash((type(self), *(getattr(self, key) for key in self.keywords())))
+
+
+def register_algorithm(name: str) -> Callable[[type[_A]], type[_A]]:
+    """Register an :class:`Algorithm` subclass under ``name`` (a class decorator).
+
+    Args:
+        name: the name :meth:`Algorithm.init` and ``BaguaStrategy(algorithm=...)`` accept.
+
+    Returns:
+        The decorator.
+    """
+
+    def decorate(algorithm_cls: type[_A]) -> type[_A]:
+        if name in _REGISTRY:
+            raise ValueError(f"An algorithm named {name!r} is already registered ({_REGISTRY[name].__qualname__}).")
+        algorithm_cls.name = name
+        _REGISTRY[name] = algorithm_cls
+        return algorithm_cls
+
+    return decorate
+
+
+def available_algorithms() -> list[str]:
+    """Return the names of the algorithms this release provides."""
+    return sorted(_REGISTRY)
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """Return the class registered as ``name``, with errors that say what exists.
+
+    Args:
+        name: an algorithm name.
+
+    Returns:
+        The algorithm's class.
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"The algorithm must be given by name (a str) or as an Algorithm instance, got {name!r}"
+            f" ({type(name).__name__}). Available names: {', '.join(available_algorithms())}."
+        )
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _PLANNED_ALGORITHMS:
+        raise NotImplementedError(
+            f"Bagua's {name!r} algorithm is not available in this release of lightning-bagua yet."
+            f" Available algorithms: {', '.join(available_algorithms())}."
+        )
+    raise ValueError(f"Unknown algorithm {name!r}. Available algorithms: {', '.join(available_algorithms())}.")
+
+
+def check_keyword_type(algorithm: str, keyword: str, value: Any, expected: type | tuple[type, ...]) -> None:
+    """Raise a ``TypeError`` naming the keyword, the value and the expected type unless ``value`` fits.
+
+    ``bool`` is not accepted where ``int`` is expected (``True`` is an ``int`` to Python, never what a user meant).
+
+    Args:
+        algorithm: the algorithm's registry name, for the message.
+        keyword: the keyword's name.
+        value: the value given.
+        expected: the accepted type(s).
+    """
+    types = expected if isinstance(expected, tuple) else (expected,)
+    wrong_bool = isinstance(value, bool) and bool not in types
+    if wrong_bool or not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in types)
+        raise TypeError(
+            f"Algorithm {algorithm!r}: `{keyword}` must be a {names}, got {value!r} ({type(value).__name__})."
+        )
+
+
+def _describe_keywords(keywords: dict[str, Any]) -> str:
+    if not keywords:
+        return "no keywords"
+    return ", ".join(
+        name if default is inspect.Parameter.empty else f"{name}={default!r}" for name, default in keywords.items()
+    )

@@ -1,0 +1,128 @@
+"""``gradient_allreduce``: average (or sum) gradients over all ranks, bucketed and overlapped with backward."""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_bagua.engine.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    CommunicationHook,
+    check_keyword_type,
+    register_algorithm,
+)
+from lightning_bagua.engine.communication import (
+    CommunicationCounter,
+    CommunicationGroups,
+    OrderedExecutor,
+    all_reduce_hierarchically,
+)
+
+__all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceState", "gradient_allreduce_hook"]
+
+
+@register_algorithm("gradient_allreduce")
+class GradientAllReduceAlgorithm(Algorithm):
+    """All-reduce gradients at full precision, as DDP does, optionally in two levels.
+
+    Args:
+        hierarchical: reduce inside each node first, all-reduce among node leaders, then broadcast inside each
+            node. Nodes are laid out from ``LOCAL_WORLD_SIZE`` (or the wrapper's ``ranks_per_node``).
+        average: divide the sum by the number of ranks; ``False`` keeps the sum.
+    """
+
+    def __init__(self, *, hierarchical: bool = False, average: bool = True) -> None:
+        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
+        check_keyword_type(self.name, "average", average, bool)
+        self.hierarchical = hierarchical
+        self.average = average
+
+    def reify(self, context: AlgorithmContext) -> "GradientAllReduceImpl":
+        """Bind the algorithm to one wrapped model.
+
+        Args:
+            context: the wrapper's groups, counter, executor and device.
+
+        Returns:
+            The bound implementation.
+        """
+        return GradientAllReduceImpl(self, context)
+
+
+class GradientAllReduceImpl(AlgorithmImpl):
+    """:class:`GradientAllReduceAlgorithm` bound to one wrapped model."""
+
+    def __init__(self, algorithm: GradientAllReduceAlgorithm, context: AlgorithmContext) -> None:
+        super().__init__(context)
+        self.state = GradientAllReduceState(
+            groups=context.groups,
+            counter=context.counter,
+            executor=context.executor,
+            average=algorithm.average,
+        )
+
+    def communication_hook(self) -> tuple[Any, CommunicationHook]:
+        """Return the state and :func:`gradient_allreduce_hook`."""
+        return self.state, gradient_allreduce_hook
+
+
+@dataclass
+class GradientAllReduceState:
+    """State of :func:`gradient_allreduce_hook`.
+
+    Args:
+        groups: the engine's communicators; two-level when they were created hierarchical.
+        counter: records the collectives.
+        executor: runs the two-level job in bucket order.
+        average: divide by the number of ranks.
+    """
+
+    groups: CommunicationGroups
+    counter: CommunicationCounter
+    executor: OrderedExecutor
+    average: bool = True
+
+
+def gradient_allreduce_hook(
+    state: GradientAllReduceState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce one bucket of gradients.
+
+    With ``n`` ranks and ``g_i`` rank ``i``'s bucket:
+
+    1. If ``average``, scale locally: ``g_i <- g_i / n`` (before communicating, so that low-precision sums
+       stay in range).
+    2. Flat: all-reduce ``sum_i g_i`` over all ranks. Hierarchical: sum inside each node on its leader,
+       all-reduce the node sums among leaders, broadcast the result inside each node.
+
+    Args:
+        state: the groups, counter and executor to use.
+        bucket: the bucket DDP's reducer hands over.
+
+    Returns:
+        A future of the reduced bucket.
+    """
+    buffer = bucket.buffer()
+    if state.average:
+        buffer.div_(state.groups.world_size)
+    if state.groups.is_hierarchical:
+        return state.executor.submit(lambda: _all_reduce_two_level(state, buffer))
+    state.counter.record("all_reduce", buffer)
+    work = dist.all_reduce(buffer, group=state.groups.flat, async_op=True)
+    return work.get_future().then(_first_tensor)
+
+
+def _all_reduce_two_level(state: GradientAllReduceState, buffer: Tensor) -> Tensor:
+    def inter_node(node_sum: Tensor) -> None:
+        state.counter.record("all_reduce", node_sum)
+        dist.all_reduce(node_sum, group=state.groups.inter_node)
+
+    return all_reduce_hierarchically(buffer, state.groups, state.counter, inter_node)
+
+
+def _first_tensor(future: torch.futures.Future) -> Tensor:
+    return future.value()[0]

@@ -1,0 +1,332 @@
+"""Process-group plumbing shared by every algorithm: node layout, groups, ordered execution, counting."""
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["CommunicationCounter", "CommunicationGroups", "NodeLayout", "OrderedExecutor"]
+
+log = logging.getLogger(__name__)
+
+ProcessGroup = dist.ProcessGroup
+
+
+class CommunicationCounter:
+    """Count the payload this rank hands to collectives, by operation.
+
+    A byte is counted once for every collective call that takes it as input on this rank (the tensor's
+    ``numel * element_size``), whatever the collective's own wire protocol does with it. The counter is
+    thread-safe: the engine records from the autograd thread and from its communication thread.
+
+    Example:
+        >>> counter = CommunicationCounter()
+        >>> counter.record("all_reduce", torch.zeros(4))
+        >>> counter.bytes_sent, counter.calls["all_reduce"]
+        (16, 1)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[str, int] = {}
+        self._calls: dict[str, int] = {}
+
+    def record(self, op: str, tensor: Tensor) -> None:
+        """Record one collective call.
+
+        Args:
+            op: the collective's name, e.g. ``"all_reduce"``.
+            tensor: the tensor this rank passes to it.
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self._bytes[op] = self._bytes.get(op, 0) + nbytes
+            self._calls[op] = self._calls.get(op, 0) + 1
+
+    @property
+    def bytes_sent(self) -> int:
+        """Total payload bytes over all operations since the last reset."""
+        with self._lock:
+            return sum(self._bytes.values())
+
+    @property
+    def bytes_by_op(self) -> dict[str, int]:
+        """Payload bytes per operation since the last reset."""
+        with self._lock:
+            return dict(self._bytes)
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Number of collective calls per operation since the last reset."""
+        with self._lock:
+            return dict(self._calls)
+
+    def reset(self) -> None:
+        """Forget everything counted so far."""
+        with self._lock:
+            self._bytes.clear()
+            self._calls.clear()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(bytes_by_op={self.bytes_by_op}, calls={self.calls})"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """How the ranks of a process group are laid out on nodes: consecutive blocks of ``ranks_per_node``.
+
+    Args:
+        world_size: number of ranks in the process group.
+        ranks_per_node: ranks on each node; must divide ``world_size``.
+    """
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"`world_size` must be at least 1, got {self.world_size}.")
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError(
+                f"`ranks_per_node={self.ranks_per_node}` does not divide the world size {self.world_size}:"
+                " every node must run the same number of processes. Set LOCAL_WORLD_SIZE (or the wrapper's"
+                " `ranks_per_node`) to the number of processes on each node."
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes."""
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        """Return the node that holds group rank ``rank``."""
+        return rank // self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Return the group ranks on ``node``, leader (local rank 0) first."""
+        start = node * self.ranks_per_node
+        return list(range(start, start + self.ranks_per_node))
+
+    def leaders(self) -> list[int]:
+        """Return the group rank of every node's leader."""
+        return [node * self.ranks_per_node for node in range(self.num_nodes)]
+
+    @classmethod
+    def detect(cls, world_size: int, ranks_per_node: int | None = None) -> "NodeLayout":
+        """Build the layout from an explicit ``ranks_per_node`` or, failing that, the launch environment.
+
+        The environment variable ``LOCAL_WORLD_SIZE`` (set by torchrun, Lightning's launcher and ours) gives
+        the processes per node; without it all ranks count as one node.
+
+        Args:
+            world_size: number of ranks in the process group.
+            ranks_per_node: processes per node, if the caller knows it.
+
+        Returns:
+            The layout.
+        """
+        if ranks_per_node is None:
+            env_value = os.environ.get("LOCAL_WORLD_SIZE")
+            if env_value is None:
+                ranks_per_node = world_size
+            else:
+                try:
+                    ranks_per_node = int(env_value)
+                except ValueError:
+                    raise ValueError(
+                        f"LOCAL_WORLD_SIZE={env_value!r} is not an integer; it must be the number of processes"
+                        " on each node."
+                    ) from None
+        return cls(world_size=world_size, ranks_per_node=ranks_per_node)
+
+
+@dataclass
+class CommunicationGroups:
+    """The engine's own communicators, created once per wrapped model.
+
+    The engine never communicates on the caller's process group directly: it clones it, so that its
+    traffic cannot interleave with collectives the training loop issues on that group (metric syncs,
+    DDP's own buffer broadcasts, barriers). For hierarchical algorithms it also holds this node's intra-node
+    group and, on node leaders, the group of all leaders.
+
+    Every rank of the default process group must create the same groups in the same order, which
+    :meth:`create` guarantees when it is called on every rank.
+    """
+
+    layout: NodeLayout
+    rank: int
+    global_ranks: list[int]
+    flat: ProcessGroup
+    intra_node: ProcessGroup | None = None
+    inter_node: ProcessGroup | None = None
+    _owned: list[ProcessGroup] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def create(
+        cls, process_group: ProcessGroup | None, layout_ranks_per_node: int | None, hierarchical: bool
+    ) -> "CommunicationGroups":
+        """Create the groups for ``process_group`` (the default group when ``None``).
+
+        Args:
+            process_group: the group the model is replicated over.
+            layout_ranks_per_node: processes per node, or ``None`` to read the launch environment.
+            hierarchical: also create the intra-node and inter-node groups.
+
+        Returns:
+            The groups; ``close()`` destroys them.
+        """
+        group = process_group if process_group is not None else dist.group.WORLD
+        global_ranks = dist.get_process_group_ranks(group)
+        rank = dist.get_rank(group)
+        layout = NodeLayout.detect(len(global_ranks), layout_ranks_per_node)
+        flat = dist.new_group(ranks=global_ranks)
+        owned = [flat]
+        intra_node = inter_node = None
+        # With one node, or one rank per node, a second level adds latency and changes nothing.
+        if hierarchical and layout.num_nodes > 1 and layout.ranks_per_node > 1:
+            # new_group must be entered by every rank for every group, members or not.
+            for node in range(layout.num_nodes):
+                node_group = dist.new_group(ranks=[global_ranks[r] for r in layout.node_ranks(node)])
+                owned.append(node_group)
+                if node == layout.node_of(rank):
+                    intra_node = node_group
+            leaders_group = dist.new_group(ranks=[global_ranks[r] for r in layout.leaders()])
+            owned.append(leaders_group)
+            if rank in layout.leaders():
+                inter_node = leaders_group
+        return cls(layout, rank, global_ranks, flat, intra_node, inter_node, owned)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the replicated group."""
+        return len(self.global_ranks)
+
+    @property
+    def is_hierarchical(self) -> bool:
+        """Whether communication runs in two levels (intra-node groups were created)."""
+        return self.intra_node is not None
+
+    @property
+    def is_node_leader(self) -> bool:
+        """Whether this rank is local rank 0 of its node."""
+        return self.rank % self.layout.ranks_per_node == 0
+
+    @property
+    def node_leader_global_rank(self) -> int:
+        """Global rank of this node's leader (collectives address ranks globally)."""
+        return self.global_ranks[self.layout.node_ranks(self.layout.node_of(self.rank))[0]]
+
+    def close(self) -> None:
+        """Destroy the communicators this object created; safe to call twice."""
+        if dist.is_initialized():
+            for group in self._owned:
+                dist.destroy_process_group(group)
+        self._owned.clear()
+
+
+class OrderedExecutor:
+    """Run multi-step communication jobs in submission order, off the thread that submits them.
+
+    DDP's reducer hands buckets to the communication hook in the same order on every rank. An algorithm that
+    needs several dependent collectives per bucket must issue them in that same order on every rank, yet
+    without blocking backward. On CUDA the collectives are asynchronous with respect to the host already, so
+    jobs run inline; on CPU (Gloo) a job blocks while it communicates, so jobs run on one worker thread per
+    executor, first in first out, and backward carries on meanwhile.
+
+    Args:
+        device: the device the gradients live on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Tensor], torch.futures.Future] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def runs_inline(self) -> bool:
+        """Whether jobs run in the submitting thread (on CUDA)."""
+        return self._device.type == "cuda"
+
+    def submit(self, job: Callable[[], Tensor]) -> torch.futures.Future:
+        """Queue ``job`` and return a future of its result; an exception in the job fails the future.
+
+        Args:
+            job: a callable that issues the collectives, waits for them, and returns the result tensor.
+
+        Returns:
+            A future completed with the job's tensor (wrapped for DDP's reducer on CUDA).
+        """
+        if self.runs_inline:
+            future: torch.futures.Future = torch.futures.Future(devices=[self._device])
+            future.set_result(job())
+            return future
+        future = torch.futures.Future()
+        self._ensure_worker()
+        self._queue.put((job, future))
+        return future
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop the worker thread; safe to call twice."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _ensure_worker(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="bagua-communication", daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, future = item
+            try:
+                result = job()
+            except BaseException as error:  # a failed collective must reach the reducer, not die with the thread
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+
+def all_reduce_hierarchically(
+    tensor: Tensor, groups: CommunicationGroups, counter: CommunicationCounter, inter_node: Callable[[Tensor], None]
+) -> Tensor:
+    """Reduce ``tensor`` in two levels and return it, holding the sum over every rank (or what ``inter_node`` makes).
+
+    1. Sum the tensors of the ranks of each node on the node's leader (local rank 0), at full precision.
+    2. On the leaders only, run ``inter_node`` on the node sums: the algorithm's inter-node communication
+       (a plain all-reduce, or a compressed one), with one participant per node.
+    3. Broadcast the leader's result to the ranks of its node.
+
+    Blocks until done; call it from an :class:`OrderedExecutor` job.
+
+    Args:
+        tensor: this rank's flat buffer; overwritten with the result.
+        groups: the engine's groups, created with ``hierarchical=True``.
+        counter: where the collectives are recorded.
+        inter_node: works in place on the leader's node sum, communicating over ``groups.inter_node``.
+
+    Returns:
+        ``tensor``.
+    """
+    assert groups.intra_node is not None, "all_reduce_hierarchically needs groups created with hierarchical=True"
+    leader = groups.node_leader_global_rank
+    counter.record("reduce", tensor)
+    dist.reduce(tensor, dst=leader, op=dist.ReduceOp.SUM, group=groups.intra_node)
+    if groups.is_node_leader:
+        inter_node(tensor)
+    counter.record("broadcast", tensor)
+    dist.broadcast(tensor, src=leader, group=groups.intra_node)
+    return tensor

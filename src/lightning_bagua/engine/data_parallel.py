@@ -1,0 +1,154 @@
+"""``BaguaDistributedDataParallel``: torch's DDP reducer driven by a Bagua algorithm."""
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_bagua.engine.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
+from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "BaguaDistributedDataParallel"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_CAP_MB = 10.0
+"""Bagua's default bucket size, in MiB (torch's DDP defaults to 25)."""
+
+
+class BaguaDistributedDataParallel(DistributedDataParallel):
+    """Replicate a module over a process group and communicate with a Bagua algorithm.
+
+    This is torch's :class:`~torch.nn.parallel.DistributedDataParallel` (its reducer buckets gradients and
+    starts each bucket's communication as soon as the bucket is ready, overlapping backward) with the
+    algorithm's communication hook registered, on communicators of the engine's own. Everything DDP offers
+    still works: ``no_sync()``, ``require_backward_grad_sync``, ``_ddp_params_and_buffers_to_ignore``.
+
+    Args:
+        module: the module to replicate; its parameters must be on one device.
+        optimizers: the optimizers that update ``module`` (algorithms that act around the step need them;
+            they can also be bound later with :meth:`bind_optimizers`).
+        algorithm: the algorithm, or its registry name; defaults to ``gradient_allreduce``.
+        process_group: the group to replicate over; the default group when ``None``. Every rank of the default
+            group must construct the wrapper, since the engine creates communicators of its own.
+        gradient_as_bucket_view: let gradients be views into the flat bucket buffers, so no copy is made
+            before or after communication (Bagua's ``flatten``).
+        find_unused_parameters: as in DDP.
+        bucket_cap_mb: bucket size in MiB; Bagua's default of 10 MiB.
+        ranks_per_node: processes per node, for hierarchical algorithms; read from ``LOCAL_WORLD_SIZE`` when
+            ``None`` (all ranks form one node if that is unset too).
+        bagua_module_name: a name for this model in logs; derived from the module when ``None``.
+        **ddp_kwargs: further keywords for DDP (``device_ids``, ``broadcast_buffers``, ``static_graph``, ...).
+
+    Example::
+
+        model = BaguaDistributedDataParallel(model, optimizers=[optimizer], algorithm="gradient_allreduce")
+        loss = model(batch).sum()
+        loss.backward()  # gradients are averaged over all ranks
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        module: Module,
+        optimizers: Sequence[Optimizer] = (),
+        algorithm: Algorithm | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+        ranks_per_node: int | None = None,
+        bagua_module_name: str | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        if algorithm is None:
+            algorithm = GradientAllReduceAlgorithm()
+        elif isinstance(algorithm, str):
+            algorithm = Algorithm.init(algorithm)
+        elif not isinstance(algorithm, Algorithm):
+            raise TypeError(
+                f"`algorithm` must be an Algorithm or an algorithm name, got {algorithm!r} ({type(algorithm).__name__})."
+            )
+        if not isinstance(gradient_as_bucket_view, bool):
+            raise TypeError(f"`gradient_as_bucket_view` must be a bool, got {gradient_as_bucket_view!r}.")
+        _merge_ignored_parameters(module)
+        super().__init__(
+            module,
+            process_group=process_group,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            **ddp_kwargs,
+        )
+        self.bagua_algorithm: Algorithm = algorithm
+        self.bagua_module_name: str = bagua_module_name or f"{type(module).__name__}_{id(module)}"
+        self.communication_counter = CommunicationCounter()
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self._bagua_groups = CommunicationGroups.create(process_group, ranks_per_node, algorithm.hierarchical)
+        self._bagua_executor = OrderedExecutor(device)
+        context = AlgorithmContext(self._bagua_groups, self.communication_counter, self._bagua_executor, device)
+        self._bagua_impl: AlgorithmImpl = algorithm.reify(context)
+        state, hook = self._bagua_impl.communication_hook()
+        self.register_comm_hook(state, hook)
+        self._bagua_optimizers: list[Optimizer] = []
+        self._bagua_closed = False
+        self.bind_optimizers(optimizers)
+        log.debug("%s: wrapped with %r over %d ranks", self.bagua_module_name, algorithm, self._bagua_groups.world_size)
+
+    @property
+    def bagua_optimizers(self) -> list[Optimizer]:
+        """The optimizers bound to this model."""
+        return list(self._bagua_optimizers)
+
+    @property
+    def bagua_algorithm_impl(self) -> AlgorithmImpl:
+        """The algorithm bound to this model (its hook state, buffers and threads)."""
+        return self._bagua_impl
+
+    @property
+    def communication_groups(self) -> CommunicationGroups:
+        """The engine's own communicators and the node layout."""
+        return self._bagua_groups
+
+    def bind_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
+        """Tell the algorithm which optimizers update this model (replacing any bound before).
+
+        Args:
+            optimizers: torch optimizers over this model's parameters.
+        """
+        optimizers = list(optimizers)
+        for optimizer in optimizers:
+            if not isinstance(optimizer, Optimizer):
+                raise TypeError(f"Expected torch.optim.Optimizer instances, got {optimizer!r}.")
+        self._bagua_optimizers = optimizers
+        self._bagua_impl.bind_optimizers(optimizers)
+
+    def close(self) -> None:
+        """Stop the engine's threads and destroy its communicators; the wrapped module stays usable.
+
+        Call it when training with this wrapper is over (the Lightning strategy does so in ``teardown``).
+        Calling it twice does nothing.
+        """
+        if self._bagua_closed:
+            return
+        self._bagua_closed = True
+        self._bagua_impl.close()
+        self._bagua_executor.close()
+        self._bagua_groups.close()
+
+
+def _merge_ignored_parameters(module: Module) -> None:
+    # Bagua users list parameters and buffers to leave alone under `_bagua_params_and_buffers_to_ignore`;
+    # DDP reads `_ddp_params_and_buffers_to_ignore` only, so the union goes there.
+    bagua_ignored = getattr(module, "_bagua_params_and_buffers_to_ignore", None)
+    if not bagua_ignored:
+        return
+    ddp_ignored = getattr(module, "_ddp_params_and_buffers_to_ignore", ())
+    merged = list(dict.fromkeys([*ddp_ignored, *bagua_ignored]))
+    module._ddp_params_and_buffers_to_ignore = merged  # type: ignore[assignment]

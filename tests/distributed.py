@@ -1,0 +1,77 @@
+"""Run a function on several real processes joined by a Gloo process group, and collect what each returns."""
+
+import io
+import multiprocessing
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(
+    target: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str], args: tuple, results: Any
+) -> None:
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        try:
+            # Serialised to bytes: tensors sent as such travel as shared-memory handles that die with the child.
+            buffer = io.BytesIO()
+            torch.save(target(rank, world_size, *args), buffer)
+            results.put((rank, "ok", buffer.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def run_processes(
+    target: Callable[..., Any], world_size: int, *args: Any, env: dict[str, str] | None = None, timeout: float = 180
+) -> list[Any]:
+    """Run ``target(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
+
+    ``target`` must be importable (a module-level function). A failure on any rank fails the call with that
+    rank's traceback; a hang fails it after ``timeout`` seconds with every process killed.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_child, args=(target, rank, world_size, port, env or {}, args, results))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    collected: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for process in processes:
+            process.join(timeout=5 if errors else timeout)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [collected[rank] for rank in range(world_size)]

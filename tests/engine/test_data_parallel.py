@@ -1,0 +1,219 @@
+"""BaguaDistributedDataParallel with gradient_allreduce on real Gloo processes, against single-process references."""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bagua.engine import BaguaDistributedDataParallel, GradientAllReduceAlgorithm
+from tests.distributed import run_processes
+
+STEPS = 4
+BATCH = 8
+FEATURES = 16
+# fp32 sums taken in another order (ring all-reduce vs one big batch) differ by a few ulps per step.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)
+    # Two linears of different sizes and a small bucket cap give several buckets, so ordering across buckets
+    # and overlap with backward are exercised.
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def batch_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    inputs = torch.randn(BATCH, FEATURES, generator=generator)
+    return inputs, inputs.sum(dim=1, keepdim=True).sin()
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train_distributed(rank: int, world_size: int, algorithm_kwargs: dict, ranks_per_node: int | None) -> dict:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    ddp = BaguaDistributedDataParallel(
+        model,
+        optimizers=[optimizer],
+        algorithm=GradientAllReduceAlgorithm(**algorithm_kwargs),
+        ranks_per_node=ranks_per_node,
+        bucket_cap_mb=0.004,
+    )
+    buckets = None
+    for step in range(STEPS):
+        inputs, targets = batch_for(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+        buckets = buckets or ddp._get_ddp_logging_data().get("num_buckets_reduced")
+    result = {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "bytes_by_op": ddp.communication_counter.bytes_by_op,
+        "calls": ddp.communication_counter.calls,
+        "hierarchical": ddp.communication_groups.is_hierarchical,
+        "buckets": buckets,
+    }
+    ddp.close()
+    return result
+
+
+def train_reference(world_size: int, average: bool = True) -> dict:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    for step in range(STEPS):
+        batches = [batch_for(rank, step) for rank in range(world_size)]
+        inputs = torch.cat([b[0] for b in batches])
+        targets = torch.cat([b[1] for b in batches])
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        # The mean over the concatenated batch is the average of the ranks' means; the sum is n times it.
+        (loss if average else loss * world_size).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def param_bytes() -> int:
+    return sum(p.numel() * p.element_size() for p in make_model().parameters())
+
+
+def assert_ranks_identical(results: list[dict]) -> None:
+    for rank, result in enumerate(results[1:], start=1):
+        for name, tensor in result["state"].items():
+            assert torch.equal(tensor, results[0]["state"][name]), f"rank {rank} differs from rank 0 in {name}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_flat_matches_single_process_on_concatenated_batches(world_size):
+    results = run_processes(train_distributed, world_size, {}, None)
+    assert_ranks_identical(results)
+    torch.testing.assert_close(results[0]["state"], train_reference(world_size), **TOLERANCE)
+    for result in results:
+        # Evidence that the engine's own hook did the communicating: every gradient byte, every step, through it.
+        assert result["bytes_by_op"] == {"all_reduce": STEPS * param_bytes()}
+        # DDP's first step runs as one bucket; after it rebuilds buckets, the small cap gives several per step.
+        assert result["calls"]["all_reduce"] > STEPS, "expected several buckets per step"
+
+
+def test_sum_instead_of_average_proves_the_algorithm_ran():
+    # Stock DDP always averages; a sum can only come from our hook.
+    results = run_processes(train_distributed, 2, {"average": False}, None)
+    assert_ranks_identical(results)
+    torch.testing.assert_close(results[0]["state"], train_reference(2, average=False), **TOLERANCE)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(results[0]["state"], train_reference(2, average=True), **TOLERANCE)
+
+
+def test_hierarchical_two_nodes_of_two_matches_flat_and_reference():
+    hierarchical = run_processes(train_distributed, 4, {"hierarchical": True}, 2)
+    flat = run_processes(train_distributed, 4, {"hierarchical": False}, 2)
+    assert_ranks_identical(hierarchical)
+    torch.testing.assert_close(hierarchical[0]["state"], flat[0]["state"], **TOLERANCE)
+    torch.testing.assert_close(hierarchical[0]["state"], train_reference(4), **TOLERANCE)
+    total = STEPS * param_bytes()
+    for rank, result in enumerate(hierarchical):
+        assert result["hierarchical"]
+        # Every rank takes part in the intra-node reduce and broadcast; only leaders (0 and 2) go between nodes.
+        expected = {"reduce": total, "broadcast": total}
+        if rank % 2 == 0:
+            expected["all_reduce"] = total
+        assert result["bytes_by_op"] == expected, f"rank {rank}"
+
+
+def test_hierarchical_reads_local_world_size_from_the_environment():
+    results = run_processes(train_distributed, 4, {"hierarchical": True}, None, env={"LOCAL_WORLD_SIZE": "2"})
+    assert all(result["hierarchical"] for result in results)
+    torch.testing.assert_close(results[0]["state"], train_reference(4), **TOLERANCE)
+
+
+def test_hierarchical_on_one_node_degenerates_to_flat():
+    results = run_processes(train_distributed, 2, {"hierarchical": True}, None)
+    assert not any(result["hierarchical"] for result in results)
+    assert results[0]["bytes_by_op"] == {"all_reduce": STEPS * param_bytes()}
+    torch.testing.assert_close(results[0]["state"], train_reference(2), **TOLERANCE)
+
+
+def accumulate_with_no_sync(rank: int, world_size: int, accumulate: int) -> dict:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    ddp = BaguaDistributedDataParallel(model, optimizers=[optimizer])
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for micro in range(accumulate):
+            inputs, targets = batch_for(rank, step * accumulate + micro)
+            # DDP decides at forward time whether the backward communicates, so no_sync covers both.
+            context = ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
+            with context:
+                (nn.functional.mse_loss(ddp(inputs), targets) / accumulate).backward()
+        optimizer.step()
+    result = {"state": model.state_dict(), "calls": ddp.communication_counter.calls}
+    ddp.close()
+    return result
+
+
+def test_no_sync_accumulates_locally_and_communicates_once_per_step():
+    accumulate = 3
+    results = run_processes(accumulate_with_no_sync, 2, accumulate)
+    assert_ranks_identical(results)
+    assert results[0]["calls"] == {"all_reduce": STEPS}  # one bucket, only on the last micro-batch
+
+    model = make_model()
+    optimizer = make_optimizer(model)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for micro in range(accumulate):
+            batches = [batch_for(rank, step * accumulate + micro) for rank in range(2)]
+            inputs, targets = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            (nn.functional.mse_loss(model(inputs), targets) / accumulate).backward()
+        optimizer.step()
+    torch.testing.assert_close(results[0]["state"], model.state_dict(), **TOLERANCE)
+
+
+def train_with_ignored_parameter(rank: int, world_size: int, attribute: str) -> dict:
+    model = make_model()
+    setattr(model, attribute, ["4.bias"])
+    optimizer = make_optimizer(model)
+    ddp = BaguaDistributedDataParallel(model, optimizers=[optimizer])
+    inputs, targets = batch_for(rank, 0)
+    nn.functional.mse_loss(ddp(inputs), targets).backward()
+    result = {name: p.grad.clone() for name, p in model.named_parameters()}
+    ddp.close()
+    return result
+
+
+@pytest.mark.parametrize("attribute", ["_bagua_params_and_buffers_to_ignore", "_ddp_params_and_buffers_to_ignore"])
+def test_ignored_parameters_keep_local_gradients(attribute):
+    results = run_processes(train_with_ignored_parameter, 2, attribute)
+    # Synchronised parameters agree; the ignored bias keeps each rank's own gradient.
+    torch.testing.assert_close(results[0]["0.weight"], results[1]["0.weight"], rtol=0, atol=0)
+    assert not torch.allclose(results[0]["4.bias"], results[1]["4.bias"])
+
+
+def wrap_and_report(rank: int, world_size: int) -> dict:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], "gradient_allreduce", bagua_module_name="net")
+    result = {
+        "algorithm": repr(ddp.bagua_algorithm),
+        "optimizers": ddp.bagua_optimizers == [optimizer],
+        "name": ddp.bagua_module_name,
+        "require_sync": ddp.require_backward_grad_sync,
+        "module_is_model": ddp.module is model,
+    }
+    ddp.close()
+    ddp.close()  # idempotent
+    return result
+
+
+def test_bagua_attributes_users_relied_on():
+    result = run_processes(wrap_and_report, 2)[0]
+    assert result == {
+        "algorithm": "GradientAllReduceAlgorithm(hierarchical=False, average=True)",
+        "optimizers": True,
+        "name": "net",
+        "require_sync": True,
+        "module_is_model": True,
+    }
