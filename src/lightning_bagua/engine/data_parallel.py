@@ -73,7 +73,8 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             algorithm = Algorithm.init(algorithm)
         elif not isinstance(algorithm, Algorithm):
             raise TypeError(
-                f"`algorithm` must be an Algorithm or an algorithm name, got {algorithm!r} ({type(algorithm).__name__})."
+                f"`algorithm` must be an Algorithm or an algorithm name, got {algorithm!r}"
+                f" ({type(algorithm).__name__})."
             )
         if not isinstance(gradient_as_bucket_view, bool):
             raise TypeError(f"`gradient_as_bucket_view` must be a bool, got {gradient_as_bucket_view!r}.")

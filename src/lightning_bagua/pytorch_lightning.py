@@ -1,0 +1,31 @@
+"""The strategy and cluster environment for the standalone ``pytorch_lightning`` package.
+
+``lightning.pytorch`` and ``pytorch_lightning`` define separate class hierarchies, and each Trainer accepts
+only its own package's strategies and plugins. These classes share all their logic with
+:class:`lightning_bagua.BaguaStrategy` and :class:`lightning_bagua.BaguaEnvironment`::
+
+    import pytorch_lightning as pl
+    from lightning_bagua.pytorch_lightning import BaguaStrategy
+
+    trainer = pl.Trainer(strategy=BaguaStrategy(algorithm="gradient_allreduce"))
+
+``pl.Trainer(strategy="bagua")`` selects it without any import.
+"""
+
+from lightning_fabric.plugins.environments import ClusterEnvironment
+from pytorch_lightning.strategies import DDPStrategy
+
+from lightning_bagua.environments.bagua import _BaguaEnvironmentLogic
+from lightning_bagua.strategies.bagua import _BaguaStrategyLogic
+
+__all__ = ["BaguaEnvironment", "BaguaStrategy"]
+
+
+class BaguaEnvironment(_BaguaEnvironmentLogic, ClusterEnvironment):
+    """:class:`lightning_bagua.BaguaEnvironment` for the ``pytorch_lightning`` package."""
+
+
+class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):  # type: ignore[misc]
+    """:class:`lightning_bagua.BaguaStrategy` for the ``pytorch_lightning`` package."""
+
+    _bagua_environment_cls = BaguaEnvironment

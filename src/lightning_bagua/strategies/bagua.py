@@ -1,0 +1,259 @@
+"""``BaguaStrategy``: Lightning's DDP strategy with the model wrapped by the Bagua engine."""
+
+import logging
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_bagua.engine import DEFAULT_BUCKET_CAP_MB, Algorithm, BaguaDistributedDataParallel, CommunicationCounter
+from lightning_bagua.environments.bagua import BaguaEnvironment
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    # The logic is written once and mixed into one class per Lightning package; type-check it as the
+    # `lightning` package's DDPStrategy subclass it is there.
+    _StrategyLogicBase = DDPStrategy
+else:
+    _StrategyLogicBase = object
+
+__all__ = ["BaguaStrategy"]
+
+log = logging.getLogger(__name__)
+
+# The accepted `reduce_op` spellings. Gloo has no AVG, so "mean" is always a sum followed by a division.
+_REDUCE_OPS: dict[Any, str] = {
+    None: "mean",
+    "mean": "mean",
+    "avg": "mean",
+    "sum": "sum",
+    "max": "max",
+    "min": "min",
+    "product": "product",
+    ReduceOp.AVG: "mean",
+    ReduceOp.SUM: "sum",
+    ReduceOp.MAX: "max",
+    ReduceOp.MIN: "min",
+    ReduceOp.PRODUCT: "product",
+}
+_TORCH_OPS = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
+_TORCH_OPS["product"] = ReduceOp.PRODUCT
+
+
+class _BaguaStrategyLogic(_StrategyLogicBase):
+    """The body of :class:`BaguaStrategy`, shared by the classes for both Lightning packages.
+
+    Each concrete class mixes it in before its package's ``DDPStrategy`` and names its package's
+    :class:`~lightning_bagua.environments.bagua.BaguaEnvironment` in ``_bagua_environment_cls``.
+    """
+
+    strategy_name = "bagua"
+    _bagua_environment_cls: ClassVar[type[ClusterEnvironment]]
+
+    def __init__(
+        self,
+        algorithm: str | Algorithm = "gradient_allreduce",
+        flatten: bool = True,
+        accelerator: "Accelerator | None" = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        *,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        find_unused_parameters: bool = False,
+        **bagua_kwargs: Any,
+    ) -> None:
+        if not isinstance(flatten, bool):
+            raise TypeError(
+                f"`flatten` must be a bool, got {flatten!r} ({type(flatten).__name__}). Pass True to let gradients"
+                " live in the communication buckets (no copies), or False to keep them separate."
+            )
+        self._algorithm = _build_algorithm(algorithm, bagua_kwargs)
+        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
+            raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
+        if cluster_environment is None and self._bagua_environment_cls.detect():
+            cluster_environment = self._bagua_environment_cls()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._flatten = flatten
+        self._bagua_kwargs = dict(bagua_kwargs)
+        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._find_unused_parameters = find_unused_parameters
+        self._communication_counter: CommunicationCounter | None = None
+
+    @property
+    def algorithm(self) -> Algorithm:
+        """The configured algorithm."""
+        return self._algorithm
+
+    @property
+    def flatten(self) -> bool:
+        """Whether gradients are views into the communication buckets."""
+        return self._flatten
+
+    @property
+    def bagua_kwargs(self) -> dict[str, Any]:
+        """The keywords given for the algorithm."""
+        return dict(self._bagua_kwargs)
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The bucket size in MiB."""
+        return self._bucket_cap_mb
+
+    @property
+    def communication_counter(self) -> CommunicationCounter | None:
+        """What the engine communicated in the current or last fit; ``None`` before the first fit."""
+        return self._communication_counter
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        if isinstance(self.model, BaguaDistributedDataParallel):
+            # Lightning creates the optimizers after wrapping; algorithms that act around the step need them.
+            self.model.bind_optimizers(self.optimizers)
+
+    @override
+    def _setup_model(self, model: Module) -> BaguaDistributedDataParallel:
+        device_ids = self.determine_ddp_device_ids()
+        log.debug(f"{type(self).__name__}: wrapping the model with {self._algorithm!r}")
+        # A side stream keeps DDP's initial broadcasts off the default stream, as Lightning does for DDP.
+        context = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+        with context:
+            wrapped = BaguaDistributedDataParallel(
+                model,
+                algorithm=self._algorithm,
+                device_ids=device_ids,
+                gradient_as_bucket_view=self._flatten,
+                find_unused_parameters=self._find_unused_parameters,
+                bucket_cap_mb=self._bucket_cap_mb,
+                ranks_per_node=self.num_processes,
+            )
+        self._communication_counter = wrapped.communication_counter
+        return wrapped
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce a tensor over all processes; anything that is not a tensor comes back unchanged.
+
+        Args:
+            tensor: the value to reduce.
+            group: must be ``None``: the strategy reduces over all processes.
+            reduce_op: ``"mean"``/``"avg"``/``None`` (the default: average), ``"sum"``, ``"max"``, ``"min"``,
+                ``"product"``, or the matching ``ReduceOp`` member.
+
+        Returns:
+            A new tensor holding the reduced value, on every process.
+        """
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is not None:
+            raise ValueError(
+                f"{type(self).__name__}.reduce reduces over all processes and takes no `group`, got {group!r}."
+                " Call torch.distributed.all_reduce yourself to reduce over a subgroup."
+            )
+        op = _REDUCE_OPS.get(reduce_op) if _is_hashable(reduce_op) else None
+        if op is None and reduce_op is not None:
+            raise ValueError(
+                f"Unsupported `reduce_op` {reduce_op!r}. Use one of 'mean' (or 'avg', None), 'sum', 'max', 'min',"
+                " 'product', or the matching torch.distributed.ReduceOp member."
+            )
+        if not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        result = tensor.clone()
+        if op == "mean" and not result.is_floating_point():
+            result = result.to(torch.get_default_dtype())
+        dist.all_reduce(result, op=_TORCH_OPS[op or "mean"])
+        if op == "mean":
+            result.div_(dist.get_world_size())
+        return result
+
+    @override
+    def teardown(self) -> None:
+        if isinstance(self.model, BaguaDistributedDataParallel):
+            self.model.close()
+            # Unwrapped here so that DDPStrategy's teardown, which would suggest DDP-only options, skips its own.
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "bagua" not in strategy_registry:
+            strategy_registry.register("bagua", cls, description="Bagua's communication algorithms")
+
+
+class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
+    """Train with one of Bagua's communication algorithms: Lightning's DDP, communicating the Bagua way.
+
+    ``Trainer(strategy="bagua")`` selects it with the default algorithm; pass an instance to choose another::
+
+        trainer = Trainer(strategy=BaguaStrategy(algorithm="gradient_allreduce", hierarchical=True))
+
+    The module is wrapped in :class:`~lightning_bagua.engine.BaguaDistributedDataParallel` only while fitting;
+    validation, testing and prediction run on the plain module. Gradient accumulation skips communication on
+    the accumulating steps, and manual optimization communicates inside ``manual_backward``.
+
+    Args:
+        algorithm: an algorithm name (``"gradient_allreduce"``) or an
+            :class:`~lightning_bagua.engine.Algorithm` instance.
+        flatten: let gradients be views into the flat communication buckets (no copies).
+        accelerator: the accelerator, as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        parallel_devices: the devices of this node.
+        cluster_environment: the cluster environment; a
+            :class:`~lightning_bagua.environments.bagua.BaguaEnvironment` when ``BAGUA_SERVICE_PORT`` is set
+            and none is given.
+        checkpoint_io: the checkpoint plugin.
+        precision_plugin: the precision plugin.
+        process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
+        timeout: how long a collective may wait before the job fails.
+        bucket_cap_mb: gradient bucket size in MiB (Bagua's default: 10).
+        find_unused_parameters: as in DDP, for models whose forward skips parameters.
+        **bagua_kwargs: the algorithm's keywords, e.g. ``hierarchical=True``; checked here, so that a typo
+            fails before any process starts.
+    """
+
+    _bagua_environment_cls = BaguaEnvironment
+
+
+def _build_algorithm(algorithm: str | Algorithm, bagua_kwargs: dict[str, Any]) -> Algorithm:
+    if isinstance(algorithm, Algorithm):
+        if bagua_kwargs:
+            raise TypeError(
+                f"Algorithm keywords {sorted(bagua_kwargs)} were given with an Algorithm instance ({algorithm!r})."
+                " Pass them to the algorithm's constructor, or give the algorithm by name."
+            )
+        return algorithm
+    return Algorithm.init(algorithm, **bagua_kwargs)
+
+
+def _is_hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,157 @@
+"""Fit a small regression model with BaguaStrategy and save what each rank saw; tests run this as a script.
+
+Lightning's own launcher re-runs this file once per extra local process, exactly as for a user's script, so it
+has to work as ``python tests/strategies/fit_script.py --out DIR ...``. Each rank writes ``DIR/rank{r}.pt``.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+SAMPLES = 96
+FEATURES = 16
+BATCH = 4
+
+
+def make_network(batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(1234)
+    layers: list[nn.Module] = [nn.Linear(FEATURES, 64), nn.Tanh()]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(64))
+    layers += [nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1)]
+    return nn.Sequential(*layers)
+
+
+def make_dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(99)
+    inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
+    return TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
+
+
+def make_optimizer(parameters) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--package", default="lightning", choices=["lightning", "pytorch_lightning"])
+    parser.add_argument("--strategy", default="instance", choices=["instance", "name"])
+    parser.add_argument("--algorithm", default="gradient_allreduce")
+    parser.add_argument("--kwargs", default="{}", help="algorithm keywords as JSON")
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--manual", action="store_true")
+    parser.add_argument("--sync-batchnorm", action="store_true")
+    parser.add_argument("--flatten", default="true", choices=["true", "false"])
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.package == "lightning":
+        import lightning.pytorch as pl
+
+        strategy_module = "lightning_bagua.strategies.bagua"
+    else:
+        import pytorch_lightning as pl
+
+        strategy_module = "lightning_bagua.pytorch_lightning"
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_network(args.sync_batchnorm)
+            self.automatic_optimization = not args.manual
+            self.seen: dict[str, object] = {}
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return self.net(inputs)
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            loss = nn.functional.mse_loss(self(inputs), targets)
+            self.seen["fit_model"] = type(self.trainer.strategy.model).__name__
+            if args.manual:
+                optimizer = self.optimizers()
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                optimizer.step()
+            self.log("train_loss", loss, sync_dist=True)
+            return None if args.manual else loss
+
+        def validation_step(self, batch, batch_idx):
+            self.seen["validate_model"] = type(self.trainer.strategy.model).__name__
+            self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
+
+        def configure_optimizers(self):
+            return make_optimizer(self.parameters())
+
+    if args.strategy == "name":
+        strategy = "bagua"
+    else:
+        strategy_cls = importlib.import_module(strategy_module).BaguaStrategy
+        strategy = strategy_cls(algorithm=args.algorithm, flatten=args.flatten == "true", **json.loads(args.kwargs))
+
+    model = Regression()
+    loader = DataLoader(make_dataset(), batch_size=BATCH, shuffle=False)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        sync_batchnorm=args.sync_batchnorm,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader, loader)
+    strategy_obj = trainer.strategy
+    counter = strategy_obj.communication_counter
+    result = {
+        "strategy_class": f"{type(strategy_obj).__module__}.{type(strategy_obj).__name__}",
+        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "bytes_by_op": counter.bytes_by_op if counter is not None else None,
+        "calls": counter.calls if counter is not None else None,
+        "model_after_fit": type(strategy_obj.model).__name__,
+        "seen": dict(model.seen),
+        "world_size": trainer.world_size,
+        "cluster_environment": type(strategy_obj.cluster_environment).__name__,
+        "train_loss": float(trainer.callback_metrics["train_loss"]),
+    }
+    rank = trainer.global_rank
+    value = torch.tensor([float(rank + 1)], device=strategy_obj.root_device)
+    result["reduce"] = {
+        str(op): strategy_obj.reduce(value, reduce_op=op).item()
+        for op in [None, "mean", "avg", "sum", "max", "min", "product"]
+    }
+    result["reduce_unchanged_non_tensor"] = strategy_obj.reduce("text") == "text"
+    result["broadcast"] = strategy_obj.broadcast({"from": rank}, src=trainer.world_size - 1)
+    strategy_obj.barrier()
+    trainer.validate(model, loader, verbose=False)
+    result["seen_after_validate"] = dict(model.seen)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    main()
