@@ -22,12 +22,21 @@ def free_port() -> int:
 
 
 def _child(
-    target: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str], args: tuple, results: Any
+    target: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    env: dict[str, str],
+    args: tuple,
+    results: Any,
 ) -> None:
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         try:
             # Serialised to bytes: tensors sent as such travel as shared-memory handles that die with the child.
             buffer = io.BytesIO()
@@ -41,18 +50,24 @@ def _child(
 
 
 def run_processes(
-    target: Callable[..., Any], world_size: int, *args: Any, env: dict[str, str] | None = None, timeout: float = 180
+    target: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    backend: str = "gloo",
+    timeout: float = 180,
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
 
-    ``target`` must be importable (a module-level function). A failure on any rank fails the call with that
-    rank's traceback; a hang fails it after ``timeout`` seconds with every process killed.
+    With ``backend="nccl"`` rank r uses GPU r. ``target`` must be importable (a module-level function). A failure
+    on any rank fails the call with that rank's traceback; a hang fails it after ``timeout`` seconds with every
+    process killed.
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_child, args=(target, rank, world_size, port, env or {}, args, results))
+        context.Process(target=_child, args=(target, rank, world_size, port, backend, env or {}, args, results))
         for rank in range(world_size)
     ]
     for process in processes:

@@ -98,9 +98,13 @@ def test_register_strategies_registers_bagua_once():
 # --------------------------------------------------------------------------------------------- real processes
 
 
+def python_path() -> str:
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def run_script(out: Path, *args: str, env: dict[str, str] | None = None, launcher: list[str] | None = None) -> None:
     command = [*(launcher or [sys.executable]), str(SCRIPT), "--out", str(out), "--max-steps", str(MAX_STEPS), *args]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port()), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": python_path(), "MASTER_PORT": str(free_port()), **(env or {})}
     completed = subprocess.run(command, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
 
@@ -203,7 +207,7 @@ def test_hierarchical_on_two_nodes_of_two_processes(tmp_path):
     nodes = [
         subprocess.Popen(
             command,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **env, "NODE_RANK": str(node)},
+            env={**os.environ, "PYTHONPATH": python_path(), **env, "NODE_RANK": str(node)},
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -1,0 +1,42 @@
+"""BaguaStrategy on two GPUs with NCCL (run on the device machine; skipped elsewhere)."""
+
+import pytest
+import torch
+
+from tests.strategies.test_bagua import (
+    MAX_STEPS,
+    assert_ranks_identical,
+    load_ranks,
+    param_bytes,
+    reference_state,
+    run_script,
+)
+
+pytestmark = pytest.mark.gpu(count=2)
+
+
+@pytest.mark.parametrize("strategy", ["instance", "name"])
+def test_fit_fp32_on_two_gpus(tmp_path, strategy):
+    run_script(tmp_path, "--accelerator", "gpu", "--devices", "2", "--strategy", strategy)
+    results = load_ranks(tmp_path, 2)
+    assert_ranks_identical(results)
+    torch.testing.assert_close(results[0]["state"], reference_state(2), rtol=1e-4, atol=1e-5)
+    assert results[0]["bytes_by_op"] == {"all_reduce": MAX_STEPS * param_bytes()}
+    assert results[0]["seen"]["fit_model"] == "BaguaDistributedDataParallel"
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fit_mixed_precision_on_two_gpus(tmp_path, precision):
+    run_script(tmp_path, "--accelerator", "gpu", "--devices", "2", "--precision", precision)
+    results = load_ranks(tmp_path, 2)
+    assert_ranks_identical(results)
+    assert results[0]["bytes_by_op"] == {"all_reduce": MAX_STEPS * param_bytes()}
+    torch.testing.assert_close(results[0]["state"], reference_state(2), rtol=0.05, atol=0.02)
+
+
+def test_sync_batchnorm_on_two_gpus(tmp_path):
+    run_script(tmp_path, "--accelerator", "gpu", "--devices", "2", "--sync-batchnorm")
+    results = load_ranks(tmp_path, 2)
+    assert_ranks_identical(results)
+    # SyncBatchNorm's running statistics come from both ranks' batches, so they agree too.
+    assert any("running_mean" in name for name in results[0]["state"])
