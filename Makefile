@@ -36,6 +36,13 @@ test: lint typecheck unittest
 demo: setup
 	$(PY) examples/train.py --devices 2 --accelerator cpu --algorithm gradient_allreduce
 
+$(VENV)/.docs-installed: $(VENV)/.installed requirements/docs.txt
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(PY) -m sphinx -W --keep-going -b html docs/source docs/build/html
+
 build: setup
 	$(PY) -m build --outdir dist .
 
