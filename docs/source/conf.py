@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "src"))
 
-from lightning_bagua.__about__ import __version__  # noqa: E402
+from lightning_bagua.__about__ import __version__
 
 project = "lightning-bagua"
 author = "lightning-bagua developers"

@@ -5,13 +5,16 @@ resolved on first access, and the package's start-up hook (``lightning_bagua._re
 ``Trainer(strategy="bagua")`` work as soon as a Lightning strategy registry is imported.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
 from lightning_bagua.__about__ import __version__
 from lightning_bagua._registration import install_registration_hook
 
+# Not `from typing import TYPE_CHECKING`: the start-up hook imports this package in every interpreter, where
+# `typing` would cost more than the hook itself (benchmarks/startup_time.py). mypy treats this spelling the same.
+TYPE_CHECKING = False
+
 if TYPE_CHECKING:
+    from typing import Any
+
     from lightning_bagua.engine import (
         Algorithm,
         AlgorithmImpl,
@@ -44,8 +47,10 @@ _LAZY_ATTRIBUTES = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "Any":
     # Resolving public names lazily keeps `import lightning_bagua` (and the start-up hook) free of torch.
+    import importlib  # here, not at the top: `importlib` and the `warnings` it loads cost start-up time
+
     module_name = _LAZY_ATTRIBUTES.get(name)
     if module_name is None:
         raise AttributeError(f"module 'lightning_bagua' has no attribute {name!r}")

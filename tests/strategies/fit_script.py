@@ -43,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--package", default="lightning", choices=["lightning", "pytorch_lightning"])
-    parser.add_argument("--strategy", default="instance", choices=["instance", "name"])
+    parser.add_argument("--strategy", default="instance", choices=["instance", "name", "ddp"])
     parser.add_argument("--algorithm", default="gradient_allreduce")
     parser.add_argument("--kwargs", default="{}", help="algorithm keywords as JSON")
     parser.add_argument("--accelerator", default="cpu")
@@ -100,6 +100,9 @@ def main() -> None:
 
     if args.strategy == "name":
         strategy = "bagua"
+    elif args.strategy == "ddp":
+        # Lightning's own DDP, as the reference for runs whose precision no fp32 reference can match.
+        strategy = pl.strategies.DDPStrategy(gradient_as_bucket_view=args.flatten == "true", bucket_cap_mb=10)
     else:
         strategy_cls = importlib.import_module(strategy_module).BaguaStrategy
         strategy = strategy_cls(algorithm=args.algorithm, flatten=args.flatten == "true", **json.loads(args.kwargs))
@@ -124,7 +127,7 @@ def main() -> None:
     )
     trainer.fit(model, loader, loader)
     strategy_obj = trainer.strategy
-    counter = strategy_obj.communication_counter
+    counter = getattr(strategy_obj, "communication_counter", None)
     result = {
         "strategy_class": f"{type(strategy_obj).__module__}.{type(strategy_obj).__name__}",
         "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},

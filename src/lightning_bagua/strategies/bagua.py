@@ -1,7 +1,6 @@
 """``BaguaStrategy``: Lightning's DDP strategy with the model wrapped by the Bagua engine."""
 
 import logging
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -137,20 +136,19 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
 
     @override
     def _setup_model(self, model: Module) -> BaguaDistributedDataParallel:
-        device_ids = self.determine_ddp_device_ids()
         log.debug(f"{type(self).__name__}: wrapping the model with {self._algorithm!r}")
-        # A side stream keeps DDP's initial broadcasts off the default stream, as Lightning does for DDP.
-        context = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
-        with context:
-            wrapped = BaguaDistributedDataParallel(
-                model,
-                algorithm=self._algorithm,
-                device_ids=device_ids,
-                gradient_as_bucket_view=self._flatten,
-                find_unused_parameters=self._find_unused_parameters,
-                bucket_cap_mb=self._bucket_cap_mb,
-                ranks_per_node=self.num_processes,
-            )
+        # Wrapped on the current stream, the one forward and backward run on: DDP keeps references to the
+        # gradient accumulators it sees at construction, and torch warns (and synchronises) when those were
+        # created on another stream.
+        wrapped = BaguaDistributedDataParallel(
+            model,
+            algorithm=self._algorithm,
+            device_ids=self.determine_ddp_device_ids(),
+            gradient_as_bucket_view=self._flatten,
+            find_unused_parameters=self._find_unused_parameters,
+            bucket_cap_mb=self._bucket_cap_mb,
+            ranks_per_node=self.num_processes,
+        )
         self._communication_counter = wrapped.communication_counter
         return wrapped
 
