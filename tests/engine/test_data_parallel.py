@@ -1,6 +1,7 @@
 """BaguaDistributedDataParallel with gradient_allreduce on real Gloo processes, against single-process references."""
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -217,3 +218,36 @@ def test_bagua_attributes_users_relied_on():
         "require_sync": True,
         "module_is_model": True,
     }
+
+
+def backward_without_a_peer(rank: int, world_size: int, hierarchical: bool) -> dict:
+    from datetime import timedelta
+
+    model = make_model()
+    ddp = BaguaDistributedDataParallel(
+        model,
+        algorithm=GradientAllReduceAlgorithm(hierarchical=hierarchical),
+        ranks_per_node=2 if hierarchical else None,
+        timeout=timedelta(seconds=3),
+    )
+    inputs, targets = batch_for(rank, 0)
+    outcome = {"raised": None}
+    if rank != world_size - 1:  # the last rank never joins the backward's collectives
+        start = time.monotonic()
+        try:
+            nn.functional.mse_loss(ddp(inputs), targets).backward()
+        except RuntimeError as error:
+            outcome = {"raised": str(error), "seconds": time.monotonic() - start}
+    else:
+        time.sleep(8)
+    ddp.close()
+    return outcome
+
+
+@pytest.mark.parametrize(("world_size", "hierarchical"), [(2, False), (4, True)])
+def test_a_missing_peer_fails_the_backward_within_the_timeout(world_size, hierarchical):
+    results = run_processes(backward_without_a_peer, world_size, hierarchical)
+    # Hierarchical: rank 2 waits on rank 3 inside its node, rank 0 on rank 2 among leaders, rank 1 on rank 0.
+    for rank, outcome in enumerate(results[:-1]):
+        assert outcome["raised"] is not None, f"rank {rank}: the backward should fail, not hang"
+        assert outcome["seconds"] < 30, f"rank {rank}"

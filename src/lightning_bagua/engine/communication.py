@@ -6,6 +6,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -169,7 +170,11 @@ class CommunicationGroups:
 
     @classmethod
     def create(
-        cls, process_group: ProcessGroup | None, layout_ranks_per_node: int | None, hierarchical: bool
+        cls,
+        process_group: ProcessGroup | None,
+        layout_ranks_per_node: int | None,
+        hierarchical: bool,
+        timeout: timedelta | None = None,
     ) -> "CommunicationGroups":
         """Create the groups for ``process_group`` (the default group when ``None``).
 
@@ -177,6 +182,7 @@ class CommunicationGroups:
             process_group: the group the model is replicated over.
             layout_ranks_per_node: processes per node, or ``None`` to read the launch environment.
             hierarchical: also create the intra-node and inter-node groups.
+            timeout: how long a collective on these groups may wait before it fails; torch's default if ``None``.
 
         Returns:
             The groups; ``close()`` destroys them.
@@ -185,18 +191,18 @@ class CommunicationGroups:
         global_ranks = dist.get_process_group_ranks(group)
         rank = dist.get_rank(group)
         layout = NodeLayout.detect(len(global_ranks), layout_ranks_per_node)
-        flat = dist.new_group(ranks=global_ranks)
+        flat = dist.new_group(ranks=global_ranks, timeout=timeout)
         owned = [flat]
         intra_node = inter_node = None
         # With one node, or one rank per node, a second level adds latency and changes nothing.
         if hierarchical and layout.num_nodes > 1 and layout.ranks_per_node > 1:
             # new_group must be entered by every rank for every group, members or not.
             for node in range(layout.num_nodes):
-                node_group = dist.new_group(ranks=[global_ranks[r] for r in layout.node_ranks(node)])
+                node_group = dist.new_group(ranks=[global_ranks[r] for r in layout.node_ranks(node)], timeout=timeout)
                 owned.append(node_group)
                 if node == layout.node_of(rank):
                     intra_node = node_group
-            leaders_group = dist.new_group(ranks=[global_ranks[r] for r in layout.leaders()])
+            leaders_group = dist.new_group(ranks=[global_ranks[r] for r in layout.leaders()], timeout=timeout)
             owned.append(leaders_group)
             if rank in layout.leaders():
                 inter_node = leaders_group

@@ -2,6 +2,7 @@
 
 import logging
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         ranks_per_node: processes per node, for hierarchical algorithms; read from ``LOCAL_WORLD_SIZE`` when
             ``None`` (all ranks form one node if that is unset too).
         bagua_module_name: a name for this model in logs; derived from the module when ``None``.
+        timeout: how long the engine's collectives may wait before they fail; torch's default when ``None``.
         **ddp_kwargs: further keywords for DDP (``device_ids``, ``broadcast_buffers``, ``static_graph``, ...).
 
     Example::
@@ -65,6 +67,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
         ranks_per_node: int | None = None,
         bagua_module_name: str | None = None,
+        timeout: timedelta | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if algorithm is None:
@@ -91,7 +94,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         self.bagua_module_name: str = bagua_module_name or f"{type(module).__name__}_{id(module)}"
         self.communication_counter = CommunicationCounter()
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self._bagua_groups = CommunicationGroups.create(process_group, ranks_per_node, algorithm.hierarchical)
+        self._bagua_groups = CommunicationGroups.create(process_group, ranks_per_node, algorithm.hierarchical, timeout)
         self._bagua_executor = OrderedExecutor(device)
         context = AlgorithmContext(self._bagua_groups, self.communication_counter, self._bagua_executor, device)
         self._bagua_impl: AlgorithmImpl = algorithm.reify(context)

@@ -148,6 +148,7 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             find_unused_parameters=self._find_unused_parameters,
             bucket_cap_mb=self._bucket_cap_mb,
             ranks_per_node=self.num_processes,
+            timeout=self._timeout,
         )
         self._communication_counter = wrapped.communication_counter
         return wrapped
