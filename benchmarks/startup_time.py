@@ -40,6 +40,7 @@ def clean_env() -> dict[str, str]:
 
 
 def build_wheel(workdir: Path) -> Path:
+    """Build the wheel from a copy of the tree (stale build/ output and concurrent builds stay out of it)."""
     source = workdir / "source"
     source.mkdir()
     for item in SOURCE_ITEMS:
@@ -48,15 +49,11 @@ def build_wheel(workdir: Path) -> Path:
             shutil.copytree(origin, source / item, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         elif origin.exists():
             shutil.copy2(origin, source / item)
-    # pyproject.toml names README.md as the long description; the build must not depend on it being written yet.
-    (source / "README.md").touch()
     dist = workdir / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check", "--outdir", str(dist)],
-        cwd=source,
-        check=True,
-        capture_output=True,
-    )
+    command = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check", "-o", str(dist)]
+    result = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=300, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"building the wheel failed:\n{result.stdout}{result.stderr}")
     (wheel,) = dist.glob("*.whl")
     return wheel
 

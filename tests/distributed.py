@@ -90,3 +90,10 @@ def run_processes(
     if errors:
         raise AssertionError("\n".join(errors))
     return [collected[rank] for rank in range(world_size)]
+
+
+def assert_ranks_identical(results: list[dict]) -> None:
+    """Assert that every rank's ``results[rank]["state"]`` equals rank 0's, bit for bit."""
+    for rank, result in enumerate(results[1:], start=1):
+        for name, tensor in result["state"].items():
+            assert torch.equal(tensor, results[0]["state"][name]), f"rank {rank} differs from rank 0 in {name}"

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -15,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+from benchmarks.startup_time import build_wheel
 
 from lightning_bagua import _registration
 from lightning_bagua._registration import REGISTRY_MODULES, install_registration_hook
@@ -397,29 +397,9 @@ def test_install_is_idempotent(monkeypatch):
 
 # --- the built wheel in a fresh virtual environment ------------------------------------------------------------------
 
-SOURCE_ITEMS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "MANIFEST.in", "requirements", "src")
 # What the main environment's site-packages must not lend the fresh one: its own lightning_bagua (an editable
 # install) and every .pth, which a plain sys.path entry would not run anyway.
 NOT_LENT = ("lightning_bagua", "__editable__", "__pycache__")
-
-
-def build_wheel(workdir: Path) -> Path:
-    # A copy of the tree keeps stale build/ output and concurrent builds in the checkout out of the wheel.
-    source = workdir / "source"
-    source.mkdir()
-    for item in SOURCE_ITEMS:
-        origin = REPO / item
-        if origin.is_dir():
-            shutil.copytree(origin, source / item, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        elif origin.exists():
-            shutil.copy2(origin, source / item)
-    (source / "README.md").touch()
-    dist = workdir / "dist"
-    command = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check", "-o", str(dist)]
-    result = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    (wheel,) = dist.glob("*.whl")
-    return wheel
 
 
 def lend_dependencies(target: Path) -> Path:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_bagua.engine import BaguaDistributedDataParallel, GradientAllReduceAlgorithm
-from tests.distributed import run_processes
+from tests.distributed import assert_ranks_identical, run_processes
 
 STEPS = 4
 BATCH = 8
@@ -79,12 +79,6 @@ def train_reference(world_size: int, average: bool = True) -> dict:
 
 def param_bytes() -> int:
     return sum(p.numel() * p.element_size() for p in make_model().parameters())
-
-
-def assert_ranks_identical(results: list[dict]) -> None:
-    for rank, result in enumerate(results[1:], start=1):
-        for name, tensor in result["state"].items():
-            assert torch.equal(tensor, results[0]["state"][name]), f"rank {rank} differs from rank 0 in {name}"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

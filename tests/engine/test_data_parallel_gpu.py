@@ -12,7 +12,7 @@ from lightning_bagua.engine.communication import (
     OrderedExecutor,
     all_reduce_hierarchically,
 )
-from tests.distributed import run_processes
+from tests.distributed import assert_ranks_identical, run_processes
 from tests.engine.test_data_parallel import STEPS, batch_for, make_model, make_optimizer, param_bytes, train_reference
 
 pytestmark = pytest.mark.gpu(count=2)
@@ -38,8 +38,7 @@ def train_on_gpu(rank: int, world_size: int) -> dict:
 
 def test_nccl_matches_single_process_reference():
     results = run_processes(train_on_gpu, 2, backend="nccl")
-    for name, tensor in results[1]["state"].items():
-        assert torch.equal(tensor, results[0]["state"][name]), name
+    assert_ranks_identical(results)
     torch.testing.assert_close(results[0]["state"], train_reference(2), rtol=1e-4, atol=1e-5)
     assert results[0]["bytes_by_op"] == {"all_reduce": STEPS * param_bytes()}
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_bagua import BaguaStrategy
 from lightning_bagua.engine import GradientAllReduceAlgorithm
-from tests.distributed import free_port
+from tests.distributed import assert_ranks_identical, free_port
 from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
 SCRIPT = Path(__file__).with_name("fit_script.py")
@@ -140,12 +140,6 @@ def reference_state(world_size: int, accumulate: int = 1) -> dict:
 
 def param_bytes() -> int:
     return sum(p.numel() * p.element_size() for p in make_network().parameters())
-
-
-def assert_ranks_identical(results: list[dict]) -> None:
-    for rank, result in enumerate(results[1:], start=1):
-        for name, tensor in result["state"].items():
-            assert torch.equal(tensor, results[0]["state"][name]), f"rank {rank} differs from rank 0 in {name}"
 
 
 def test_fit_on_two_processes_started_by_lightning(tmp_path):

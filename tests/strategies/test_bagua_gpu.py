@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from tests.distributed import assert_ranks_identical
 from tests.strategies.test_bagua import (
     MAX_STEPS,
-    assert_ranks_identical,
     load_ranks,
     param_bytes,
     reference_state,
