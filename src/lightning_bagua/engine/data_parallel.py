@@ -96,7 +96,14 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._bagua_groups = CommunicationGroups.create(process_group, ranks_per_node, algorithm.hierarchical, timeout)
         self._bagua_executor = OrderedExecutor(device)
-        context = AlgorithmContext(self._bagua_groups, self.communication_counter, self._bagua_executor, device)
+        named_parameters = tuple(
+            (name, parameter)
+            for name, parameter in module.named_parameters()
+            if parameter.requires_grad and name not in self.parameters_to_ignore
+        )
+        context = AlgorithmContext(
+            self._bagua_groups, self.communication_counter, self._bagua_executor, device, named_parameters
+        )
         self._bagua_impl: AlgorithmImpl = algorithm.reify(context)
         state, hook = self._bagua_impl.communication_hook()
         self.register_comm_hook(state, hook)
@@ -119,6 +126,12 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
     def communication_groups(self) -> CommunicationGroups:
         """The engine's own communicators and the node layout."""
         return self._bagua_groups
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module, letting the algorithm act first on passes that record gradients in training mode."""
+        if torch.is_grad_enabled() and self.training:
+            self._bagua_impl.on_forward_start(self.require_backward_grad_sync)
+        return super().forward(*inputs, **kwargs)
 
     def bind_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
         """Tell the algorithm which optimizers update this model (replacing any bound before).

@@ -36,12 +36,15 @@ class AlgorithmContext:
         counter: records every collective the algorithm issues.
         executor: runs multi-step communication jobs in bucket order.
         device: the device the model's gradients live on.
+        named_parameters: the parameters the algorithm communicates, by name: those that require gradients and
+            are not listed in ``_bagua_params_and_buffers_to_ignore`` / ``_ddp_params_and_buffers_to_ignore``.
     """
 
     groups: CommunicationGroups
     counter: CommunicationCounter
     executor: OrderedExecutor
     device: torch.device
+    named_parameters: tuple[tuple[str, torch.nn.Parameter], ...] = ()
 
 
 class AlgorithmImpl(ABC):
@@ -58,8 +61,19 @@ class AlgorithmImpl(ABC):
     def communication_hook(self) -> tuple[Any, CommunicationHook]:
         """Return the ``(state, hook)`` pair the wrapper registers with DDP's reducer."""
 
+    def on_forward_start(self, synchronizing: bool) -> None:  # noqa: B027 - optional hook
+        """Act at the start of a training forward pass (one that records gradients), before the module runs.
+
+        Args:
+            synchronizing: ``False`` on the passes of accumulating steps (under ``no_sync()``), whose backward
+                does not communicate.
+        """
+
     def bind_optimizers(self, optimizers: Sequence[Optimizer]) -> None:  # noqa: B027 - optional hook
         """Take note of the optimizers that update the model (algorithms that act around a step override this).
+
+        Called again, with the new list, whenever the wrapper's optimizers change; an implementation that
+        registers optimizer hooks removes the ones it registered before.
 
         Args:
             optimizers: the optimizers, in the order the user gave them.
