@@ -9,6 +9,7 @@ reached; ``make demo`` runs it on two CPU processes, and tests/test_examples.py 
 """
 
 import argparse
+import json
 import sys
 import warnings
 from collections.abc import Sequence
@@ -94,6 +95,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithm", default="gradient_allreduce", help="Bagua algorithm (default: %(default)s)")
+    parser.add_argument(
+        "--algorithm-kwargs",
+        type=json.loads,
+        default={},
+        help="the algorithm's keywords as JSON, e.g. '{\"hierarchical\": false}' (default: none)",
+    )
     parser.add_argument("--devices", type=int, default=2, help="processes per node (default: %(default)s)")
     parser.add_argument(
         "--accelerator", default="cpu", choices=["cpu", "gpu", "cuda"], help="device type (default: %(default)s)"
@@ -129,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> float:
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy=BaguaStrategy(algorithm=args.algorithm),
+        strategy=BaguaStrategy(algorithm=args.algorithm, **args.algorithm_kwargs),
         precision=args.precision,
         max_epochs=args.max_epochs,
         # The example keeps nothing: no checkpoints or log files appear in the working directory.

@@ -336,3 +336,18 @@ def all_reduce_hierarchically(
     counter.record("broadcast", tensor)
     dist.broadcast(tensor, src=leader, group=groups.intra_node)
     return tensor
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); older releases have only the first.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_into(output: Tensor, tensor: Tensor, group: ProcessGroup | None) -> None:
+    """Gather ``tensor`` from every rank of ``group`` into ``output`` (rank-major), blocking until done.
+
+    Args:
+        output: a tensor of ``group size * tensor.numel()`` elements.
+        tensor: this rank's contribution.
+        group: the process group.
+    """
+    _all_gather_single(output, tensor, group=group)
