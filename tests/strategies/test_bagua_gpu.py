@@ -5,6 +5,7 @@ import torch
 
 from tests.distributed import assert_ranks_identical
 from tests.strategies.test_bagua import (
+    ALGORITHMS,
     MAX_STEPS,
     load_ranks,
     param_bytes,
@@ -45,3 +46,18 @@ def test_sync_batchnorm_on_two_gpus(tmp_path):
     assert_ranks_identical(results)
     # SyncBatchNorm's running statistics come from both ranks' batches, so they agree too.
     assert any("running_mean" in name for name in results[0]["state"])
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_each_algorithm_on_two_gpus_in_bf16_mixed(tmp_path, algorithm):
+    kwargs, ops, _ = ALGORITHMS[algorithm]
+    run_script(
+        tmp_path,
+        *("--accelerator", "gpu", "--devices", "2", "--precision", "bf16-mixed"),
+        *("--algorithm", algorithm, "--kwargs", kwargs),
+    )
+    results = load_ranks(tmp_path, 2)
+    assert set(results[0]["bytes_by_op"]) == ops
+    for result in results:
+        assert all(torch.isfinite(tensor).all() for tensor in result["state"].values())
+        assert result["train_loss"] < 1.0

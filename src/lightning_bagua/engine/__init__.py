@@ -11,10 +11,14 @@ from lightning_bagua.engine.algorithms import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
+    ByteGradAlgorithm,
+    DecentralizedAlgorithm,
     GradientAllReduceAlgorithm,
+    LowPrecisionDecentralizedAlgorithm,
     available_algorithms,
     register_algorithm,
 )
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, NodeLayout
 from lightning_bagua.engine.data_parallel import DEFAULT_BUCKET_CAP_MB, BaguaDistributedDataParallel
 
@@ -24,9 +28,13 @@ __all__ = [
     "AlgorithmContext",
     "AlgorithmImpl",
     "BaguaDistributedDataParallel",
+    "ByteGradAlgorithm",
     "CommunicationCounter",
     "CommunicationGroups",
+    "DecentralizedAlgorithm",
     "GradientAllReduceAlgorithm",
+    "LowPrecisionDecentralizedAlgorithm",
+    "MinMaxUInt8Codec",
     "NodeLayout",
     "available_algorithms",
     "register_algorithm",

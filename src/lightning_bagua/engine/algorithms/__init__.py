@@ -7,19 +7,27 @@ from lightning_bagua.engine.algorithms.base import (
     available_algorithms,
     register_algorithm,
 )
+from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm, ByteGradState, bytegrad_hook
+from lightning_bagua.engine.algorithms.decentralized import DecentralizedAlgorithm
 from lightning_bagua.engine.algorithms.gradient_allreduce import (
     GradientAllReduceAlgorithm,
     GradientAllReduceState,
     gradient_allreduce_hook,
 )
+from lightning_bagua.engine.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 
 __all__ = [
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
+    "ByteGradAlgorithm",
+    "ByteGradState",
+    "DecentralizedAlgorithm",
     "GradientAllReduceAlgorithm",
     "GradientAllReduceState",
+    "LowPrecisionDecentralizedAlgorithm",
     "available_algorithms",
+    "bytegrad_hook",
     "gradient_allreduce_hook",
     "register_algorithm",
 ]

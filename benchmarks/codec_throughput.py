@@ -1,0 +1,274 @@
+"""Throughput of the MinMaxUInt8 codec (compress + decompress) against the device's own copy bandwidth.
+
+    python benchmarks/codec_throughput.py                    # one GPU: Triton and torch backends
+    python benchmarks/codec_throughput.py --cpu --threads 1  # CPU: torch backend
+    python benchmarks/codec_throughput.py --cpu --sizes-mb 1 4 --no-save
+
+For a buffer of ``B`` bytes of float32 (``N = B / 4`` elements) split into ``k`` chunks, with ``t_c`` and ``t_d``
+the median times of ``compress`` and of ``decompress`` (into a preallocated output), ``t = t_c + t_d``:
+
+- copy bandwidth ``= 2B / t_copy``, with ``t_copy`` the median time of ``dst.copy_(src)`` on buffers of ``B``
+  bytes (bytes read plus bytes written), the faster of its two timings below (launched one by one, small
+  copies are bound by the launches; replayed from a CUDA graph, a large copy can run on the slower copy
+  engines);
+- input throughput ``= B / t``: how many bytes of float32 buffer one compress + decompress round trip handles
+  per second;
+- effective bandwidth ``= (B + N + N + B) / t``: the bytes the round trip must move at the least (compress
+  reads the input and writes one code per element, decompress reads the codes and writes the output; the
+  32-byte headers are negligible);
+- fraction of copy ``= effective bandwidth / copy bandwidth``: 1.0 would mean the codec moves its bytes as
+  fast as a plain copy moves its own.
+
+Each time is the median, over ``--reps`` batches, of one batch of ``--inner`` back-to-back calls divided by
+``--inner``, after warm-up (which also compiles the Triton kernels). On a GPU, two timings (``mode``):
+
+- ``eager``: CUDA events around the batch, launched as training would launch it. The host queues work while
+  the device runs, but where the host needs longer per call than the device (kernel launches cost tens of
+  microseconds each on a slow host) the host's time is what is measured;
+- ``graph``: the batch captured once in a CUDA graph and replayed between CUDA events: the device's time, with
+  no launch gaps. The copy is timed the same way in each mode.
+
+On CPU the host clock times the batch. Each configuration is checked once for correctness (error within the
+codec's bound) before it is timed. The host time per call on a tiny tensor (launches, allocations, Python) is
+reported too.
+
+Prints a Markdown table and writes ``benchmarks/results/codec_throughput_{gpu,cpu}.json`` (unless
+``--no-save``) with the machine and versions.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
+
+RESULTS = Path(__file__).parent / "results"
+MB = 1 << 20
+
+
+def eager_time(fn: Callable[[], object], device: torch.device, args: argparse.Namespace) -> float:
+    """Median seconds per call over ``--reps`` batches of ``--inner`` back-to-back calls, after warm-up."""
+    for _ in range(args.warmup):
+        fn()
+    times = []
+    for _ in range(args.reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000 / args.inner)
+        else:
+            begin = time.perf_counter()
+            for _ in range(args.inner):
+                fn()
+            times.append((time.perf_counter() - begin) / args.inner)
+    return statistics.median(times)
+
+
+def graph_time(fn: Callable[[], object], args: argparse.Namespace) -> float:
+    """Like :func:`eager_time`, but ``--inner`` calls captured in a CUDA graph: device time, no launch gaps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(args.warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(args.inner):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(args.reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / args.inner)
+    del graph
+    return statistics.median(times)
+
+
+def host_overhead(codec: MinMaxUInt8Codec, device: torch.device, calls: int = 300) -> dict[str, float]:
+    """Host time per call (microseconds) on a 1000-element tensor: launches, allocations, Python."""
+    values = torch.randn(1000, device=device)
+    encoded = codec.compress(values, 8)
+    out = torch.empty_like(values)
+    result = {}
+    for name, fn in [
+        ("compress_us", lambda: codec.compress(values, 8)),
+        ("decompress_us", lambda: codec.decompress(encoded, 1000, torch.float32, out=out)),
+    ]:
+        for _ in range(20):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        result[name] = (time.perf_counter() - start) / calls * 1e6
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return result
+
+
+def check(codec: MinMaxUInt8Codec, values: torch.Tensor, num_chunks: int, out: torch.Tensor) -> None:
+    codec.decompress(codec.compress(values, num_chunks), values.numel(), torch.float32, out=out)
+    span = float(values.max() - values.min())
+    error = float((out - values).abs().max())
+    if not error <= span / 510 * (1 + 1e-5) + 1e-6:
+        raise AssertionError(f"{codec}: max error {error} exceeds the bound {span / 510} for k={num_chunks}")
+
+
+def machine(device: torch.device) -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info.update(
+            device=properties.name,
+            multiprocessors=properties.multi_processor_count,
+            memory_gib=round(properties.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+        )
+    else:
+        info["device"] = platform.processor() or platform.machine()
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="benchmark the torch backend on CPU")
+    parser.add_argument("--sizes-mb", type=int, nargs="+", help="float32 buffer sizes in MiB (default: 4 ... 1024)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 8], help="numbers of chunks k")
+    parser.add_argument("--backends", nargs="+", choices=["torch", "triton"], help="default: both on GPU")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--inner", type=int, help="calls per timed batch (default: 10 on GPU, 1 on CPU)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--no-save", action="store_true", help="print the table only")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    sizes = args.sizes_mb or ([4, 16, 64] if args.cpu else [4, 16, 64, 256, 1024])
+    backends = args.backends or (["torch"] if args.cpu else ["triton", "torch"])
+    args.inner = args.inner or (1 if args.cpu else 10)
+    generator = torch.Generator(device).manual_seed(0)
+
+    modes = ["eager"] if args.cpu else ["eager", "graph"]
+
+    def timed(fn: Callable[[], object], mode: str) -> float:
+        return eager_time(fn, device, args) if mode == "eager" else graph_time(fn, args)
+
+    rows = []
+    for size_mb in sizes:
+        numel = size_mb * MB // 4
+        nbytes = numel * 4
+        values = torch.randn(numel, device=device, generator=generator)
+        out = torch.empty_like(values)
+        copy_by_mode = {mode: 2 * nbytes / timed(lambda o=out, v=values: o.copy_(v), mode) for mode in modes}
+        copy_bandwidth = max(copy_by_mode.values())
+        for mode in modes:
+            for backend in backends:
+                codec = MinMaxUInt8Codec(backend=backend)
+                for num_chunks in args.chunks:
+                    check(codec, values, num_chunks, out)
+                    encoded = codec.compress(values, num_chunks)
+                    compress_s = timed(lambda c=codec, k=num_chunks, v=values: c.compress(v, k), mode)
+                    decompress_s = timed(
+                        lambda c=codec, e=encoded, n=numel, o=out: c.decompress(e, n, torch.float32, out=o), mode
+                    )
+                    total = compress_s + decompress_s
+                    effective = (2 * nbytes + 2 * numel) / total
+                    rows.append(
+                        {
+                            "size_mb": size_mb,
+                            "mode": mode,
+                            "backend": backend,
+                            "chunks": num_chunks,
+                            "copy_gbps": copy_bandwidth / 1e9,
+                            "copy_gbps_by_mode": {name: value / 1e9 for name, value in copy_by_mode.items()},
+                            "compress_ms": compress_s * 1e3,
+                            "decompress_ms": decompress_s * 1e3,
+                            "input_gbps": nbytes / total / 1e9,
+                            "effective_gbps": effective / 1e9,
+                            "fraction_of_copy": effective / copy_bandwidth,
+                        }
+                    )
+                    del encoded
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        del values, out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    overhead = {backend: host_overhead(MinMaxUInt8Codec(backend=backend), device) for backend in backends}
+    for backend, times in overhead.items():
+        print(
+            f"host time per call, {backend}: compress {times['compress_us']:.1f} us,"
+            f" decompress {times['decompress_us']:.1f} us"
+        )
+    header = (
+        "| MiB | timing | backend | k | copy GB/s | compress ms | decompress ms | input GB/s | eff. GB/s | of copy |"
+    )
+    print(header)
+    print("|" + "---|" * header.count(" | ") + "---|")
+    for row in rows:
+        print(
+            f"| {row['size_mb']} | {row['mode']} | {row['backend']} | {row['chunks']} | {row['copy_gbps']:.1f} |"
+            f" {row['compress_ms']:.3f} | {row['decompress_ms']:.3f} | {row['input_gbps']:.1f} |"
+            f" {row['effective_gbps']:.1f} | {row['fraction_of_copy']:.3f} |"
+        )
+    if args.no_save:
+        return
+    report = {
+        "benchmark": "MinMaxUInt8 codec compress + decompress throughput vs dst.copy_(src) bandwidth",
+        "command": "python benchmarks/codec_throughput.py"
+        + (" --cpu" if args.cpu else "")
+        + (f" --threads {args.threads}" if args.threads else ""),
+        "definitions": {
+            "mode": "eager: launched call after call; graph: the same calls replayed from a CUDA graph",
+            "copy_gbps": "2 * bytes / median copy time (read + write), the faster of the eager and graph timings",
+            "input_gbps": "float32 input bytes / (median compress time + median decompress time)",
+            "effective_gbps": "(input read + codes written + codes read + output written) / (compress + decompress)",
+            "fraction_of_copy": "effective_gbps / copy_gbps",
+        },
+        "settings": {**vars(args), "sizes_mb": sizes, "backends": backends},
+        "machine": machine(device),
+        "host_overhead": overhead,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "results": rows,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"codec_throughput_{'cpu' if args.cpu else 'gpu'}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()

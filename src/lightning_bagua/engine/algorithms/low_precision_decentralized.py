@@ -1,0 +1,308 @@
+"""``low_precision_decentralized``: DCD-PSGD, a ring exchanging 8-bit compressed weight differences."""
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_bagua.engine.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    CommunicationHook,
+    check_keyword_type,
+    register_algorithm,
+)
+from lightning_bagua.engine.algorithms.decentralized import (
+    FlatWeights,
+    check_optimizers_cover,
+    group_by_dtype,
+    local_gradient_hook,
+)
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.communication import (
+    CommunicationCounter,
+    CommunicationGroups,
+    all_reduce_hierarchically,
+)
+
+__all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedImpl", "LowPrecisionDecentralizedState"]
+
+log = logging.getLogger(__name__)
+
+# Point-to-point tags by direction of travel, so that with two participants (left and right are the same peer)
+# each receive still matches the intended send. Both carry the same bytes, so any matching would be correct too.
+_TOWARDS_LEFT = 0
+_TOWARDS_RIGHT = 1
+
+
+@register_algorithm("low_precision_decentralized")
+class LowPrecisionDecentralizedAlgorithm(Algorithm):
+    """Gossip 8-bit compressed weight differences around a ring: DCD-PSGD.
+
+    DCD-PSGD is described by Tang et al. 2018, https://arxiv.org/abs/1803.06443. Every rank ``r`` of the ``n``
+    on the ring trains with its own gradients (no gradient all-reduce) and keeps three flat copies of the
+    weights, all set to the (identical) starting weights at the first training forward pass: ``w``, the weight
+    it last communicated, and ``L`` and ``R``, its estimates of its left ``(r - 1) mod n`` and right
+    ``(r + 1) mod n`` neighbours' ``w``. With ``t`` counting training forward passes from 0, after the optimizer
+    step of every step that ran a pass with ``t % communication_interval == 0``:
+
+    1. Take the change to communicate, ``d = x + L/3 + R/3 - 5 w/3`` with ``x`` the parameters after the local
+       step. It reads ``d = (x - w) + ((w + L + R)/3 - w)``: the local progress since the last round, plus the
+       move of ``w`` to the average of the three neighbouring ``w`` (the ring's mixing weights of 1/3 each).
+    2. Compress it to 8 bits with the MinMaxUInt8 codec, as one chunk: ``c = compress(d)``.
+    3. Send ``c`` to both neighbours; receive ``cL`` from the left one and ``cR`` from the right one.
+    4. Update the copies with what every side decodes, so that ``L`` and ``R`` stay exactly equal to the
+       neighbours' own ``w``: ``L += decompress(cL)``, ``R += decompress(cR)``, ``w += decompress(c)``.
+    5. Continue from the communicated weight: ``x = w``.
+
+    Args:
+        hierarchical: first average the weights inside each node (full precision, on the node's leader); the
+            leaders alone form the ring (``n`` counts nodes) and keep ``w``, ``L`` and ``R``; each leader then
+            broadcasts its new ``w`` inside its node. With one node, or one rank per node, this is the flat
+            ring over all ranks.
+        communication_interval: communicate after the steps of every ``communication_interval``-th forward pass.
+
+    Raises:
+        ValueError: ``communication_interval`` is below 1.
+        TypeError: a keyword has the wrong type.
+    """
+
+    def __init__(self, *, hierarchical: bool = True, communication_interval: int = 1) -> None:
+        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
+        check_keyword_type(self.name, "communication_interval", communication_interval, int)
+        if communication_interval < 1:
+            raise ValueError(
+                f"Algorithm {self.name!r}: `communication_interval` must be at least 1, got {communication_interval}."
+            )
+        self.hierarchical = hierarchical
+        self.communication_interval = communication_interval
+
+    def reify(self, context: AlgorithmContext) -> "LowPrecisionDecentralizedImpl":
+        """Bind the algorithm to one wrapped model.
+
+        Args:
+            context: the wrapper's groups, counter, executor, device and participating parameters.
+
+        Returns:
+            The bound implementation.
+        """
+        return LowPrecisionDecentralizedImpl(self, context)
+
+
+class _RingCopies:
+    """One dtype group's ``w``, ``L`` and ``R``, scratch space, and receive buffers for the neighbours' codes.
+
+    Args:
+        weights: the group's current (starting) weights, flat.
+        row_bytes: the size of one encoded chunk of the group.
+    """
+
+    def __init__(self, weights: Tensor, row_bytes: int) -> None:
+        self.w = weights.clone()
+        self.left = weights.clone()
+        self.right = weights.clone()
+        self.difference = torch.empty_like(weights)
+        self.scratch = torch.empty_like(weights)
+        self.from_left = torch.empty((1, row_bytes), dtype=torch.uint8, device=weights.device)
+        self.from_right = torch.empty_like(self.from_left)
+
+
+@dataclass
+class LowPrecisionDecentralizedState:
+    """State of :class:`LowPrecisionDecentralizedImpl`.
+
+    Args:
+        groups: the engine's communicators; two-level when they were created hierarchical.
+        counter: records the collectives.
+        device: the device the parameters live on.
+        communication_interval: communicate on the steps of every ``communication_interval``-th forward pass.
+        codec: compresses the differences.
+        weights: the participating parameters, grouped by dtype.
+        copies: ``w``, ``L``, ``R`` per dtype group, on the ring's members, from the first forward pass on.
+        forward_passes: training forward passes seen (the spec's ``t``).
+        due: a forward pass of the current step asked for communication.
+        armed: a synchronizing pass ran with ``due`` set; the ring round follows that step.
+    """
+
+    groups: CommunicationGroups
+    counter: CommunicationCounter
+    device: torch.device
+    communication_interval: int
+    codec: MinMaxUInt8Codec = field(default_factory=MinMaxUInt8Codec)
+    weights: list[FlatWeights] = field(default_factory=list)
+    copies: list[_RingCopies] | None = None
+    forward_passes: int = 0
+    due: bool = False
+    armed: bool = False
+
+    @property
+    def on_ring(self) -> bool:
+        """Whether this rank is a member of the ring (every rank when flat, the node leaders when two-level)."""
+        return not self.groups.is_hierarchical or self.groups.is_node_leader
+
+
+class LowPrecisionDecentralizedImpl(AlgorithmImpl):
+    """:class:`LowPrecisionDecentralizedAlgorithm` bound to one wrapped model.
+
+    When the ring round runs: a step communicates if any of its forward passes (accumulating ones included) has
+    ``t % communication_interval == 0``. The round runs in the post-step hook that completes the step: once every
+    bound optimizer has stepped since the last round, so with several optimizers it follows the last of them,
+    whatever their order. If that never happens before the next training forward pass (a step skipped by a
+    ``GradScaler`` that found infinities, or an optimizer that steps less often), the round runs at the start of
+    that pass instead, or in :meth:`close`: each rank runs exactly one round per communicating step, whatever its
+    optimizers did, so the ring's point-to-point messages always match.
+    """
+
+    def __init__(self, algorithm: LowPrecisionDecentralizedAlgorithm, context: AlgorithmContext) -> None:
+        super().__init__(context)
+        self.state = LowPrecisionDecentralizedState(
+            groups=context.groups,
+            counter=context.counter,
+            device=context.device,
+            communication_interval=algorithm.communication_interval,
+            weights=group_by_dtype([parameter for _, parameter in context.named_parameters]),
+        )
+        self._optimizers: list[Optimizer] = []
+        self._stepped: set[int] = set()
+        self._hook_handles: list[RemovableHandle] = []
+
+    def communication_hook(self) -> tuple[Any, CommunicationHook]:
+        """Return a state and a hook that leave gradients local."""
+        return self.state, local_gradient_hook
+
+    def on_forward_start(self, synchronizing: bool) -> None:
+        """Count the pass, run a round a skipped step still owes, and note whether this step communicates.
+
+        Args:
+            synchronizing: ``False`` on the passes of accumulating steps; the step ends with a synchronizing one.
+        """
+        state = self.state
+        if not self._optimizers and state.weights:
+            raise RuntimeError(
+                f"Algorithm {LowPrecisionDecentralizedAlgorithm.name!r} communicates right after the optimizer"
+                " step, but no optimizer is bound to the model. Pass `optimizers=` to BaguaDistributedDataParallel"
+                " or call its `bind_optimizers()` before training."
+            )
+        if state.copies is None and state.on_ring:
+            # The replicas are identical now (DDP broadcast them, and any checkpoint has been loaded).
+            state.copies = [
+                _RingCopies(weights.gather(), state.codec.row_bytes(weights.buffer.numel(), 1))
+                for weights in state.weights
+            ]
+        if state.armed:  # the step that should have run the round never completed on this rank
+            self._run_round()
+        if state.forward_passes % state.communication_interval == 0:
+            state.due = True
+        state.forward_passes += 1
+        if synchronizing and state.due:
+            state.due = False
+            state.armed = True
+
+    def bind_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Hook the optimizers' steps, replacing the hooks of any optimizers bound before.
+
+        Args:
+            optimizers: the optimizers; together they must update every participating parameter.
+
+        Raises:
+            ValueError: a participating parameter is not updated by any of ``optimizers``.
+        """
+        if optimizers:
+            check_optimizers_cover(LowPrecisionDecentralizedAlgorithm.name, self.context.named_parameters, optimizers)
+        self._remove_hooks()
+        self._optimizers = list(optimizers)
+        self._stepped.clear()
+        self._hook_handles = [optimizer.register_step_post_hook(self._after_step) for optimizer in optimizers]
+
+    def close(self) -> None:
+        """Remove the optimizer hooks, first running a round the last step still owes (its peers ran theirs)."""
+        self._remove_hooks()
+        if self.state.armed:
+            try:
+                self._run_round()
+            except RuntimeError as error:  # a peer that is gone must not turn shutdown into a crash
+                log.warning("Dropping an unfinished ring round on close: %s", error)
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) < len(self._optimizers):
+            return
+        if self.state.armed:
+            self._run_round()
+        self._stepped.clear()
+
+    def _run_round(self) -> None:
+        state = self.state
+        state.armed = False
+        self._stepped.clear()
+        for index, weights in enumerate(state.weights):
+            x = weights.gather()
+            copies = state.copies[index] if state.copies is not None else None
+            if state.groups.is_hierarchical:
+                all_reduce_hierarchically(x, state.groups, state.counter, partial(_leader_round, state, copies))
+            else:
+                assert copies is not None
+                _ring_round(x, copies, state, state.groups.flat, state.groups.rank, state.groups.global_ranks)
+            weights.scatter(x)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+
+def _leader_round(state: LowPrecisionDecentralizedState, copies: _RingCopies | None, node_sum: Tensor) -> None:
+    assert copies is not None, "the ring copies live on node leaders"
+    layout = state.groups.layout
+    node_sum.div_(layout.ranks_per_node)  # the node's average weight is the ring member's x
+    leaders = [state.groups.global_ranks[leader] for leader in layout.leaders()]
+    _ring_round(node_sum, copies, state, state.groups.inter_node, layout.node_of(state.groups.rank), leaders)
+
+
+def _ring_round(
+    x: Tensor,
+    copies: _RingCopies,
+    state: LowPrecisionDecentralizedState,
+    group: dist.ProcessGroup | None,
+    position: int,
+    members: list[int],
+) -> None:
+    """Run one DCD-PSGD round for ring member ``position`` of ``members`` (global ranks); ``x`` ends as ``w``."""
+    codec, numel, dtype = state.codec, x.numel(), x.dtype
+    # d = x + L/3 + R/3 - 5w/3, evaluated in that order into preallocated buffers.
+    difference = torch.div(copies.left, 3, out=copies.difference).add_(x)
+    difference.add_(torch.div(copies.right, 3, out=copies.scratch))
+    difference.sub_(torch.mul(copies.w, 5, out=copies.scratch).div_(3))
+    code = codec.compress(difference, num_chunks=1)
+    size = len(members)
+    if size == 1:
+        # Alone on the ring, this rank is its own neighbour on both sides.
+        from_left = from_right = code
+    else:
+        left, right = members[(position - 1) % size], members[(position + 1) % size]
+        state.counter.record("send", code)
+        state.counter.record("send", code)
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, code, left, group, _TOWARDS_LEFT),
+                dist.P2POp(dist.isend, code, right, group, _TOWARDS_RIGHT),
+                # The right neighbour's code travels leftwards to reach us, the left one's rightwards.
+                dist.P2POp(dist.irecv, copies.from_right, right, group, _TOWARDS_LEFT),
+                dist.P2POp(dist.irecv, copies.from_left, left, group, _TOWARDS_RIGHT),
+            ]
+        )
+        for work in works:
+            work.wait()
+        from_left, from_right = copies.from_left, copies.from_right
+    copies.left.add_(codec.decompress(from_left, numel, dtype))
+    copies.right.add_(codec.decompress(from_right, numel, dtype))
+    copies.w.add_(codec.decompress(code, numel, dtype))
+    x.copy_(copies.w)

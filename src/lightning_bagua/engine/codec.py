@@ -1,0 +1,346 @@
+"""Bagua's MinMaxUInt8 codec: 8-bit min/max quantisation of flat float buffers, chunk by chunk.
+
+Used by ``bytegrad`` (gradients), ``qadam`` (momentum) and ``low_precision_decentralized`` (weight differences).
+Two backends compute the same bytes: vectorised torch ops (CPU and CUDA, the reference) and a pair of Triton
+kernels for CUDA (:mod:`lightning_bagua.engine._codec_triton`, imported only when first needed).
+"""
+
+import functools
+import logging
+import math
+from types import ModuleType
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["CodecBackend", "MinMaxUInt8Codec"]
+
+log = logging.getLogger(__name__)
+
+CodecBackend = Literal["auto", "torch", "triton"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LEVELS = 255.0
+
+
+class MinMaxUInt8Codec:
+    """Quantise a flat float tensor to one byte per element, with a min/max header per chunk.
+
+    The tensor is split into ``num_chunks`` chunks of ``L = ceil(numel / num_chunks)`` elements. Chunk ``i`` is
+    row ``i`` of the encoded ``uint8`` tensor of shape ``(num_chunks, HEADER_BYTES + L)``: a 32-byte header
+    (the chunk's ``lo`` and ``hi`` as little-endian float32 in bytes 0-7, bytes 8-31 zero) followed by the
+    chunk's ``L`` codes. Rows are independent, so a row can be sent to another rank on its own.
+
+    Per chunk, in float32 (fp16 and bf16 inputs are upcast first), with ``round`` rounding half to even::
+
+        lo, hi = min(chunk), max(chunk)
+        scale  = 255 / (hi - lo + eps)
+        upper  = round(hi * scale);  lower = upper - 255
+        q      = clamp(min(round(v * scale), upper) - lower, 0, 255)        # the uint8 code
+        v'     = (q + lower) / scale                                         # the decoded value
+
+    Rounding is deterministic: the same input gives the same bytes. The decoded value is computed as
+    ``q * (1 / scale) + lower / scale``, with both per-chunk factors rounded once from float64, which equals
+    ``(q + lower) / scale`` up to float32 rounding. Per element, ``|v' - v| <= (hi - lo + eps) / 510`` plus a
+    few float32 ulps of ``max(|lo|, |hi|)`` (the lattice ``(q + lower) / scale`` is anchored at zero, so a chunk
+    far from zero relative to its range pays float32 rounding on its offset).
+
+    Padding: when ``num_chunks`` does not divide ``numel``, the input is padded to ``num_chunks * L`` elements
+    by repeating its last element. That element belongs to the last non-empty chunk, so padding never widens a
+    chunk's range; chunks made only of padding are constant chunks of the last element. Padding decodes to
+    whatever it decodes to; :meth:`decompress` drops it.
+
+    Special chunks, identified from the header alone:
+
+    - A chunk containing NaN or +-inf gets ``lo = hi = NaN`` in its header and all-zero codes, and every
+      element of it decodes to NaN (also in fp16/bf16), so that a non-finite gradient stays non-finite after
+      communication (a ``GradScaler`` then skips the step) instead of decoding to finite garbage. Other chunks
+      are unaffected. A finite chunk whose range ``hi - lo`` overflows float32 (beyond 3.4e38) also decodes to
+      NaN.
+    - A constant chunk (``hi == lo``) gets all-zero codes and decodes exactly to the constant (the formula
+      alone would lose constants far from zero to float32 rounding and those below ``eps`` to zero).
+
+    Backends: ``"torch"`` runs vectorised torch ops on any device (several passes over the data); ``"triton"``
+    runs fused CUDA kernels (a split min/max pass, then one quantising pass that also writes the headers;
+    decoding is one pass), which needs Triton and CUDA tensors; ``"auto"`` picks Triton for CUDA tensors when
+    Triton imports, torch otherwise. Both do the same IEEE float32 operations per chunk (correctly rounded
+    division, round-half-even), so they write the same bytes, and either can decode the other's; decoded values
+    may differ in the last ulp (the kernel fuses ``q * a + b``).
+
+    Args:
+        eps: added to the range, so that a constant chunk gets a finite scale; must be positive.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Raises:
+        ValueError: for a non-positive ``eps`` or an unknown backend.
+        RuntimeError: if ``backend="triton"`` and Triton cannot be imported.
+
+    Example:
+        >>> codec = MinMaxUInt8Codec()
+        >>> encoded = codec.compress(torch.tensor([0.0, 0.5, 1.0, 2.0, 4.0]), num_chunks=2)
+        >>> encoded.shape, encoded.dtype
+        (torch.Size([2, 35]), torch.uint8)
+        >>> codec.decompress(encoded, numel=5, dtype=torch.float32)
+        tensor([0.0000, 0.4980, 1.0000, 2.0000, 4.0000])
+    """
+
+    HEADER_BYTES: ClassVar[int] = 32
+
+    def __init__(self, eps: float = 1e-7, backend: CodecBackend = "auto") -> None:
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"`eps` must be a positive finite number, got {eps!r}.")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"Unknown codec backend {backend!r}: choose 'auto', 'torch' or 'triton'.")
+        self.eps = float(eps)
+        self.backend: CodecBackend = backend
+        if backend == "triton":
+            _triton_kernels()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(eps={self.eps!r}, backend={self.backend!r})"
+
+    def chunk_length(self, numel: int, num_chunks: int) -> int:
+        """Return ``L``, the number of elements (and codes) per chunk: ``ceil(numel / num_chunks)``.
+
+        Args:
+            numel: number of elements of the flat tensor.
+            num_chunks: number of chunks it is split into.
+        """
+        _check_num_chunks(num_chunks)
+        if numel < 0:
+            raise ValueError(f"`numel` must be non-negative, got {numel}.")
+        return -(-numel // num_chunks)
+
+    def row_bytes(self, numel: int, num_chunks: int) -> int:
+        """Return the bytes of one encoded chunk: ``HEADER_BYTES + chunk_length(numel, num_chunks)``.
+
+        Args:
+            numel: number of elements of the flat tensor.
+            num_chunks: number of chunks it is split into.
+        """
+        return self.HEADER_BYTES + self.chunk_length(numel, num_chunks)
+
+    def compress(self, tensor: Tensor, num_chunks: int = 1) -> Tensor:
+        """Encode ``tensor`` as ``num_chunks`` independently scaled chunks.
+
+        Args:
+            tensor: a 1-D float32, float16 or bfloat16 tensor, on CPU or CUDA.
+            num_chunks: number of chunks, each with its own min/max.
+
+        Returns:
+            A contiguous ``uint8`` tensor of shape ``(num_chunks, row_bytes(numel, num_chunks))`` on the
+            tensor's device; row ``i`` is the header of chunk ``i`` followed by its codes.
+
+        Raises:
+            TypeError: for an unsupported dtype.
+            ValueError: for a tensor that is not 1-D or a ``num_chunks`` below 1.
+        """
+        _check_num_chunks(num_chunks)
+        if tensor.dim() != 1:
+            raise ValueError(f"The codec compresses flat tensors; got shape {tuple(tensor.shape)}. Flatten it first.")
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"The codec compresses float32, float16 or bfloat16 tensors, got {tensor.dtype}.")
+        numel = tensor.numel()
+        length = self.chunk_length(numel, num_chunks)
+        if numel == 0:
+            # Nothing to encode: headers of zeros (lo = hi = 0.0) and no codes.
+            return torch.zeros((num_chunks, self.HEADER_BYTES), dtype=torch.uint8, device=tensor.device)
+        tensor = tensor.contiguous()
+        if self._use_triton(tensor.device):
+            return _triton_kernels().compress(tensor, num_chunks, length, self.eps, self.HEADER_BYTES)
+        return self._compress_torch(tensor, num_chunks, length)
+
+    def decompress_rows(self, encoded: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Decode every row of ``encoded``, padding included.
+
+        Args:
+            encoded: ``uint8`` rows of shape ``(k, HEADER_BYTES + L)``, e.g. rows from :meth:`compress`
+                gathered from several ranks (a view with any row stride will do).
+            dtype: dtype of the result (float32 by default, for summing rows from several ranks).
+
+        Returns:
+            A contiguous ``(k, L)`` tensor of ``dtype`` on ``encoded``'s device.
+        """
+        rows, length = self._check_encoded(encoded, dtype)
+        out = torch.empty((rows, length), dtype=dtype, device=encoded.device)
+        self._decode(encoded, out.view(-1), rows * length)
+        return out
+
+    def decompress(self, encoded: Tensor, numel: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+        """Decode ``encoded`` back into a flat tensor of ``numel`` elements, dropping the padding.
+
+        Args:
+            encoded: the ``(k, HEADER_BYTES + L)`` rows from :meth:`compress`.
+            numel: number of elements the original tensor had (at most ``k * L``).
+            dtype: dtype of the result.
+            out: optional contiguous ``(numel,)`` tensor of ``dtype`` on ``encoded``'s device to decode into.
+
+        Returns:
+            The ``(numel,)`` decoded tensor (``out`` if given).
+        """
+        rows, length = self._check_encoded(encoded, dtype)
+        if not 0 <= numel <= rows * length:
+            raise ValueError(f"`numel={numel}` does not fit {rows} encoded chunks of {length} elements.")
+        if out is None:
+            out = torch.empty(numel, dtype=dtype, device=encoded.device)
+        elif out.shape != (numel,) or out.dtype != dtype or out.device != encoded.device or not out.is_contiguous():
+            raise ValueError(
+                f"`out` must be a contiguous ({numel},) tensor of {dtype} on {encoded.device}; got shape"
+                f" {tuple(out.shape)}, {out.dtype} on {out.device}."
+            )
+        if numel:
+            self._decode(encoded, out, numel)
+        return out
+
+    def _use_triton(self, device: torch.device) -> bool:
+        if self.backend == "torch":
+            return False
+        if self.backend == "triton":
+            if device.type != "cuda":
+                raise ValueError(f"The codec's 'triton' backend needs CUDA tensors, got a tensor on {device}.")
+            return True
+        return device.type == "cuda" and _triton_available()
+
+    def _check_encoded(self, encoded: Tensor, dtype: torch.dtype) -> tuple[int, int]:
+        if encoded.dtype != torch.uint8 or encoded.dim() != 2 or encoded.shape[1] < self.HEADER_BYTES:
+            raise ValueError(
+                f"Encoded chunks are uint8 rows of at least {self.HEADER_BYTES} bytes; got {encoded.dtype} of shape"
+                f" {tuple(encoded.shape)}."
+            )
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"The codec decodes to float32, float16 or bfloat16, got {dtype}.")
+        return encoded.shape[0], encoded.shape[1] - self.HEADER_BYTES
+
+    def _decode(self, encoded: Tensor, out: Tensor, numel: int) -> None:
+        """Decode the first ``numel`` elements of ``encoded`` (row-major) into the flat tensor ``out``."""
+        if numel == 0:
+            return
+        if encoded.stride(1) != 1:
+            encoded = encoded.contiguous()
+        if self._use_triton(encoded.device):
+            _triton_kernels().decode(encoded, out, numel, self.eps, self.HEADER_BYTES)
+        else:
+            self._decode_torch(encoded, out, numel)
+
+    # The Triton kernels never record autograd; no_grad here only, as entering it costs host time.
+    @torch.no_grad()
+    def _compress_torch(self, tensor: Tensor, num_chunks: int, length: int) -> Tensor:
+        numel = tensor.numel()
+        padded = num_chunks * length
+        if numel == padded and tensor.dtype == torch.float32:
+            values = tensor
+        else:
+            values = torch.empty(padded, dtype=torch.float32, device=tensor.device)
+            values[:numel].copy_(tensor)
+            if padded > numel:
+                # Indexing, not .item(): no host synchronisation on CUDA.
+                values[numel:].copy_(values[numel - 1].expand(padded - numel))
+        rows = values.view(num_chunks, length)
+        # NaN propagates into lo and hi. On CPU, amin + amax (vectorised) beat aminmax along a dim several times over.
+        lo, hi = torch.aminmax(rows, dim=1) if rows.is_cuda else (rows.amin(dim=1), rows.amax(dim=1))
+        finite, scale, lower = _encode_params(lo, hi, self.eps)
+
+        codes = torch.mul(rows, scale.unsqueeze(1))
+        codes.round_()
+        # min(round(v * scale), upper) - lower == min(round(v * scale) - lower, 255): the clamp covers both.
+        codes.sub_(lower.unsqueeze(1)).clamp_(0.0, _LEVELS)
+
+        encoded = torch.empty((num_chunks, self.HEADER_BYTES + length), dtype=torch.uint8, device=tensor.device)
+        payload = encoded[:, self.HEADER_BYTES :]
+        payload.copy_(codes)
+        # Non-finite rows held NaN codes (cast to uint8 arbitrarily); constant rows ignore their codes. On CPU a
+        # check is free and skips a pass; on CUDA it would synchronise with the host.
+        zero_rows = ~finite | (hi == lo)
+        if rows.is_cuda:
+            payload.masked_fill_(zero_rows.unsqueeze(1), 0)
+        elif zero_rows.any():
+            payload[zero_rows] = 0
+        nan = torch.full_like(lo, math.nan)
+        header = torch.stack((torch.where(finite, lo, nan), torch.where(finite, hi, nan)), dim=1)
+        encoded[:, :8].copy_(header.view(torch.uint8))
+        encoded[:, 8 : self.HEADER_BYTES].zero_()
+        return encoded
+
+    @torch.no_grad()
+    def _decode_torch(self, encoded: Tensor, out: Tensor, numel: int) -> None:
+        length = encoded.shape[1] - self.HEADER_BYTES
+        if length == 0:
+            return
+        full_rows, rest = divmod(numel, length)
+        used = encoded[: full_rows + (1 if rest else 0)]
+        # A fresh copy: a row's header need not be 4-byte aligned in ``encoded``.
+        header = torch.empty((used.shape[0], 8), dtype=torch.uint8, device=used.device)
+        header = header.copy_(used[:, :8]).view(torch.float32)
+        scale, offset = _decode_params(header[:, 0], header[:, 1], self.eps)
+        scale, offset = scale.unsqueeze(1), offset.unsqueeze(1)
+        codes = used[:, self.HEADER_BYTES :]
+        if full_rows:
+            dest = out[: full_rows * length].view(full_rows, length)
+            _affine(codes[:full_rows], scale[:full_rows], offset[:full_rows], dest)
+        if rest:
+            last = torch.empty((1, rest), dtype=out.dtype, device=out.device)
+            _affine(codes[full_rows:, :rest], scale[full_rows:], offset[full_rows:], last)
+            out[full_rows * length : numel].copy_(last.view(-1))
+
+
+def _affine(codes: Tensor, scale: Tensor, offset: Tensor, dest: Tensor) -> None:
+    """``dest = codes * scale + offset``, computed in float32 (rows broadcast ``scale`` and ``offset``)."""
+    # Three same-dtype passes: addcmul straight from uint8 takes a slow mixed-dtype path on CPU (3x slower).
+    if dest.dtype == torch.float32:
+        dest.copy_(codes)
+        dest.mul_(scale).add_(offset)
+    else:
+        dest.copy_(codes.to(torch.float32).mul_(scale).add_(offset))
+
+
+def _encode_params(lo: Tensor, hi: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-chunk ``(finite, scale, lower)`` from float32 ``lo``/``hi``; the Triton kernels mirror these ops."""
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    # Tensor / Tensor: ``255.0 / t`` would be computed as 255 * reciprocal(t), rounded twice.
+    scale = torch.full_like(lo, _LEVELS) / (hi - lo + eps)
+    lower = torch.round(hi * scale) - _LEVELS
+    return finite, scale, lower
+
+
+def _decode_params(lo: Tensor, hi: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Per-chunk float32 ``(a, b)`` with ``decoded = q * a + b``, special chunks folded in."""
+    finite, scale, lower = _encode_params(lo, hi, eps)
+    scale64 = scale.double()
+    a = torch.reciprocal(scale64).float()
+    b = (lower.double() / scale64).float()
+    constant = hi == lo
+    a = torch.where(constant, torch.zeros_like(a), a)
+    b = torch.where(constant, lo, b)
+    nan = torch.full_like(a, math.nan)
+    return torch.where(finite, a, nan), torch.where(finite, b, nan)
+
+
+def _check_num_chunks(num_chunks: int) -> None:
+    if num_chunks < 1:
+        raise ValueError(f"`num_chunks` must be at least 1, got {num_chunks}.")
+
+
+@functools.cache
+def _import_triton_kernels() -> tuple[ModuleType | None, str]:
+    """Import the Triton kernels once: ``(module, "")``, or ``(None, why)`` when Triton cannot be imported."""
+    try:
+        from lightning_bagua.engine import _codec_triton
+    except ImportError as error:
+        log.debug("Triton is unavailable (%s); the codec runs on torch ops.", error)
+        return None, str(error)
+    return _codec_triton, ""
+
+
+def _triton_available() -> bool:
+    return _import_triton_kernels()[0] is not None
+
+
+def _triton_kernels() -> ModuleType:
+    module, why = _import_triton_kernels()
+    if module is None:
+        raise RuntimeError(
+            f"The codec's 'triton' backend was requested, but Triton cannot be imported ({why})."
+            " Install triton, or use backend='torch' or 'auto'."
+        )
+    return module

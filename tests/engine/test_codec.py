@@ -1,0 +1,323 @@
+"""The MinMaxUInt8 codec on CPU (torch backend), against an independent float64 re-implementation of §3."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
+
+EPS = 1e-7
+HEADER = MinMaxUInt8Codec.HEADER_BYTES
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def reference(values: torch.Tensor, num_chunks: int, eps: float = EPS) -> dict[str, torch.Tensor]:
+    """§3 in float64: pad by repeating the last element, per chunk lo/hi, scale, upper/lower, codes, decoded."""
+    x = values.detach().to(torch.float64).cpu()
+    numel = x.numel()
+    length = -(-numel // num_chunks)
+    padded = torch.cat([x, x[-1:].expand(num_chunks * length - numel)]).view(num_chunks, length)
+    lo = padded.min(dim=1).values
+    hi = padded.max(dim=1).values
+    scale = 255.0 / (hi - lo + eps)
+    upper = torch.round(hi * scale)  # torch.round rounds half to even
+    lower = upper - 255.0
+    q = torch.minimum(torch.round(padded * scale[:, None]), upper[:, None]) - lower[:, None]
+    q = q.clamp(0.0, 255.0)
+    decoded = (q + lower[:, None]) / scale[:, None]
+    return {"lo": lo, "hi": hi, "codes": q, "decoded": decoded, "length": torch.tensor(length)}
+
+
+def error_bound(values: torch.Tensor, num_chunks: int, eps: float = EPS) -> torch.Tensor:
+    """Per-element bound: half a quantisation step, plus float32 rounding of the chunk's offset and range."""
+    ref = reference(values, num_chunks, eps)
+    lo, hi = ref["lo"], ref["hi"]
+    step = (hi - lo + eps) / 510.0
+    rounding = 8 * 2.0**-24 * (torch.maximum(lo.abs(), hi.abs()) + (hi - lo))
+    per_chunk = step * (1 + 1e-6) + rounding
+    return per_chunk[:, None].expand(num_chunks, int(ref["length"])).reshape(-1)[: values.numel()]
+
+
+def header_floats(encoded: torch.Tensor) -> torch.Tensor:
+    """The (k, 2) float32 lo/hi of each row, read back from the raw bytes."""
+    return encoded[:, :8].reshape(-1).clone().view(torch.float32).view(-1, 2)
+
+
+def codes_of(encoded: torch.Tensor) -> torch.Tensor:
+    return encoded[:, HEADER:].to(torch.int64)
+
+
+def random_values(numel: int, scale: float, offset: float, seed: int, dtype: torch.dtype = torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=generator, dtype=torch.float64) * scale + offset
+    return values.to(dtype)
+
+
+@pytest.fixture
+def codec():
+    return MinMaxUInt8Codec(backend="torch")
+
+
+def test_layout_helpers(codec):
+    assert codec.chunk_length(10, 3) == 4
+    assert codec.chunk_length(9, 3) == 3
+    assert codec.chunk_length(1, 8) == 1
+    assert codec.chunk_length(0, 4) == 0
+    assert codec.row_bytes(10, 3) == HEADER + 4
+    assert HEADER == 32
+
+
+@pytest.mark.parametrize("num_chunks", range(1, 9))
+def test_codes_match_the_float64_reference(codec, num_chunks):
+    # Gradient-like data (range comparable to the offset from zero): float32 and float64 agree but on ties.
+    total = identical = 0
+    for seed, (scale, offset) in enumerate([(1e-6, 0.0), (1e-3, 2e-3), (1.0, -0.5), (1e3, 1e3), (1e6, 0.0)]):
+        values = random_values(10_007 + seed, scale, offset, seed=100 * num_chunks + seed)
+        encoded = codec.compress(values, num_chunks)
+        ref = reference(values, num_chunks)
+        torch.testing.assert_close(
+            header_floats(encoded).double(), torch.stack([ref["lo"], ref["hi"]], 1), rtol=0, atol=0
+        )
+        diff = (codes_of(encoded) - ref["codes"].to(torch.int64)).abs()
+        assert diff.max() <= 1
+        total += diff.numel()
+        identical += int((diff == 0).sum())
+        assert (encoded[:, 8:HEADER] == 0).all()
+    assert identical / total >= 0.999, f"only {identical}/{total} codes equal the float64 reference"
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 5, 8])
+def test_decoded_values_match_the_reference_where_codes_agree(codec, num_chunks):
+    values = random_values(4099, 0.02, 0.01, seed=num_chunks)
+    encoded = codec.compress(values, num_chunks)
+    ref = reference(values, num_chunks)
+    decoded = codec.decompress_rows(encoded).double()
+    same = codes_of(encoded) == ref["codes"].to(torch.int64)
+    magnitude = torch.maximum(ref["lo"].abs(), ref["hi"].abs())[:, None].expand_as(decoded)
+    assert ((decoded - ref["decoded"]).abs()[same] <= 4 * 2.0**-24 * magnitude[same] + 1e-30).all()
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3, 8])
+def test_error_is_within_half_a_step_over_many_scales_and_offsets(codec, num_chunks):
+    cases = [(scale, offset) for scale in (1e-30, 1e-8, 1e-3, 1.0, 1e4, 1e30) for offset in (0.0, 10.0, -1e3)]
+    cases += [(1.0, 1e6), (1e-3, 1.0), (1e-6, -1.0), (1e30, 1e31)]  # far from zero: float32 rounding dominates
+    for seed, (scale, offset) in enumerate(cases):
+        values = random_values(3001, scale, offset, seed=seed)
+        decoded = codec.decompress(codec.compress(values, num_chunks), values.numel(), torch.float32)
+        error = (decoded.double() - values.double()).abs()
+        bound = error_bound(values, num_chunks)
+        worst = int(torch.argmax(error - bound))
+        assert (error <= bound).all(), f"scale={scale} offset={offset}: error {error[worst]} > bound {bound[worst]}"
+
+
+def test_rounds_half_to_even(codec):
+    # hi - lo + eps rounds to exactly 255 in float32, so scale == 1 and codes are round(v) with lower == 0.
+    values = torch.tensor([0.0, 255.0, 0.5, 1.5, 2.5, 3.5, 254.5, 7.49])
+    encoded = codec.compress(values)
+    assert codes_of(encoded)[0].tolist() == [0, 255, 0, 2, 2, 4, 254, 7]
+    assert codec.decompress(encoded, 8, torch.float32).tolist() == [0, 255, 0, 2, 2, 4, 254, 7]
+
+
+def representable(constants: list[float]) -> list[tuple[torch.dtype, float]]:
+    """Every (dtype, constant) pair whose constant is finite in that dtype (1e35 is not, in float16)."""
+    return [(d, c) for d in DTYPES for c in constants if torch.tensor(c).to(d).isfinite()]
+
+
+@pytest.mark.parametrize(("dtype", "constant"), representable([0.0, -0.0, 1e-12, 3.3, -7e5, 1e35, -65504.0]))
+def test_constant_chunks_decode_exactly(codec, dtype, constant):
+    values = torch.full((37,), constant, dtype=torch.float32).to(dtype)
+    for num_chunks in (1, 4, 37, 50):
+        encoded = codec.compress(values, num_chunks)
+        assert (codes_of(encoded) == 0).all()
+        for out_dtype in DTYPES:
+            decoded = codec.decompress(encoded, 37, out_dtype)
+            assert torch.equal(decoded, values.to(out_dtype)), (num_chunks, out_dtype, decoded[:3])
+
+
+def test_a_constant_chunk_beside_varying_ones(codec):
+    values = torch.cat([torch.linspace(-1, 1, 100), torch.full((100,), 0.123), torch.linspace(5, 9, 100)])
+    decoded = codec.decompress(codec.compress(values, 3), 300, torch.float32)
+    assert torch.equal(decoded[100:200], values[100:200])
+    assert ((decoded - values).abs() <= error_bound(values, 3)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_chunks", [1, 2, 8])
+def test_half_precision_inputs_and_outputs(codec, dtype, num_chunks):
+    values = random_values(5003, 0.05, 0.0, seed=7, dtype=dtype)
+    encoded = codec.compress(values, num_chunks)
+    ref = reference(values.float(), num_chunks)  # fp16/bf16 are upcast exactly before anything else
+    assert torch.equal(header_floats(encoded).double(), torch.stack([ref["lo"], ref["hi"]], 1))
+    assert ((codes_of(encoded) - ref["codes"].to(torch.int64)).abs() <= 1).all()
+    for out_dtype in DTYPES:
+        decoded = codec.decompress(encoded, values.numel(), out_dtype)
+        assert decoded.dtype == out_dtype
+        # The float32 bound, plus the output dtype's rounding of the decoded value (half an ulp).
+        half_ulp = values.double().abs().max() * torch.finfo(out_dtype).eps / 2
+        error = (decoded.double() - values.double()).abs()
+        assert (error <= error_bound(values.float(), num_chunks) + half_ulp).all()
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, 7, 9, 16, 1001])
+@pytest.mark.parametrize("num_chunks", range(1, 9))
+def test_odd_lengths_shapes_and_padding(codec, numel, num_chunks):
+    values = random_values(numel, 1.0, 0.0, seed=numel)
+    length = codec.chunk_length(numel, num_chunks)
+    encoded = codec.compress(values, num_chunks)
+    assert encoded.shape == (num_chunks, codec.row_bytes(numel, num_chunks))
+    assert encoded.dtype == torch.uint8
+    assert encoded.is_contiguous()
+    rows = codec.decompress_rows(encoded)
+    assert rows.shape == (num_chunks, length)
+    assert rows.dtype == torch.float32
+    decoded = codec.decompress(encoded, numel, torch.float32)
+    assert decoded.shape == (numel,)
+    assert torch.equal(decoded, rows.reshape(-1)[:numel])
+    assert ((decoded - values).abs() <= error_bound(values, num_chunks)).all()
+    # Padding repeats the last element: it never widens a range, and chunks of padding alone are constant.
+    ref = reference(values, num_chunks)
+    assert torch.equal(header_floats(encoded).double(), torch.stack([ref["lo"], ref["hi"]], 1))
+    for row in range(num_chunks):
+        if row * length >= numel:
+            assert header_floats(encoded)[row].tolist() == [values[-1].item()] * 2
+            assert torch.equal(rows[row], values[-1].expand(length))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_a_non_finite_chunk_decodes_to_nan_and_leaves_the_others_alone(codec, bad, out_dtype):
+    values = random_values(1000, 1.0, 0.0, seed=3)
+    values[250] = bad  # chunk 1 of 4
+    encoded = codec.compress(values, 4)
+    header = header_floats(encoded)
+    assert header[1].isnan().all()
+    assert not header[[0, 2, 3]].isnan().any()
+    assert (codes_of(encoded)[1] == 0).all()
+    decoded = codec.decompress(encoded, 1000, out_dtype)
+    assert decoded[250:500].isnan().all()
+    others = torch.cat([torch.arange(0, 250), torch.arange(500, 1000)])
+    assert decoded[others].isfinite().all()
+    clean = torch.cat([values[:250], values[500:]])
+    reencoded = codec.decompress(codec.compress(clean, 3), 750, torch.float32)
+    half_ulp = clean.abs().max() * torch.finfo(out_dtype).eps / 2
+    assert ((decoded[others].float() - clean).abs() <= (reencoded - clean).abs() + half_ulp + 1e-6).all()
+
+
+def test_nan_and_inf_together_and_everywhere(codec):
+    values = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf, 3.0, 4.0, 5.0])
+    decoded = codec.decompress(codec.compress(values, 3), 9, torch.float32)
+    assert decoded[:6].isnan().all()
+    assert ((decoded[6:] - values[6:]).abs() <= 2 / 510 + 1e-6).all()
+    all_bad = torch.full((10,), math.nan)
+    assert codec.decompress(codec.compress(all_bad, 2), 10, torch.float16).isnan().all()
+
+
+def test_a_non_finite_last_element_also_poisons_the_padding_chunks(codec):
+    values = torch.tensor([1.0, 2.0, 3.0, math.inf])
+    encoded = codec.compress(values, 8)  # L = 1: rows 4..7 are padding that repeats the inf
+    assert header_floats(encoded)[3:].isnan().all()
+    decoded = codec.decompress_rows(encoded)
+    assert decoded[:3, 0].tolist() == [1.0, 2.0, 3.0]
+    assert decoded[3:].isnan().all()
+
+
+def test_a_range_beyond_float32_decodes_to_nan_not_garbage(codec):
+    values = torch.tensor([-3e38, 0.0, 3e38])
+    assert codec.decompress(codec.compress(values), 3, torch.float32).isnan().all()
+
+
+def test_compression_is_deterministic(codec):
+    values = random_values(100_003, 1.0, 0.1, seed=11)
+    first = codec.compress(values, 8)
+    assert torch.equal(first, codec.compress(values.clone(), 8))
+    assert torch.equal(first, MinMaxUInt8Codec().compress(values, 8))  # "auto" is torch on CPU
+
+
+@pytest.mark.parametrize(("dtype", "ratio"), [(torch.float32, 0.25), (torch.float16, 0.5), (torch.bfloat16, 0.5)])
+def test_compressed_size(codec, dtype, ratio):
+    values = torch.randn(1 << 20).to(dtype)
+    for num_chunks in (1, 8):
+        encoded = codec.compress(values, num_chunks)
+        size = encoded.numel() / (values.numel() * values.element_size())
+        assert ratio <= size <= ratio * 1.001
+
+
+def test_rows_of_several_encodings_decode_together(codec):
+    # What bytegrad does: chunk r of every rank, gathered into one (k, row_bytes) tensor.
+    parts = [random_values(333, 10.0**i, 0.0, seed=i) for i in range(-2, 3)]
+    rows = torch.cat([codec.compress(part) for part in parts])
+    decoded = codec.decompress_rows(rows)
+    for i, part in enumerate(parts):
+        assert ((decoded[i] - part).abs() <= error_bound(part, 1)).all()
+    # A strided view of rows (every second one) decodes the same.
+    assert torch.equal(codec.decompress_rows(rows[::2]), decoded[::2])
+
+
+def test_decompress_into_out_and_its_checks(codec):
+    values = random_values(101, 1.0, 0.0, seed=5)
+    encoded = codec.compress(values, 3)
+    out = torch.empty(101, dtype=torch.bfloat16)
+    assert codec.decompress(encoded, 101, torch.bfloat16, out=out) is out
+    assert torch.equal(out, codec.decompress(encoded, 101, torch.bfloat16))
+    partial = codec.decompress(encoded, 40, torch.float32)
+    assert torch.equal(partial, codec.decompress(encoded, 101, torch.float32)[:40])
+    with pytest.raises(ValueError, match="does not fit"):
+        codec.decompress(encoded, 103, torch.float32)
+    with pytest.raises(ValueError, match="`out` must be"):
+        codec.decompress(encoded, 101, torch.float32, out=out)
+    with pytest.raises(TypeError, match="decodes to float32"):
+        codec.decompress(encoded, 101, torch.float64)
+    with pytest.raises(ValueError, match="uint8 rows"):
+        codec.decompress_rows(encoded.view(-1))
+
+
+def test_empty_input(codec):
+    encoded = codec.compress(torch.empty(0), 3)
+    assert encoded.shape == (3, HEADER)
+    assert codec.decompress_rows(encoded).shape == (3, 0)
+    assert codec.decompress(encoded, 0, torch.float16).shape == (0,)
+
+
+def test_input_checks():
+    codec = MinMaxUInt8Codec()
+    with pytest.raises(ValueError, match="flat tensors"):
+        codec.compress(torch.zeros(2, 2))
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        codec.compress(torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="num_chunks"):
+        codec.compress(torch.zeros(4), 0)
+    with pytest.raises(ValueError, match="eps"):
+        MinMaxUInt8Codec(eps=0.0)
+    with pytest.raises(ValueError, match="Unknown codec backend"):
+        MinMaxUInt8Codec(backend="cuda")  # type: ignore[arg-type]
+
+
+def test_non_contiguous_input(codec):
+    values = random_values(200, 1.0, 0.0, seed=9)
+    assert torch.equal(codec.compress(values[::2], 2), codec.compress(values[::2].clone(), 2))
+
+
+def test_triton_backend_needs_triton_and_cuda():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="'triton' backend was requested, but Triton cannot be imported"):
+            MinMaxUInt8Codec(backend="triton")
+        return
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        MinMaxUInt8Codec(backend="triton").compress(torch.zeros(4))
+
+
+def test_importing_and_using_the_codec_on_cpu_does_not_import_triton():
+    code = (
+        "import sys, torch\n"
+        "from lightning_bagua.engine.codec import MinMaxUInt8Codec\n"
+        "c = MinMaxUInt8Codec()\n"
+        "c.decompress(c.compress(torch.ones(3)), 3, torch.float32)\n"
+        "print('lightning_bagua.engine._codec_triton' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
