@@ -15,6 +15,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from lightning_bagua.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
     from lightning_bagua.engine import (
         Algorithm,
         AlgorithmImpl,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         GradientAllReduceAlgorithm,
     )
     from lightning_bagua.environments.bagua import BaguaEnvironment
+    from lightning_bagua.optim.fused import fuse_optimizer
     from lightning_bagua.strategies.bagua import BaguaStrategy
 
 __all__ = [
@@ -33,7 +35,10 @@ __all__ = [
     "BaguaStrategy",
     "CommunicationCounter",
     "GradientAllReduceAlgorithm",
+    "LoadBalancingDistributedBatchSampler",
+    "LoadBalancingDistributedSampler",
     "__version__",
+    "fuse_optimizer",
 ]
 
 _LAZY_ATTRIBUTES = {
@@ -44,6 +49,9 @@ _LAZY_ATTRIBUTES = {
     "GradientAllReduceAlgorithm": "lightning_bagua.engine",
     "BaguaEnvironment": "lightning_bagua.environments.bagua",
     "BaguaStrategy": "lightning_bagua.strategies.bagua",
+    "LoadBalancingDistributedBatchSampler": "lightning_bagua.data.samplers",
+    "LoadBalancingDistributedSampler": "lightning_bagua.data.samplers",
+    "fuse_optimizer": "lightning_bagua.optim.fused",
 }
 
 

@@ -154,6 +154,23 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         return wrapped
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give the dataloader's load-balancing samplers this process's place, where they were built without one.
+
+        Lightning keeps a :class:`~lightning_bagua.LoadBalancingDistributedSampler` (it is a ``DistributedSampler``)
+        instead of putting its own in, so the sampler's ``num_replicas`` and ``rank``, when left out, come from here.
+
+        Args:
+            dataloader: the dataloader Lightning prepared.
+
+        Returns:
+            The same dataloader.
+        """
+        dataloader = super().process_dataloader(dataloader)
+        _fill_load_balancing_samplers(dataloader, self.world_size, self.global_rank)
+        return dataloader
+
+    @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
@@ -256,3 +273,13 @@ def _is_hashable(value: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _fill_load_balancing_samplers(dataloader: object, world_size: int, global_rank: int) -> None:
+    # Imported here: the strategy module should not load the data utilities unless a dataloader comes by.
+    from lightning_bagua.data.samplers import LoadBalancingDistributedSampler
+
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(sampler, LoadBalancingDistributedSampler):
+            sampler._fill_distributed(world_size, global_rank)
