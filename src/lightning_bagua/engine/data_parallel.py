@@ -104,7 +104,13 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         context = AlgorithmContext(
             self._bagua_groups, self.communication_counter, self._bagua_executor, device, named_parameters
         )
-        self._bagua_impl: AlgorithmImpl = algorithm.reify(context)
+        try:
+            self._bagua_impl: AlgorithmImpl = algorithm.reify(context)
+        except BaseException:
+            # The algorithm refused this layout (an odd ring for shift_one, say): release what was built for it.
+            self._bagua_executor.close()
+            self._bagua_groups.close()
+            raise
         state, hook = self._bagua_impl.communication_hook()
         self.register_comm_hook(state, hook)
         self._bagua_optimizers: list[Optimizer] = []
