@@ -15,6 +15,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from lightning_bagua.data.cache import CachedDataset, CacheLoader
     from lightning_bagua.data.samplers import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
     from lightning_bagua.engine import (
         Algorithm,
@@ -33,6 +34,8 @@ __all__ = [
     "BaguaDistributedDataParallel",
     "BaguaEnvironment",
     "BaguaStrategy",
+    "CacheLoader",
+    "CachedDataset",
     "CommunicationCounter",
     "GradientAllReduceAlgorithm",
     "LoadBalancingDistributedBatchSampler",
@@ -49,6 +52,8 @@ _LAZY_ATTRIBUTES = {
     "GradientAllReduceAlgorithm": "lightning_bagua.engine",
     "BaguaEnvironment": "lightning_bagua.environments.bagua",
     "BaguaStrategy": "lightning_bagua.strategies.bagua",
+    "CacheLoader": "lightning_bagua.data.cache",
+    "CachedDataset": "lightning_bagua.data.cache",
     "LoadBalancingDistributedBatchSampler": "lightning_bagua.data.samplers",
     "LoadBalancingDistributedSampler": "lightning_bagua.data.samplers",
     "fuse_optimizer": "lightning_bagua.optim.fused",
