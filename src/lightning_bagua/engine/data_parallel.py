@@ -1,6 +1,7 @@
 """``BaguaDistributedDataParallel``: torch's DDP reducer driven by a Bagua algorithm."""
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -15,12 +16,29 @@ from lightning_bagua.engine.algorithms.base import Algorithm, AlgorithmContext, 
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "BaguaDistributedDataParallel"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "BaguaDistributedDataParallel", "default_bucket_cap_mb"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 10.0
 """Bagua's default bucket size, in MiB (torch's DDP defaults to 25)."""
+
+
+def default_bucket_cap_mb() -> float:
+    """Return the bucket size to use when none is given: ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes) or 10 MiB.
+
+    ``lightning_bagua.launch --default_bucket_size`` sets that variable for its children, as Bagua's did.
+    """
+    value = os.environ.get("BAGUA_DEFAULT_BUCKET_SIZE")
+    if value is None:
+        return DEFAULT_BUCKET_CAP_MB
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"BAGUA_DEFAULT_BUCKET_SIZE={value!r} must be a positive number of bytes.")
+    return size / 1024**2
 
 
 class BaguaDistributedDataParallel(DistributedDataParallel):
@@ -41,7 +59,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         gradient_as_bucket_view: let gradients be views into the flat bucket buffers, so no copy is made
             before or after communication (Bagua's ``flatten``).
         find_unused_parameters: as in DDP.
-        bucket_cap_mb: bucket size in MiB; Bagua's default of 10 MiB.
+        bucket_cap_mb: bucket size in MiB; :func:`default_bucket_cap_mb` when ``None`` (Bagua's 10 MiB).
         ranks_per_node: processes per node, for hierarchical algorithms; read from ``LOCAL_WORLD_SIZE`` when
             ``None`` (all ranks form one node if that is unset too).
         bagua_module_name: a name for this model in logs; derived from the module when ``None``.
@@ -64,7 +82,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         process_group: dist.ProcessGroup | None = None,
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool = False,
-        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+        bucket_cap_mb: float | None = None,
         ranks_per_node: int | None = None,
         bagua_module_name: str | None = None,
         timeout: timedelta | None = None,
@@ -87,7 +105,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             process_group=process_group,
             gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=default_bucket_cap_mb() if bucket_cap_mb is None else bucket_cap_mb,
             **ddp_kwargs,
         )
         self.bagua_algorithm: Algorithm = algorithm

@@ -16,7 +16,8 @@ from torch.distributed import ReduceOp
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_bagua.engine import DEFAULT_BUCKET_CAP_MB, Algorithm, BaguaDistributedDataParallel, CommunicationCounter
+from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter
+from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
 from lightning_bagua.environments.bagua import BaguaEnvironment
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         *,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         **bagua_kwargs: Any,
     ) -> None:
@@ -83,7 +84,9 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
                 " live in the communication buckets (no copies), or False to keep them separate."
             )
         self._algorithm = _build_algorithm(algorithm, bagua_kwargs)
-        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
+        if bucket_cap_mb is not None and (
+            not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0
+        ):
             raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
         if cluster_environment is None and self._bagua_environment_cls.detect():
             cluster_environment = self._bagua_environment_cls()
@@ -98,7 +101,7 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         )
         self._flatten = flatten
         self._bagua_kwargs = dict(bagua_kwargs)
-        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
         self._find_unused_parameters = find_unused_parameters
         self._communication_counter: CommunicationCounter | None = None
 
@@ -119,8 +122,8 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
 
     @property
     def bucket_cap_mb(self) -> float:
-        """The bucket size in MiB."""
-        return self._bucket_cap_mb
+        """The bucket size in MiB (``BAGUA_DEFAULT_BUCKET_SIZE`` or Bagua's 10 MiB unless given)."""
+        return default_bucket_cap_mb() if self._bucket_cap_mb is None else self._bucket_cap_mb
 
     @property
     def communication_counter(self) -> CommunicationCounter | None:
@@ -247,7 +250,8 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
         precision_plugin: the precision plugin.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
         timeout: how long a collective may wait before the job fails.
-        bucket_cap_mb: gradient bucket size in MiB (Bagua's default: 10).
+        bucket_cap_mb: gradient bucket size in MiB; ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes, set by the launcher's
+            ``--default_bucket_size``) or Bagua's 10 MiB when ``None``.
         find_unused_parameters: as in DDP, for models whose forward skips parameters.
         **bagua_kwargs: the algorithm's keywords, e.g. ``hierarchical=True``; checked here, so that a typo
             fails before any process starts.
