@@ -12,6 +12,11 @@ PYTEST_ARGS ?=
 
 $(VENV)/.installed: pyproject.toml setup.py requirements/base.txt requirements/test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# The CachedDataset tests run a real redis-server (Debian's package).
+	if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; \
+	fi
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)" $(if $(TORCH_CPU_INDEX_URL),--extra-index-url $(TORCH_CPU_INDEX_URL)); \

@@ -13,6 +13,7 @@ only its own package's strategies and plugins. These classes share all their log
 """
 
 from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.strategies import DDPStrategy
 
 from lightning_bagua.environments.bagua import _BaguaEnvironmentLogic
@@ -29,3 +30,4 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):  # type: ignore[misc]
     """:class:`lightning_bagua.BaguaStrategy` for the ``pytorch_lightning`` package."""
 
     _bagua_environment_cls = BaguaEnvironment
+    _configuration_error = MisconfigurationException

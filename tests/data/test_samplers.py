@@ -445,3 +445,23 @@ def test_trainer_keeps_and_uses_the_batch_sampler_and_fuse_step(tmp_path):
         optimizer.step()
     for result in results:
         torch.testing.assert_close(result["state"], network.state_dict(), rtol=1e-5, atol=1e-6)
+
+
+def test_fabric_keeps_the_sampler_and_it_takes_the_ranks_from_the_process_group(tmp_path):
+    fabric_script = Path(__file__).with_name("fabric_sampler_script.py")
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(name, None)
+    command = [sys.executable, str(fabric_script), "--out", str(tmp_path)]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["sampler_kept"]
+        assert result["ranks"] == (2, rank)
+        for epoch in range(script.EPOCHS):
+            expected = LoadBalancingDistributedSampler(
+                script.IndexedDataset(), script.complexity, num_replicas=2, rank=rank, seed=script.SEED
+            )
+            expected.set_epoch(epoch)
+            assert result["seen"][epoch] == list(expected), f"rank {rank}, epoch {epoch}"

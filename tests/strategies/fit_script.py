@@ -55,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--sync-batchnorm", action="store_true")
     parser.add_argument("--flatten", default="true", choices=["true", "false"])
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "qadam"])
     return parser.parse_args()
 
 
@@ -96,6 +97,10 @@ def main() -> None:
             self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
 
         def configure_optimizers(self):
+            if args.optimizer == "qadam":
+                from lightning_bagua import QAdamOptimizer
+
+                return QAdamOptimizer(self.parameters(), lr=0.01, warmup_steps=2)
             return make_optimizer(self.parameters())
 
     if args.strategy == "name":

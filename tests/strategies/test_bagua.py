@@ -57,7 +57,7 @@ def test_algorithm_instance_is_accepted():
             r"Unknown algorithm 'allreduce'. Available algorithms: .*gradient_allreduce",
         ),
         ({"algorithm": 3}, TypeError, r"got 3 \(int\). Available names: .*gradient_allreduce"),
-        ({"algorithm": "qadam"}, NotImplementedError, r"'qadam' algorithm is not available in this release"),
+        ({"algorithm": "async"}, NotImplementedError, r"'async' algorithm is not available in this release"),
         ({"hierarchicl": True}, TypeError, r"Unknown keyword argument\(s\) 'hierarchicl'.*hierarchical=False, avera"),
         ({"hierarchical": "yes"}, TypeError, r"`hierarchical` must be a bool, got 'yes' \(str\)"),
         ({"average": 1}, TypeError, r"`average` must be a bool, got 1 \(int\)"),
@@ -356,3 +356,24 @@ def test_low_precision_decentralized_through_lightning_follows_dcd_psgd(tmp_path
         # by an ulp, which can move a code by one level (range / 255) now and then.
         torch.testing.assert_close(results[rank]["state"], expected, rtol=1e-3, atol=2e-3, msg=f"rank {rank}")
     assert set(results[0]["bytes_by_op"]) == {"send"}
+
+
+def test_qadam_through_lightning_warms_up_then_compresses(tmp_path):
+    kwargs = '{"hierarchical": false}'
+    run_script(tmp_path, "--devices", "2", "--algorithm", "qadam", "--kwargs", kwargs, "--optimizer", "qadam")
+    results = load_ranks(tmp_path, 2)
+    assert_ranks_identical(results)
+    # warmup_steps=2: step 1 all-reduces full-precision gradients; from step 2 (the count reaching 2) on, the
+    # momentum travels as 8-bit codes.
+    assert set(results[0]["bytes_by_op"]) == {"all_reduce", "all_to_all", "all_gather"}
+    assert results[0]["bytes_by_op"]["all_reduce"] == param_bytes()
+
+
+def test_qadam_refuses_other_optimizers_with_lightnings_configuration_error(tmp_path):
+    command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--algorithm", "qadam"]
+    env = {**os.environ, "PYTHONPATH": python_path(), "MASTER_PORT": str(free_port())}
+    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert completed.returncode != 0
+    assert "MisconfigurationException: Bagua QAdam can only accept one QAdamOptimizer and one LR Scheduler" in (
+        completed.stderr
+    )

@@ -15,6 +15,8 @@ from lightning_bagua.engine.algorithms import (
     DecentralizedAlgorithm,
     GradientAllReduceAlgorithm,
     LowPrecisionDecentralizedAlgorithm,
+    QAdamAlgorithm,
+    QAdamOptimizer,
     available_algorithms,
     register_algorithm,
 )
@@ -36,6 +38,8 @@ __all__ = [
     "LowPrecisionDecentralizedAlgorithm",
     "MinMaxUInt8Codec",
     "NodeLayout",
+    "QAdamAlgorithm",
+    "QAdamOptimizer",
     "available_algorithms",
     "register_algorithm",
 ]

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -17,6 +18,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter
+from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, check_qadam_configuration
 from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
 from lightning_bagua.environments.bagua import BaguaEnvironment
 
@@ -61,6 +63,8 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
 
     strategy_name = "bagua"
     _bagua_environment_cls: ClassVar[type[ClusterEnvironment]]
+    # Each Lightning package raises its own MisconfigurationException for a configuration it cannot train.
+    _configuration_error: ClassVar[type[Exception]]
 
     def __init__(
         self,
@@ -133,6 +137,11 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
+        if isinstance(self._algorithm, QAdamAlgorithm) and trainer.state.fn == "fit":
+            try:
+                check_qadam_configuration(self.optimizers, self.lr_scheduler_configs)
+            except ValueError as error:
+                raise self._configuration_error(str(error)) from None
         if isinstance(self.model, BaguaDistributedDataParallel):
             # Lightning creates the optimizers after wrapping; algorithms that act around the step need them.
             self.model.bind_optimizers(self.optimizers)
@@ -258,6 +267,7 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
     """
 
     _bagua_environment_cls = BaguaEnvironment
+    _configuration_error = MisconfigurationException
 
 
 def _build_algorithm(algorithm: str | Algorithm, bagua_kwargs: dict[str, Any]) -> Algorithm:

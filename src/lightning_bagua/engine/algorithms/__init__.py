@@ -15,6 +15,7 @@ from lightning_bagua.engine.algorithms.gradient_allreduce import (
     gradient_allreduce_hook,
 )
 from lightning_bagua.engine.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer, check_qadam_configuration
 
 __all__ = [
     "Algorithm",
@@ -26,8 +27,11 @@ __all__ = [
     "GradientAllReduceAlgorithm",
     "GradientAllReduceState",
     "LowPrecisionDecentralizedAlgorithm",
+    "QAdamAlgorithm",
+    "QAdamOptimizer",
     "available_algorithms",
     "bytegrad_hook",
+    "check_qadam_configuration",
     "gradient_allreduce_hook",
     "register_algorithm",
 ]

@@ -1,0 +1,216 @@
+"""Step-time balance: LoadBalancingDistributedSampler against DistributedSampler on variable-length sequences.
+
+Two CPU ranks (spawned processes, Gloo, one thread each) train a small GRU on sequences whose lengths follow a
+log-normal distribution, in two layouts: every sequence runs on its own (``unpadded``: a step's compute follows the
+batch's total length, as for inputs that cannot be padded or are packed) or every batch is padded to its longest
+sequence (``padded``: compute follows batch size x longest length). Balancing helps both: unpadded, the ranks'
+total lengths per step become nearly equal; padded, a step costs the longest sequence of any rank, and balanced ranks
+draw near-equal lengths, so that maximum is taken over ``batch_size`` independent draws instead of
+``world_size x batch_size``.
+After the backward, the ranks all-reduce their gradients, which makes the step synchronous: a rank that drew short
+sequences waits for the one that drew the longest. With the same data, model and batch size, one epoch runs with
+``DistributedSampler`` and one with ``LoadBalancingDistributedSampler(complexity_fn=len)`` (both shuffled), in
+``--rounds`` short rounds of alternating order (medians over the rounds are reported):
+
+    python benchmarks/sampler_balance.py
+
+Prints a table and writes ``benchmarks/results/sampler_balance.json``: per sampler, the mean over steps of the slowest
+rank's compute time (forward + backward), of the time ranks spend waiting for the slowest one, of the synchronous step
+time, the mean gap in work (tokens, padding included) between the ranks' batches, and the epoch time (rank 0,
+between barriers).
+"""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_bagua.data.samplers import LoadBalancingDistributedSampler
+
+RESULTS = Path(__file__).parent / "results"
+WORLD_SIZE = 2
+LAYOUTS = ("unpadded", "padded")
+SAMPLERS = ("DistributedSampler", "LoadBalancingDistributedSampler")
+
+
+def make_dataset(args: argparse.Namespace) -> list[torch.Tensor]:
+    # Log-normal lengths from a seeded normal (torch's LogNormal takes no generator): every rank builds the same data.
+    generator = torch.Generator().manual_seed(0)
+    normal = torch.randn(args.samples, generator=generator)
+    lengths = (args.median_length * torch.exp(args.sigma * normal)).round()
+    lengths = lengths.clamp(args.min_length, args.max_length).long()
+    return [torch.randn(int(length), args.features, generator=generator) for length in lengths]
+
+
+def collate(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    return batch
+
+
+def run_epoch(model: nn.Module, loader: DataLoader, params: list[torch.Tensor], layout: str) -> dict:
+    compute, steps, work = [], [], []
+    dist.barrier()
+    epoch_start = time.perf_counter()
+    for batch in loader:
+        start = time.perf_counter()
+        if layout == "padded":
+            # Padded to the batch's longest sequence: the cost follows batch size x longest length.
+            inputs = pad_sequence(batch, batch_first=True)
+            work.append(inputs.shape[0] * inputs.shape[1])
+            output = model(inputs)[0].square().mean()
+        else:
+            # Unpadded: every sequence runs on its own (as variable-size inputs that cannot be padded do), so the
+            # cost follows the batch's total length.
+            work.append(sum(len(x) for x in batch))
+            output = sum(model(x.unsqueeze(0))[0].square().mean() for x in batch) / len(batch)
+        output.backward()
+        computed = time.perf_counter()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)  # waits for the slowest rank, as every synchronous data-parallel step does
+        for p in params:
+            p.grad = None
+        steps.append(time.perf_counter() - start)
+        compute.append(computed - start)
+    dist.barrier()
+    return {"compute": compute, "steps": steps, "work": work, "epoch": time.perf_counter() - epoch_start}
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    dataset = make_dataset(args)
+    torch.manual_seed(0)
+    model = nn.GRU(args.features, args.hidden, batch_first=True)
+    params = list(model.parameters())
+    samplers = {
+        "DistributedSampler": DistributedSampler(dataset, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=0),
+        "LoadBalancingDistributedSampler": LoadBalancingDistributedSampler(
+            dataset, complexity_fn=len, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=0
+        ),
+    }
+    # Warm-up: allocator and kernels settle before anything is timed.
+    warm = DataLoader(dataset[: args.batch_size * 4], batch_size=args.batch_size, collate_fn=collate)
+    for layout in LAYOUTS:
+        run_epoch(model, warm, params, layout)
+    results: dict[str, list[dict]] = {f"{layout}/{name}": [] for layout in LAYOUTS for name in samplers}
+    for round_index in range(args.rounds):
+        # Short rounds, in alternating order, so drift and background load hit every variant alike.
+        order = list(samplers.items()) if round_index % 2 == 0 else list(reversed(samplers.items()))
+        for layout in LAYOUTS:
+            for name, sampler in order:
+                sampler.set_epoch(round_index)
+                loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=collate)
+                results[f"{layout}/{name}"].append(run_epoch(model, loader, params, layout))
+    gathered: list = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def summarize(gathered: list[dict], name: str) -> dict:
+    rounds = []
+    for round_index in range(len(gathered[0][name])):
+        per_rank = [ranks[name][round_index] for ranks in gathered]
+        steps = len(per_rank[0]["steps"])
+        max_compute = [max(r["compute"][s] for r in per_rank) for s in range(steps)]
+        idle = [statistics.mean(max_compute[s] - r["compute"][s] for r in per_rank) for s in range(steps)]
+        step_time = [max(r["steps"][s] for r in per_rank) for s in range(steps)]
+        gap = [max(r["work"][s] for r in per_rank) - min(r["work"][s] for r in per_rank) for s in range(steps)]
+        rounds.append(
+            {
+                "steps": steps,
+                "mean_max_compute_s": statistics.mean(max_compute),
+                "mean_idle_per_rank_s": statistics.mean(idle),
+                "mean_step_s": statistics.mean(step_time),
+                "mean_work_gap_tokens": statistics.mean(gap),
+                "epoch_s": per_rank[0]["epoch"],
+            }
+        )
+    # Medians over the rounds: robust to a round disturbed by other load on the machine.
+    summary = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "steps"}
+    summary["steps"] = rounds[0]["steps"]
+    summary["idle_fraction"] = summary["mean_idle_per_rank_s"] / summary["mean_max_compute_s"]
+    return {"summary": summary, "rounds": rounds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--median-length", type=float, default=48)
+    parser.add_argument("--sigma", type=float, default=0.9, help="log-normal shape of the lengths")
+    parser.add_argument("--min-length", type=int, default=4)
+    parser.add_argument("--max-length", type=int, default=600)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "gathered.json")
+        mp.spawn(worker, args=(args, port, out), nprocs=WORLD_SIZE, join=True)
+        gathered = json.loads(Path(out).read_text())
+    wall = time.perf_counter() - start
+
+    results = {f"{layout}/{name}": summarize(gathered, f"{layout}/{name}") for layout in LAYOUTS for name in SAMPLERS}
+    speedup = {}
+    for layout in LAYOUTS:
+        base, balanced = (results[f"{layout}/{name}"]["summary"] for name in SAMPLERS)
+        speedup[layout] = {
+            "mean_step": base["mean_step_s"] / balanced["mean_step_s"],
+            "epoch": base["epoch_s"] / balanced["epoch_s"],
+            "mean_max_compute": base["mean_max_compute_s"] / balanced["mean_max_compute_s"],
+        }
+    report = {
+        "benchmark": "synchronous step time on variable-length sequences: DistributedSampler vs "
+        "LoadBalancingDistributedSampler",
+        "command": "python benchmarks/sampler_balance.py",
+        "settings": {**vars(args), "world_size": WORLD_SIZE, "backend": "gloo", "threads_per_rank": 1},
+        "results": results,
+        "speedup": speedup,
+        "wall_s": wall,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+    }
+    header = f"{'layout/sampler':<42}{'steps':>6}{'max compute':>13}{'idle/rank':>11}{'step':>10}{'work gap':>10}"
+    print(header + f"{'epoch':>9}")
+    for key, result in results.items():
+        s = result["summary"]
+        print(
+            f"{key:<42}{s['steps']:>6}{s['mean_max_compute_s'] * 1e3:>10.2f} ms"
+            f"{s['mean_idle_per_rank_s'] * 1e3:>8.2f} ms"
+            f"{s['mean_step_s'] * 1e3:>7.2f} ms{s['mean_work_gap_tokens']:>10.1f}{s['epoch_s']:>7.2f} s"
+        )
+    for layout in LAYOUTS:
+        print(f"{layout}: speedup step x{speedup[layout]['mean_step']:.2f}, epoch x{speedup[layout]['epoch']:.2f}")
+    RESULTS.mkdir(exist_ok=True)
+    out_path = RESULTS / "sampler_balance.json"
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out_path} ({wall:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""``qadam``: Adam whose momentum, after a warm-up, is exchanged as 8-bit codes instead of the gradients.
+
+Bagua's QAdam follows `1-bit Adam <https://arxiv.org/abs/2102.02888>`_: Adam's second moment settles early in
+training, so after a full-precision warm-up it is frozen, and what the ranks exchange from then on is the first
+moment (the momentum), compressed. Here the compression is bytegrad's 8-bit scatter-gather.
+
+Design:
+
+* :class:`QAdamOptimizer` holds all of the state (``step``, ``exp_avg`` = ``m``, ``exp_avg_sq`` = ``v`` per
+  parameter), so an optimizer ``state_dict`` checkpoint resumes in the same phase with the same moments.
+* The phase of a step is read from the optimizer's own step count: during the backward pass of the step that
+  will become step ``s = state["step"] + 1`` the hook asks :meth:`QAdamOptimizer.is_compressed_step`, which is
+  true once ``s >= warmup_steps``.
+* Warm-up: the hook all-reduces the gradient bucket at full precision (as ``gradient_allreduce``), and the
+  optimizer updates ``m`` and ``v`` as Adam.
+* Compressed phase: per gradient bucket, the hook computes every parameter's new local momentum
+  ``b1 * m + (1 - b1) * g_local`` into one flat tensor (in the order of ``bucket.parameters()``), averages it with
+  bytegrad's scatter-gather (hierarchical as bytegrad), and writes the average back into the optimizer's ``m``,
+  marking those parameters as synchronised. The gradient bucket is returned untouched, so after backward ``.grad``
+  holds each rank's *local* gradient in this phase; the optimizer does not read it for a synchronised parameter.
+* Used alone (no algorithm, one process), the optimizer updates ``m`` from ``.grad`` itself in the compressed
+  phase too, which is the same math with one rank.
+
+Binding the optimizer: ``QAdamAlgorithm(q_adam_optimizer=opt)`` in plain PyTorch, or ``q_adam_optimizer=None``
+when the optimizer is created later (the Lightning strategy creates it in ``configure_optimizers`` and binds it
+through :meth:`~lightning_bagua.engine.BaguaDistributedDataParallel.bind_optimizers`): the bound implementation
+then takes the single :class:`QAdamOptimizer` among the bound optimizers. Binding optimizers none of which is a
+:class:`QAdamOptimizer` is a ``ValueError``; a backward pass with no :class:`QAdamOptimizer` known is a
+``RuntimeError`` that says how to provide one.
+"""
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_bagua.engine.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    CommunicationHook,
+    check_keyword_type,
+    register_algorithm,
+)
+from lightning_bagua.engine.algorithms.bytegrad import ByteGradState, reduce_bucket
+from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceState, gradient_allreduce_hook
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.communication import OrderedExecutor
+
+__all__ = ["QAdamAlgorithm", "QAdamImpl", "QAdamOptimizer", "QAdamState", "check_qadam_configuration", "qadam_hook"]
+
+QADAM_CONFIGURATION_ERROR = "Bagua QAdam can only accept one QAdamOptimizer and one LR Scheduler"
+
+
+class QAdamOptimizer(Optimizer):
+    """Adam with a full-precision warm-up, then a frozen second moment and a communicated momentum.
+
+    With ``s`` a parameter's step count after it is incremented, ``g = grad + weight_decay * x``, and ``m``,
+    ``v`` starting at zero:
+
+    1. Warm-up, while ``s < warmup_steps`` (gradients all-reduced at full precision by :class:`QAdamAlgorithm`):
+       ``m = b1 * m + (1 - b1) * g`` and ``v = b2 * v + (1 - b2) * g * g``.
+    2. Compressed phase, once ``s >= warmup_steps``: ``v`` is frozen; ``m = b1 * m + (1 - b1) * g_local`` is
+       computed and averaged over the ranks (8-bit) by :class:`QAdamAlgorithm` during backward. A parameter whose
+       momentum was not synchronised that way (no algorithm) gets ``m`` updated here from its ``.grad``.
+    3. Both phases: ``x = x - lr / (1 - b1^s) * m / (sqrt(v) / sqrt(1 - b2^s) + eps)``.
+
+    Args:
+        params: the parameters, or parameter groups (dicts), to optimise.
+        lr: the learning rate, ``>= 0``.
+        warmup_steps: the step count at which the compressed phase starts, ``> 0``.
+        betas: ``(b1, b2)``, each in ``[0, 1)``.
+        eps: added to the denominator, ``>= 0``.
+        weight_decay: L2 penalty added to the gradient, ``>= 0``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        warmup_steps: int = 100,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
+            raise ValueError(f"Invalid warmup_steps: {warmup_steps!r} (must be an int > 0)")
+        # Written as `not x >= 0` so that NaN is refused too.
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr!r} (must be >= 0)")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps!r} (must be >= 0)")
+        if len(betas) != 2:
+            raise ValueError(f"Invalid betas: {betas!r} (must be a pair)")
+        for index, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {index}: {beta!r} (must be in [0, 1))")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay!r} (must be >= 0)")
+        defaults = {
+            "lr": lr,
+            "warmup_steps": warmup_steps,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults)
+        # Parameters whose momentum the algorithm averaged during this step's backward; not checkpointed, since a
+        # checkpoint is taken between steps, when the set is empty.
+        self._synchronized: set[int] = set()
+
+    def _group_of(self, param: Tensor) -> dict[str, Any]:
+        # The hook asks for every parameter of every bucket, so the lookup is cached; the cache is rebuilt when the
+        # groups change (``add_param_group`` appends, ``load_state_dict`` replaces the list).
+        # The list itself is kept (not its id), so a later list can never be mistaken for it.
+        cached: tuple[list[dict[str, Any]], int] | None = getattr(self, "_groups_key", None)
+        if cached is None or cached[0] is not self.param_groups or cached[1] != len(self.param_groups):
+            self._groups_by_param = {id(p): group for group in self.param_groups for p in group["params"]}
+            self._groups_key = (self.param_groups, len(self.param_groups))
+        group = self._groups_by_param.get(id(param))
+        if group is None:
+            raise ValueError("The parameter is not optimised by this QAdamOptimizer.")
+        return group
+
+    def _state_of(self, param: Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def is_compressed_step(self, param: Tensor) -> bool:
+        """Whether ``param``'s next step (``s = step + 1``) is in the compressed phase (``s >= warmup_steps``)."""
+        step = self.state[param].get("step", 0) if param in self.state else 0
+        return step + 1 >= self._group_of(param)["warmup_steps"]
+
+    @torch.no_grad()
+    def local_momentum(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor:
+        """Return the new local momenta ``b1 * m + (1 - b1) * (grad + weight_decay * x)``, flattened in order.
+
+        The optimizer's ``m`` is left unchanged: :meth:`set_synchronized_momentum` writes the average back.
+
+        Args:
+            params: the parameters, in bucket order.
+            grads: their local gradients.
+
+        Returns:
+            A new flat tensor.
+        """
+        pieces = []
+        for param, grad in zip(params, grads, strict=True):
+            group = self._group_of(param)
+            beta1 = group["betas"][0]
+            gradient = grad.add(param, alpha=group["weight_decay"]) if group["weight_decay"] else grad
+            momentum = self._state_of(param)["exp_avg"].mul(beta1).add_(gradient, alpha=1 - beta1)
+            pieces.append(momentum.reshape(-1))
+        return torch.cat(pieces)
+
+    @torch.no_grad()
+    def set_synchronized_momentum(self, params: Sequence[Tensor], flat: Tensor) -> None:
+        """Store the averaged momenta ``flat`` (as laid out by :meth:`local_momentum`) as the params' ``m``.
+
+        Args:
+            params: the parameters, in the order given to :meth:`local_momentum`.
+            flat: the averaged momenta.
+        """
+        offset = 0
+        for param in params:
+            momentum = self._state_of(param)["exp_avg"]
+            momentum.copy_(flat[offset : offset + momentum.numel()].view_as(momentum))
+            offset += momentum.numel()
+            self._synchronized.add(id(param))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Take one optimisation step (steps 1 to 3 of the class docstring) for every parameter with a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, if any.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                synchronized = id(param) in self._synchronized
+                if param.grad is None and not synchronized:
+                    continue
+                state = self._state_of(param)
+                state["step"] += 1
+                step = state["step"]
+                momentum, second_moment = state["exp_avg"], state["exp_avg_sq"]
+                # A synchronised m was averaged during backward; otherwise (warm-up, or no algorithm) update it here.
+                if step < group["warmup_steps"] or not synchronized:
+                    grad = param.grad
+                    if group["weight_decay"]:
+                        grad = grad.add(param, alpha=group["weight_decay"])
+                    momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
+                    if step < group["warmup_steps"]:  # v is frozen once the warm-up is over
+                        second_moment.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denominator = (second_moment.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+                param.addcdiv_(momentum, denominator, value=-group["lr"] / (1 - beta1**step))
+        self._synchronized.clear()
+        return loss
+
+
+@register_algorithm("qadam")
+class QAdamAlgorithm(Algorithm):
+    """Full-precision gradient all-reduce during warm-up, then 8-bit momentum averaging (see the module docstring).
+
+    Args:
+        q_adam_optimizer: the model's :class:`QAdamOptimizer`. ``None`` when it is bound later through
+            ``bind_optimizers`` (as the Lightning strategy does).
+        hierarchical: in the compressed phase, average inside each node at full precision first and run the
+            8-bit scatter-gather among node leaders only (with one node this is a full-precision all-reduce).
+            The warm-up all-reduce is two-level too when the groups are.
+    """
+
+    def __init__(self, *, q_adam_optimizer: QAdamOptimizer | None = None, hierarchical: bool = True) -> None:
+        if q_adam_optimizer is not None:
+            check_keyword_type(self.name, "q_adam_optimizer", q_adam_optimizer, QAdamOptimizer)
+        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
+        self.q_adam_optimizer = q_adam_optimizer
+        self.hierarchical = hierarchical
+
+    def reify(self, context: AlgorithmContext) -> "QAdamImpl":
+        """Bind the algorithm to one wrapped model.
+
+        Args:
+            context: the wrapper's groups, counter, executor and device.
+
+        Returns:
+            The bound implementation.
+        """
+        return QAdamImpl(self, context)
+
+
+@dataclass
+class QAdamState:
+    """State of :func:`qadam_hook`.
+
+    Args:
+        full_precision: the warm-up's all-reduce state.
+        compressed: the compressed phase's bytegrad state (``average=True``).
+        executor: runs the compressed jobs in bucket order.
+        optimizer: the bound optimizer, ``None`` until one is known.
+    """
+
+    full_precision: GradientAllReduceState
+    compressed: ByteGradState
+    executor: OrderedExecutor
+    optimizer: QAdamOptimizer | None = field(default=None)
+
+    def require_optimizer(self) -> QAdamOptimizer:
+        """Return the bound optimizer, or raise a ``RuntimeError`` that says how to bind one."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "Algorithm 'qadam' has no QAdamOptimizer: pass `q_adam_optimizer=` to QAdamAlgorithm, or the"
+                " optimizer to BaguaDistributedDataParallel(optimizers=[...]) / bind_optimizers([...])."
+            )
+        return self.optimizer
+
+
+class QAdamImpl(AlgorithmImpl):
+    """:class:`QAdamAlgorithm` bound to one wrapped model."""
+
+    def __init__(self, algorithm: QAdamAlgorithm, context: AlgorithmContext) -> None:
+        super().__init__(context)
+        self._given = algorithm.q_adam_optimizer
+        self.state = QAdamState(
+            full_precision=GradientAllReduceState(
+                groups=context.groups, counter=context.counter, executor=context.executor, average=True
+            ),
+            compressed=ByteGradState(
+                groups=context.groups,
+                counter=context.counter,
+                executor=context.executor,
+                average=True,
+                hierarchical=algorithm.hierarchical,
+                codec=MinMaxUInt8Codec(),
+            ),
+            executor=context.executor,
+        )
+        if self._given is not None:
+            self._set_optimizer(self._given)
+
+    def _set_optimizer(self, optimizer: QAdamOptimizer) -> None:
+        optimised = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [name for name, param in self.context.named_parameters if id(param) not in optimised]
+        if missing:
+            raise ValueError(f"Algorithm 'qadam': the QAdamOptimizer does not optimise {', '.join(missing)}.")
+        self.state.optimizer = optimizer
+
+    def communication_hook(self) -> tuple[Any, CommunicationHook]:
+        """Return the state and :func:`qadam_hook`."""
+        return self.state, qadam_hook
+
+    def bind_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Take the single :class:`QAdamOptimizer` among ``optimizers`` (unless one was given to the algorithm).
+
+        Args:
+            optimizers: the optimizers that update the model; an empty list leaves the binding as it is.
+
+        Raises:
+            ValueError: there are optimizers but not exactly one :class:`QAdamOptimizer`, or it differs from the
+                one given to the algorithm.
+        """
+        if not optimizers:
+            return
+        found = [optimizer for optimizer in optimizers if isinstance(optimizer, QAdamOptimizer)]
+        if len(found) != 1:
+            raise ValueError(
+                f"Algorithm 'qadam' needs exactly one QAdamOptimizer among the bound optimizers, got"
+                f" {[type(optimizer).__name__ for optimizer in optimizers]}."
+            )
+        if self._given is not None and found[0] is not self._given:
+            raise ValueError("Algorithm 'qadam': the bound QAdamOptimizer is not the `q_adam_optimizer` it was given.")
+        self._set_optimizer(found[0])
+
+
+def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Communicate one bucket: its gradients during warm-up, its parameters' momenta afterwards.
+
+    1. Ask the optimizer which phase the coming step is in (every parameter of the bucket must agree).
+    2. Warm-up: all-reduce the gradients at full precision (mean) and return them.
+    3. Compressed: ``m_i = b1 * m + (1 - b1) * (g_i + weight_decay * x)`` for the bucket's parameters, flattened;
+       ``m = mean_i m_i`` by 8-bit scatter-gather; ``m`` written back into the optimizer; the local gradients
+       returned untouched.
+
+    Args:
+        state: the phases' states and the bound optimizer.
+        bucket: the bucket DDP's reducer hands over.
+
+    Returns:
+        A future of the bucket's gradients.
+    """
+    optimizer = state.require_optimizer()
+    params = bucket.parameters()
+    phases = {optimizer.is_compressed_step(param) for param in params}
+    if len(phases) != 1:
+        raise RuntimeError("Algorithm 'qadam': the parameters of one gradient bucket are in different phases.")
+    if not phases.pop():
+        return gradient_allreduce_hook(state.full_precision, bucket)
+    # Computed here, in backward, while the local gradients are in the bucket; communicated off this thread.
+    momentum = optimizer.local_momentum(params, bucket.gradients())
+    buffer = bucket.buffer()
+
+    def job() -> Tensor:
+        reduce_bucket(state.compressed, momentum)
+        optimizer.set_synchronized_momentum(params, momentum)
+        return buffer
+
+    return state.executor.submit(job)
+
+
+def check_qadam_configuration(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any]) -> None:
+    """Check the Lightning strategy's rule for ``qadam``: one :class:`QAdamOptimizer`, at most one LR scheduler.
+
+    Args:
+        optimizers: the optimizers ``configure_optimizers`` returned.
+        lr_scheduler_configs: the LR scheduler configurations it returned.
+
+    Raises:
+        ValueError: the rule does not hold; the message starts with "Bagua QAdam can only accept one
+            QAdamOptimizer and one LR Scheduler".
+    """
+    if len(optimizers) != 1 or not isinstance(optimizers[0], QAdamOptimizer) or len(lr_scheduler_configs) > 1:
+        raise ValueError(
+            f"{QADAM_CONFIGURATION_ERROR}, got optimizers {[type(o).__name__ for o in optimizers]} and"
+            f" {len(lr_scheduler_configs)} LR scheduler(s)."
+        )
