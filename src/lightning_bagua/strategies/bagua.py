@@ -50,8 +50,13 @@ _REDUCE_OPS: dict[Any, str] = {
     ReduceOp.MIN: "min",
     ReduceOp.PRODUCT: "product",
 }
-_TORCH_OPS = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
-_TORCH_OPS["product"] = ReduceOp.PRODUCT
+_TORCH_OPS = {
+    "sum": ReduceOp.SUM,
+    "mean": ReduceOp.SUM,
+    "max": ReduceOp.MAX,
+    "min": ReduceOp.MIN,
+    "product": ReduceOp.PRODUCT,
+}
 
 
 class _BaguaStrategyLogic(_StrategyLogicBase):

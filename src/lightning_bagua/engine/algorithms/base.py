@@ -221,6 +221,19 @@ def check_keyword_type(algorithm: str, keyword: str, value: Any, expected: type 
         )
 
 
+def check_positive_int(algorithm: str, keyword: str, value: Any) -> None:
+    """Raise unless ``value`` is an ``int`` (not a ``bool``) of at least 1, naming the keyword and the value.
+
+    Args:
+        algorithm: the algorithm's registry name, for the message.
+        keyword: the keyword's name.
+        value: the value given.
+    """
+    check_keyword_type(algorithm, keyword, value, int)
+    if value < 1:
+        raise ValueError(f"Algorithm {algorithm!r}: `{keyword}` must be at least 1, got {value}.")
+
+
 def _describe_keywords(keywords: dict[str, Any]) -> str:
     if not keywords:
         return "no keywords"

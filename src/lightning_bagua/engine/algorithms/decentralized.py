@@ -18,6 +18,7 @@ from lightning_bagua.engine.algorithms.base import (
     AlgorithmImpl,
     CommunicationHook,
     check_keyword_type,
+    check_positive_int,
     register_algorithm,
 )
 from lightning_bagua.engine.communication import (
@@ -94,10 +95,7 @@ class DecentralizedAlgorithm(Algorithm):
                 f"Algorithm {self.name!r}: `peer_selection_mode` must be one of"
                 f" {', '.join(map(repr, PEER_SELECTION_MODES))}, got {peer_selection_mode!r}."
             )
-        if communication_interval < 1:
-            raise ValueError(
-                f"Algorithm {self.name!r}: `communication_interval` must be at least 1, got {communication_interval}."
-            )
+        check_positive_int(self.name, "communication_interval", communication_interval)
         self.hierarchical = hierarchical
         self.peer_selection_mode = peer_selection_mode
         self.communication_interval = communication_interval

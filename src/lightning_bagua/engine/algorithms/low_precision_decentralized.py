@@ -18,6 +18,7 @@ from lightning_bagua.engine.algorithms.base import (
     AlgorithmImpl,
     CommunicationHook,
     check_keyword_type,
+    check_positive_int,
     register_algorithm,
 )
 from lightning_bagua.engine.algorithms.decentralized import (
@@ -77,11 +78,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
 
     def __init__(self, *, hierarchical: bool = True, communication_interval: int = 1) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
-        check_keyword_type(self.name, "communication_interval", communication_interval, int)
-        if communication_interval < 1:
-            raise ValueError(
-                f"Algorithm {self.name!r}: `communication_interval` must be at least 1, got {communication_interval}."
-            )
+        check_positive_int(self.name, "communication_interval", communication_interval)
         self.hierarchical = hierarchical
         self.communication_interval = communication_interval
 
