@@ -1,5 +1,6 @@
 """``BaguaStrategy``: Lightning's DDP strategy with the model wrapped by the Bagua engine."""
 
+import atexit
 import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -138,6 +139,11 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
     def communication_counter(self) -> CommunicationCounter | None:
         """What the engine communicated in the current or last fit; ``None`` before the first fit."""
         return self._communication_counter
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        _destroy_process_group_at_exit()
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -284,6 +290,26 @@ def _build_algorithm(algorithm: str | Algorithm, bagua_kwargs: dict[str, Any]) -
             )
         return algorithm
     return Algorithm.init(algorithm, **bagua_kwargs)
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def _destroy_process_group_at_exit() -> None:
+    # Lightning leaves the default process group alive when a run ends, and a script that exits with it alive
+    # can abort in interpreter shutdown: Gloo's worker threads still hold tensors whose release needs the GIL
+    # ("terminate called without an active exception", SIGABRT after a successful fit). Destroying it from an
+    # atexit handler, while the interpreter is whole, ends the process cleanly; a user who destroyed it already
+    # is left alone.
+    global _EXIT_HANDLER_REGISTERED
+    if not _EXIT_HANDLER_REGISTERED:
+        atexit.register(_destroy_default_process_group)
+        _EXIT_HANDLER_REGISTERED = True
+
+
+def _destroy_default_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _is_hashable(value: Any) -> bool:
