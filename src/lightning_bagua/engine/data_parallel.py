@@ -157,6 +157,33 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             self._bagua_impl.on_forward_start(self.require_backward_grad_sync)
         return super().forward(*inputs, **kwargs)
 
+    def bagua_state_dict(self) -> dict[str, Any]:
+        """Return the algorithm's state on this rank (see :meth:`AlgorithmImpl.state_dict`), named for its kind.
+
+        Save it beside the model's and the optimizers' ``state_dict()`` to resume exactly.
+
+        Returns:
+            ``{"algorithm": <registered name>, "state": <the algorithm's state>}``.
+        """
+        return {"algorithm": self.bagua_algorithm.name, "state": self._bagua_impl.state_dict()}
+
+    def load_bagua_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`bagua_state_dict` returned, after the module and optimizers have been restored.
+
+        Args:
+            state: a dict from :meth:`bagua_state_dict`.
+
+        Raises:
+            ValueError: if it was written by another algorithm.
+        """
+        if state.get("algorithm") != self.bagua_algorithm.name:
+            raise ValueError(
+                f"The checkpoint holds state of the {state.get('algorithm')!r} algorithm, but this model trains with"
+                f" {self.bagua_algorithm.name!r}. Resume with the same algorithm, or load the weights alone"
+                " (without the algorithm state) to switch."
+            )
+        self._bagua_impl.load_state_dict(state["state"])
+
     def bind_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
         """Tell the algorithm which optimizers update this model (replacing any bound before).
 

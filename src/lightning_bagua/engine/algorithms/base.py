@@ -79,6 +79,32 @@ class AlgorithmImpl(ABC):
             optimizers: the optimizers, in the order the user gave them.
         """
 
+    def state_dict(self) -> dict[str, Any]:
+        """Return what this algorithm needs, beyond the model's and the optimizers' own state, to resume exactly.
+
+        The values are tensors (on any device) and plain Python objects, as ``torch.save`` takes them; the dict
+        is empty for algorithms that keep nothing between steps.
+
+        Returns:
+            This rank's algorithm state.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state :meth:`state_dict` returned, after the model and optimizers have been restored.
+
+        Args:
+            state: a dict from :meth:`state_dict` of the same algorithm.
+
+        Raises:
+            ValueError: if ``state`` holds anything, since this algorithm keeps no state.
+        """
+        if state:
+            raise ValueError(
+                f"{type(self).__name__} keeps no state between steps, got state with keys {sorted(state)}."
+                " Was the checkpoint written with another algorithm?"
+            )
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads and buffers; the wrapper calls this once when it is closed."""
 
