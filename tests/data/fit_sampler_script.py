@@ -78,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--mode", choices=["sampler", "batch_sampler"], required=True)
+    parser.add_argument("--use-distributed-sampler", choices=["true", "false"], default="true")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -109,8 +110,9 @@ def main() -> None:
         loader = DataLoader(dataset, batch_sampler=batch_sampler)
         # flatten=False, as fuse_optimizer wants (the gradients stay out of the communication buckets).
         strategy = BaguaStrategy(flatten=False)
-        # Lightning decides by `loader.sampler`, a SequentialSampler for batch-sampler loaders.
-        use_distributed_sampler = False
+        # With Lightning's default, the Trainer rebuilds the batch sampler around its own DistributedSampler
+        # (it decides by `loader.sampler`, a SequentialSampler here); ours must survive that rebuild.
+        use_distributed_sampler = args.use_distributed_sampler == "true"
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -153,7 +155,11 @@ def main() -> None:
     )
     trainer.fit(model, loader)
     train_loader = trainer.train_dataloader
-    kept = train_loader.sampler is sampler if args.mode == "sampler" else train_loader.batch_sampler is batch_sampler
+    if args.mode == "sampler":
+        kept = train_loader.sampler is sampler
+    else:
+        used = train_loader.batch_sampler
+        kept = isinstance(used, LoadBalancingDistributedBatchSampler) and used.sampler is sampler
     result = {
         "rank": trainer.global_rank,
         "seen": model.seen,

@@ -1,5 +1,6 @@
 """Load-balancing samplers: coverage, balance, randomness, batch counts; and kept and used by a real Trainer."""
 
+import importlib
 import logging
 import math
 import os
@@ -356,26 +357,54 @@ def test_given_ranks_are_kept_with_a_warning_where_they_disagree(caplog):
     assert "was given num_replicas=2, rank=1, but this process is rank 2 of 4" in caplog.text
 
 
-def test_lightning_refuses_to_rebuild_a_batch_sampler_loader_and_names_the_fix():
-    """Why the batch-sampler case needs use_distributed_sampler=False: Lightning would otherwise try to rebuild it."""
-    from lightning.pytorch.utilities.data import _update_dataloader
+@pytest.mark.parametrize(
+    ("package", "predicting"),
+    [
+        ("lightning.pytorch", False),
+        ("lightning.pytorch", True),
+        ("lightning.fabric", False),
+        ("pytorch_lightning", False),
+        ("lightning_fabric", False),
+    ],
+)
+def test_lightnings_rebuild_keeps_the_batch_sampler_and_places_it(package, predicting):
+    """Lightning rebuilds a batch-sampler loader around its own DistributedSampler; ours survives, placed like it."""
+    update_dataloader = importlib.import_module(f"{package}.utilities.data")._update_dataloader
+    inner = LoadBalancingDistributedSampler(list(range(10)), identity)
+    batch_fn = lambda indices: [indices[i : i + 2] for i in range(0, len(indices), 2)]  # noqa: E731
+    original = LoadBalancingDistributedBatchSampler(inner, batch_fn, drop_last=True)
+    loader = DataLoader(list(range(10)), batch_sampler=original)
+    offered = DistributedSampler(loader.dataset, num_replicas=2, rank=1)
+    if predicting:
+        from lightning.pytorch.trainer.states import RunningStage
 
-    inner = LoadBalancingDistributedSampler(list(range(10)), identity, num_replicas=2, rank=0)
-    loader = DataLoader(list(range(10)), batch_sampler=LoadBalancingDistributedBatchSampler(inner, lambda i: [i]))
-    with pytest.raises(TypeError, match=r"use_distributed_sampler=False"):
-        _update_dataloader(loader, DistributedSampler(loader.dataset, num_replicas=2, rank=0))
+        rebuilt = update_dataloader(loader, offered, mode=RunningStage.PREDICTING)
+        batch_sampler = rebuilt.batch_sampler._batch_sampler  # Lightning's index-recording wrapper
+    else:
+        rebuilt = update_dataloader(loader, offered)
+        batch_sampler = rebuilt.batch_sampler
+    assert isinstance(batch_sampler, LoadBalancingDistributedBatchSampler)
+    assert batch_sampler is not original
+    assert batch_sampler.sampler is inner
+    assert batch_sampler.batch_fn is batch_fn
+    assert batch_sampler.drop_last is not predicting  # Lightning asks for every sample when predicting
+    assert (inner.num_replicas, inner.rank) == (2, 1)
+    expected = LoadBalancingDistributedBatchSampler(
+        LoadBalancingDistributedSampler(list(range(10)), identity, num_replicas=2, rank=1), batch_fn, drop_last=True
+    )
+    assert [batch.tolist() for batch in rebuilt] == list(expected)
 
 
 # ------------------------------------------------------------------------------------- Lightning, two processes
 
 
-def run_fit(out: Path, mode: str) -> list[dict]:
+def run_fit(out: Path, mode: str, *extra: str) -> list[dict]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "MASTER_PORT": str(free_port()),
     }
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--mode", mode]
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--mode", mode, *extra]
     completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
@@ -390,10 +419,10 @@ def expected_sampler(rank: int, epoch: int) -> LoadBalancingDistributedSampler:
     return sampler
 
 
-def assert_kept_and_set_epoch_called(results: list[dict]) -> None:
+def assert_kept_and_set_epoch_called(results: list[dict], loader_kept: bool = True) -> None:
     for rank, result in enumerate(results):
         assert result["kept"], f"rank {rank}: Lightning replaced the sampler"
-        assert result["loader_kept"], f"rank {rank}: Lightning rebuilt the dataloader"
+        assert result["loader_kept"] is loader_kept, f"rank {rank}: dataloader rebuilt: {not result['loader_kept']}"
         assert (result["num_replicas"], result["sampler_rank"]) == (2, rank)
         assert result["filled_by_strategy"] == (2, rank)  # by BaguaStrategy.process_dataloader
         # Lightning calls set_epoch at the start of every epoch (and may repeat a call); epochs in order.
@@ -415,10 +444,11 @@ def test_trainer_keeps_and_uses_the_sampler(tmp_path):
         assert {i for result in results for batch in result["seen"][epoch] for i in batch} == set(range(45))
 
 
-def test_trainer_keeps_and_uses_the_batch_sampler_and_fuse_step(tmp_path):
-    """The batch-sampler loader, under use_distributed_sampler=False; the run also uses the fuse_step recipe."""
-    results = run_fit(tmp_path, "batch_sampler")
-    assert_kept_and_set_epoch_called(results)
+@pytest.mark.parametrize("use_distributed_sampler", ["true", "false"])
+def test_trainer_keeps_and_uses_the_batch_sampler_and_fuse_step(tmp_path, use_distributed_sampler):
+    """The batch-sampler loader, rebuilt by Lightning or left alone; the run also uses the fuse_step recipe."""
+    results = run_fit(tmp_path, "batch_sampler", "--use-distributed-sampler", use_distributed_sampler)
+    assert_kept_and_set_epoch_called(results, loader_kept=use_distributed_sampler == "false")
     dataset = script.IndexedDataset()
     steps = []
     for epoch in range(script.EPOCHS):

@@ -9,8 +9,10 @@ always have about the same complexity. :class:`LoadBalancingDistributedBatchSamp
 
 Under Lightning, both keep their place in the ``DataLoader``: the sampler is a ``DistributedSampler`` subclass, which
 the Trainer does not replace, and :class:`~lightning_bagua.BaguaStrategy` fills in ``num_replicas`` and ``rank`` when
-they were not given. A batch sampler needs ``Trainer(use_distributed_sampler=False)``: Lightning decides by the
-``DataLoader``'s ``sampler`` attribute, which a ``batch_sampler`` loader leaves at a ``SequentialSampler``.
+they were not given. A ``batch_sampler`` loader looks undistributed to Lightning (its ``sampler`` attribute is a
+``SequentialSampler``), so the Trainer and Fabric rebuild the batch sampler around a ``DistributedSampler`` of their
+own; the batch sampler takes only that sampler's ``num_replicas`` and ``rank`` (where none were given) and keeps its
+load-balancing order, so no ``use_distributed_sampler=False`` is needed.
 """
 
 import logging
@@ -244,6 +246,8 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         batch_fn: Callable[[list[int]], Sequence[Sequence[int]]],
         drop_last: bool = False,
     ) -> None:
+        if isinstance(batch_fn, _RebuiltByLightning):
+            sampler, batch_fn = batch_fn.rebind(sampler)
         if not isinstance(sampler, LoadBalancingDistributedSampler):
             raise TypeError(
                 f"`sampler` must be a LoadBalancingDistributedSampler, got {type(sampler).__name__}: the batch counts"
@@ -256,6 +260,13 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self._cache_key: tuple[Any, ...] | None = None
         self._batches: list[list[int]] = []
+        # Lightning rebuilds a custom batch sampler from the arguments recorded under these names, putting its own
+        # DistributedSampler in place of `sampler` (and drop_last=False when predicting). The recorded `batch_fn`
+        # carries this sampler along, so the rebuilt batch sampler keeps it and only learns its place from theirs.
+        setattr(self, "__pl_saved_args", (sampler, _RebuiltByLightning(sampler, batch_fn), drop_last))
+        setattr(self, "__pl_saved_kwargs", {})
+        setattr(self, "__pl_saved_arg_names", ("sampler", "batch_fn", "drop_last"))
+        setattr(self, "__pl_saved_default_kwargs", {"drop_last": False})
 
     def set_epoch(self, epoch: int) -> None:
         """Set the sampler's epoch; the next iteration uses that epoch's batches.
@@ -308,6 +319,20 @@ class LoadBalancingDistributedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._current())
+
+
+class _RebuiltByLightning:
+    """The ``batch_fn`` recorded for Lightning's rebuild, holding the load-balancing sampler to keep."""
+
+    def __init__(self, sampler: LoadBalancingDistributedSampler, batch_fn: Callable[[list[int]], Any]) -> None:
+        self.sampler = sampler
+        self.batch_fn = batch_fn
+
+    def rebind(self, offered: object) -> tuple[LoadBalancingDistributedSampler, Callable[[list[int]], Any]]:
+        """Return the sampler and ``batch_fn`` to use, placing the sampler like the one Lightning ``offered``."""
+        if offered is not self.sampler and isinstance(offered, DistributedSampler):
+            self.sampler._fill_distributed(offered.num_replicas, offered.rank)
+        return self.sampler, self.batch_fn
 
 
 def _group_table(
