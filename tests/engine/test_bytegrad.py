@@ -133,3 +133,15 @@ def test_hierarchical_bytegrad_on_one_node_is_full_precision():
     assert_ranks_identical(results)
     assert all(set(step) == {"all_reduce"} for step in results[0]["bytes"])
     torch.testing.assert_close(results[0]["state"], train_reference(2), rtol=1e-5, atol=1e-6)
+
+
+def test_hierarchical_bytegrad_with_one_rank_per_node_compresses_between_the_nodes():
+    """Every rank leads its own node, so the whole exchange is the compressed inter-node level."""
+    results = run_processes(train_with_bytegrad, 2, {"hierarchical": True}, 1)
+    assert_ranks_identical(results)
+    for index in range(len(results[0]["buckets"])):
+        expected, allowance = simulate_scatter_gather([result["buckets"][index][0] for result in results], True)
+        error = (results[0]["buckets"][index][1].double() - expected).abs()
+        assert (error <= allowance).all(), f"bucket {index}"
+    for step, (counted, sizes) in enumerate(zip(results[0]["bytes"], results[0]["sizes"], strict=True)):
+        assert counted == expected_bytes(sizes, 2), f"step {step}"

@@ -124,8 +124,9 @@ def reduce_bucket(state: ByteGradState, buffer: Tensor) -> Tensor:
             )
 
         return all_reduce_hierarchically(buffer, groups, state.counter, inter_node)
-    if state.hierarchical:
-        # Hierarchical on one node (or one rank per node): only the full-precision intra-node level is left.
+    if state.hierarchical and groups.layout.num_nodes == 1:
+        # Hierarchical on one node: only the full-precision intra-node level is left. (With one rank per node,
+        # every rank is its node's leader and the compressed scatter-gather below is the inter-node level.)
         state.counter.record("all_reduce", buffer)
         dist.all_reduce(buffer, group=groups.flat)
         return buffer.div_(groups.world_size) if state.average else buffer
