@@ -274,7 +274,8 @@ def _reduce_over_all_processes(
     """Reduce ``tensor`` over the default process group (see ``BaguaStrategy.reduce`` for the accepted ops)."""
     if not isinstance(tensor, Tensor):
         return tensor
-    if group is not None:
+    # Fabric names the default group explicitly where the Trainer passes None.
+    if group is not None and group is not getattr(dist.group, "WORLD", None):
         raise ValueError(
             f"{caller} reduces over all processes and takes no `group`, got {group!r}."
             " Call torch.distributed.all_reduce yourself to reduce over a subgroup."

@@ -222,14 +222,19 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
 
         Args:
             tensor: the value to reduce.
-            group: must be ``None``: the strategy reduces over all processes.
+            group: ``None`` or the default group (what ``fabric.all_reduce`` passes): the strategy reduces over
+                all processes.
             reduce_op: ``"mean"``/``"avg"``/``None`` (the default: average), ``"sum"``, ``"max"``, ``"min"``,
                 ``"product"``, or the matching ``ReduceOp`` member.
 
         Returns:
-            A new tensor holding the reduced value, on every process.
+            The reduced value, on every process: written into ``tensor`` itself, as Fabric documents, unless the
+            result has another dtype (the mean of an integer tensor), which comes back as a new tensor.
         """
-        return _reduce_over_all_processes(tensor, group, reduce_op, f"{type(self).__name__}.all_reduce")
+        result = _reduce_over_all_processes(tensor, group, reduce_op, f"{type(self).__name__}.all_reduce")
+        if isinstance(tensor, Tensor) and result is not tensor and result.dtype == tensor.dtype:
+            return tensor.copy_(result)
+        return result
 
     @override
     def save_checkpoint(
