@@ -1,8 +1,9 @@
 """Train with the Fabric BaguaStrategy (and, for comparison, the Trainer's) on two CPU processes; tests run this.
 
-Run as ``python tests/strategies/fabric_script.py --out DIR --mode MODE`` with the repository on PYTHONPATH: the
-first ``Fabric(strategy="bagua", devices=2).launch()`` starts the second process, exactly as in a user's script,
-and creates the process group every later Fabric and Trainer in the script joins. Each rank writes ``DIR/rank{r}.pt``.
+Run as ``python tests/strategies/fabric_script.py --out DIR --mode MODE[,MODE...]`` with the repository on
+PYTHONPATH: the first ``Fabric(strategy="bagua", devices=2).launch()`` starts the second process, exactly as in a
+user's script, and creates the process group every later Fabric and Trainer in the script joins. Each rank writes
+``DIR/rank{r}.pt``.
 
 Modes:
 
@@ -302,7 +303,7 @@ def setup_checks(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", required=True, choices=["compare", "checkpoint", "setup"])
+    parser.add_argument("--mode", required=True, help="compare, checkpoint or setup; several, comma-separated")
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
 
@@ -312,7 +313,8 @@ def main() -> None:
     first = Fabric(accelerator="cpu", devices=2, strategy="bagua")
     first.launch()
     result: dict[str, Any] = {"strategy_class": f"{type(first.strategy).__module__}.{type(first.strategy).__name__}"}
-    result.update({"compare": compare, "checkpoint": checkpoint, "setup": setup_checks}[args.mode](args))
+    for mode in args.mode.split(","):
+        result.update({"compare": compare, "checkpoint": checkpoint, "setup": setup_checks}[mode](args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{first.global_rank}.pt")

@@ -166,7 +166,7 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
             assert fabric["bytes_by_op"] == trainer["bytes_by_op"], f"{case}, rank {rank}"
     # Data-parallel algorithms keep the replicas identical; gradient_allreduce matches one process on all batches.
     for case in ["gradient_allreduce", "gradient_allreduce_accumulate", "bytegrad", "qadam"]:
-        assert_ranks_identical([result[case]["fabric"]["state"] for result in results])
+        assert_ranks_identical([result[case]["fabric"] for result in results])
     torch.testing.assert_close(results[0]["gradient_allreduce"]["fabric"]["state"], reference_state(2), **TOLERANCE)
     accumulated = results[0]["gradient_allreduce_accumulate"]["fabric"]
     torch.testing.assert_close(accumulated["state"], reference_state(2, accumulate=3), **TOLERANCE)
@@ -176,8 +176,15 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
     assert set(results[0]["low_precision_decentralized"]["fabric"]["bytes_by_op"]) == {"send"}
 
 
-def test_checkpoint_round_trip_restores_weights_optimizer_and_algorithm_state(tmp_path):
-    results = run_script(tmp_path, "checkpoint")
+@pytest.fixture(scope="module")
+def lifecycle(tmp_path_factory):
+    """One two-process run for the checkpoint and setup checks (each launch costs more than its checks)."""
+    out = tmp_path_factory.mktemp("fabric-lifecycle")
+    return out, run_script(out, "checkpoint,setup")
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_and_algorithm_state(lifecycle):
+    out, results = lifecycle
     for rank, result in enumerate(results):
         counting = result["counting"]
         # The test algorithm counts forward passes on each rank; each rank gets its own count back.
@@ -199,7 +206,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_algorithm_state(tm
         assert qadam["saved"]["optimizer"]["state"][0]["step"] == 2
         assert set(qadam["resumed_bytes_by_op"]) == {"all_to_all", "all_gather"}
 
-    on_disk = torch.load(tmp_path / "counting.ckpt", weights_only=False)
+    on_disk = torch.load(out / "counting.ckpt", weights_only=False)
     assert set(on_disk) == {"model", "optimizer", "step", ALGORITHM_STATE_KEY}
     assert on_disk[ALGORITHM_STATE_KEY] == {
         "model": [
@@ -209,8 +216,8 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_algorithm_state(tm
     }
 
 
-def test_setup_apart_in_either_order_qadam_check_reduce_and_teardown(tmp_path):
-    results = run_script(tmp_path, "setup")
+def test_setup_apart_in_either_order_qadam_check_reduce_and_teardown(lifecycle):
+    _, results = lifecycle
     for rank, result in enumerate(results):
         # low_precision_decentralized acts after each optimizer step, so it only matches if the optimizer is bound.
         assert result["module_first_bound"]
