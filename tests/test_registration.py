@@ -505,3 +505,37 @@ def test_trainer_finds_bagua_in_a_script_that_never_imports_it(fresh_venv, packa
     assert report["from"].startswith(str(fresh_venv.prefix))
     assert report["steps"] == 2
     assert report["trained"] is True
+
+
+FABRIC_PACKAGES = [
+    pytest.param("lightning.fabric", "lightning_bagua.strategies.fabric", id="lightning"),
+    pytest.param("lightning_fabric", "lightning_bagua.lightning_fabric", id="lightning_fabric"),
+]
+
+
+@pytest.mark.parametrize(("package", "strategy_module"), FABRIC_PACKAGES)
+def test_fabric_builds_the_bagua_strategy_by_name_without_an_import(package, strategy_module):
+    # The script never imports lightning_bagua: the installed start-up hook registers "bagua" with Fabric's registry.
+    report = run_python(
+        f"""
+        import json, sys
+        from {package} import Fabric
+        from {package}.strategies import STRATEGY_REGISTRY
+        factory = type(STRATEGY_REGISTRY["bagua"]["strategy"]).__name__
+        loaded_before = "{strategy_module}" in sys.modules
+        fabric = Fabric(strategy="bagua", accelerator="cpu", devices=1)
+        strategy = fabric.strategy
+        print(json.dumps({{
+            "factory": factory,
+            "loaded_before": loaded_before,
+            "class": type(strategy).__module__ + "." + type(strategy).__name__,
+            "algorithm": strategy.algorithm.name,
+        }}))
+        """
+    )
+    assert report == {
+        "factory": "_LazyStrategy",
+        "loaded_before": False,
+        "class": f"{strategy_module}.BaguaStrategy",
+        "algorithm": "gradient_allreduce",
+    }

@@ -12,18 +12,14 @@ only its own package's strategies and plugins. These classes share all their log
 ``pl.Trainer(strategy="bagua")`` selects it without any import.
 """
 
-from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.strategies import DDPStrategy
 
-from lightning_bagua.environments.bagua import _BaguaEnvironmentLogic
+# The environment is a `lightning_fabric` class, shared with that package's Fabric strategy.
+from lightning_bagua.lightning_fabric import BaguaEnvironment
 from lightning_bagua.strategies.bagua import _BaguaStrategyLogic
 
 __all__ = ["BaguaEnvironment", "BaguaStrategy"]
-
-
-class BaguaEnvironment(_BaguaEnvironmentLogic, ClusterEnvironment):
-    """:class:`lightning_bagua.BaguaEnvironment` for the ``pytorch_lightning`` package."""
 
 
 class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):  # type: ignore[misc]

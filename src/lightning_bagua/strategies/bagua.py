@@ -88,16 +88,7 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         find_unused_parameters: bool = False,
         **bagua_kwargs: Any,
     ) -> None:
-        if not isinstance(flatten, bool):
-            raise TypeError(
-                f"`flatten` must be a bool, got {flatten!r} ({type(flatten).__name__}). Pass True to let gradients"
-                " live in the communication buckets (no copies), or False to keep them separate."
-            )
-        self._algorithm = _build_algorithm(algorithm, bagua_kwargs)
-        if bucket_cap_mb is not None and (
-            not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0
-        ):
-            raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
+        self._algorithm = _check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
         if cluster_environment is None and self._bagua_environment_cls.detect():
             cluster_environment = self._bagua_environment_cls()
         super().__init__(
@@ -208,28 +199,7 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         Returns:
             A new tensor holding the reduced value, on every process.
         """
-        if not isinstance(tensor, Tensor):
-            return tensor
-        if group is not None:
-            raise ValueError(
-                f"{type(self).__name__}.reduce reduces over all processes and takes no `group`, got {group!r}."
-                " Call torch.distributed.all_reduce yourself to reduce over a subgroup."
-            )
-        op = _REDUCE_OPS.get(reduce_op) if _is_hashable(reduce_op) else None
-        if op is None and reduce_op is not None:
-            raise ValueError(
-                f"Unsupported `reduce_op` {reduce_op!r}. Use one of 'mean' (or 'avg', None), 'sum', 'max', 'min',"
-                " 'product', or the matching torch.distributed.ReduceOp member."
-            )
-        if not (dist.is_available() and dist.is_initialized()):
-            return tensor
-        result = tensor.clone()
-        if op == "mean" and not result.is_floating_point():
-            result = result.to(torch.get_default_dtype())
-        dist.all_reduce(result, op=_TORCH_OPS[op or "mean"])
-        if op == "mean":
-            result.div_(dist.get_world_size())
-        return result
+        return _reduce_over_all_processes(tensor, group, reduce_op, f"{type(self).__name__}.reduce")
 
     @override
     def teardown(self) -> None:
@@ -279,6 +249,52 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
 
     _bagua_environment_cls = BaguaEnvironment
     _configuration_error = MisconfigurationException
+
+
+def _check_engine_arguments(
+    algorithm: str | Algorithm, flatten: bool, bucket_cap_mb: float | None, bagua_kwargs: dict[str, Any]
+) -> Algorithm:
+    """Check the arguments the Trainer's and Fabric's strategies share, and build the algorithm from them."""
+    if not isinstance(flatten, bool):
+        raise TypeError(
+            f"`flatten` must be a bool, got {flatten!r} ({type(flatten).__name__}). Pass True to let gradients"
+            " live in the communication buckets (no copies), or False to keep them separate."
+        )
+    built = _build_algorithm(algorithm, bagua_kwargs)
+    if bucket_cap_mb is not None and (
+        not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0
+    ):
+        raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
+    return built
+
+
+def _reduce_over_all_processes(
+    tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOp | str | None, caller: str
+) -> Tensor | Any:
+    """Reduce ``tensor`` over the default process group (see ``BaguaStrategy.reduce`` for the accepted ops)."""
+    if not isinstance(tensor, Tensor):
+        return tensor
+    # Fabric names the default group explicitly where the Trainer passes None.
+    if group is not None and group is not getattr(dist.group, "WORLD", None):
+        raise ValueError(
+            f"{caller} reduces over all processes and takes no `group`, got {group!r}."
+            " Call torch.distributed.all_reduce yourself to reduce over a subgroup."
+        )
+    op = _REDUCE_OPS.get(reduce_op) if _is_hashable(reduce_op) else None
+    if op is None and reduce_op is not None:
+        raise ValueError(
+            f"Unsupported `reduce_op` {reduce_op!r}. Use one of 'mean' (or 'avg', None), 'sum', 'max', 'min',"
+            " 'product', or the matching torch.distributed.ReduceOp member."
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    result = tensor.clone()
+    if op == "mean" and not result.is_floating_point():
+        result = result.to(torch.get_default_dtype())
+    dist.all_reduce(result, op=_TORCH_OPS[op or "mean"])
+    if op == "mean":
+        result.div_(dist.get_world_size())
+    return result
 
 
 def _build_algorithm(algorithm: str | Algorithm, bagua_kwargs: dict[str, Any]) -> Algorithm:
