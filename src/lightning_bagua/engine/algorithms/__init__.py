@@ -7,6 +7,7 @@ from lightning_bagua.engine.algorithms.base import (
     available_algorithms,
     register_algorithm,
 )
+from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm, ByteGradState, bytegrad_hook
 from lightning_bagua.engine.algorithms.decentralized import DecentralizedAlgorithm
 from lightning_bagua.engine.algorithms.gradient_allreduce import (
@@ -21,6 +22,7 @@ __all__ = [
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
+    "AsyncModelAverageAlgorithm",
     "ByteGradAlgorithm",
     "ByteGradState",
     "DecentralizedAlgorithm",
