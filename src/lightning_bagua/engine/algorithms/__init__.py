@@ -1,5 +1,6 @@
 """Bagua's algorithms. Importing this package registers every algorithm this release provides."""
 
+from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -7,7 +8,6 @@ from lightning_bagua.engine.algorithms.base import (
     available_algorithms,
     register_algorithm,
 )
-from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm, ByteGradState, bytegrad_hook
 from lightning_bagua.engine.algorithms.decentralized import DecentralizedAlgorithm
 from lightning_bagua.engine.algorithms.gradient_allreduce import (

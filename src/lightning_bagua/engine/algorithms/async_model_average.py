@@ -417,7 +417,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                     weights.scatter(average)
                     continue
                 delta = average.sub_(weights.buffer)
-                torch._foreach_add_(weights.parameters, _views_like(delta, weights.parameters))
+                parameters: list[Tensor] = list(weights.parameters)
+                torch._foreach_add_(parameters, _views_like(delta, parameters))
         self.rounds += 1
 
     # ------------------------------------------------------------------------------------------------ the thread
