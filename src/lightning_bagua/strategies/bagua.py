@@ -279,6 +279,11 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self._stop_async_averaging_on_failure()
+
+    def _stop_async_averaging_on_failure(self) -> None:
+        # First thing on an exception: the peers' averaging threads learn of it at their next round and stop too,
+        # instead of waiting in a collective for this rank.
         impl = self._async_averaging()
         if impl is not None:
             self._async_paused_for_validation = False
