@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from lightning_bagua.engine import (
         Algorithm,
         AlgorithmImpl,
+        AsyncModelAverageAlgorithm,
         BaguaDistributedDataParallel,
         ByteGradAlgorithm,
         CommunicationCounter,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Algorithm",
     "AlgorithmImpl",
+    "AsyncModelAverageAlgorithm",
     "BaguaDistributedDataParallel",
     "BaguaEnvironment",
     "BaguaStrategy",
@@ -59,6 +61,7 @@ __all__ = [
 _LAZY_ATTRIBUTES = {
     "Algorithm": "lightning_bagua.engine",
     "AlgorithmImpl": "lightning_bagua.engine",
+    "AsyncModelAverageAlgorithm": "lightning_bagua.engine",
     "BaguaDistributedDataParallel": "lightning_bagua.engine",
     "CommunicationCounter": "lightning_bagua.engine",
     "GradientAllReduceAlgorithm": "lightning_bagua.engine",

@@ -56,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sync-batchnorm", action="store_true")
     parser.add_argument("--flatten", default="true", choices=["true", "false"])
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "qadam"])
+    parser.add_argument("--val-check-interval", type=int, default=None, help="validate every N training batches")
     return parser.parse_args()
 
 
@@ -124,6 +125,7 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
         sync_batchnorm=args.sync_batchnorm,
         limit_val_batches=2,
+        val_check_interval=args.val_check_interval,
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,

@@ -57,7 +57,6 @@ def test_algorithm_instance_is_accepted():
             r"Unknown algorithm 'allreduce'. Available algorithms: .*gradient_allreduce",
         ),
         ({"algorithm": 3}, TypeError, r"got 3 \(int\). Available names: .*gradient_allreduce"),
-        ({"algorithm": "async"}, NotImplementedError, r"'async' algorithm is not available in this release"),
         ({"hierarchicl": True}, TypeError, r"Unknown keyword argument\(s\) 'hierarchicl'.*hierarchical=False, avera"),
         ({"hierarchical": "yes"}, TypeError, r"`hierarchical` must be a bool, got 'yes' \(str\)"),
         ({"average": 1}, TypeError, r"`average` must be a bool, got 1 \(int\)"),

@@ -153,7 +153,9 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module, letting the algorithm act first on passes that record gradients in training mode."""
-        if torch.is_grad_enabled() and self.training:
+        # The wrapped module's mode, not the wrapper's: Lightning's validation inside fit puts the wrapper in eval
+        # mode and restores only the LightningModule's own modules afterwards.
+        if torch.is_grad_enabled() and self.module.training:
             self._bagua_impl.on_forward_start(self.require_backward_grad_sync)
         return super().forward(*inputs, **kwargs)
 

@@ -19,6 +19,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter
+from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageImpl
 from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, check_qadam_configuration
 from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
 from lightning_bagua.environments.bagua import BaguaEnvironment
@@ -200,6 +201,63 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             A new tensor holding the reduced value, on every process.
         """
         return _reduce_over_all_processes(tensor, group, reduce_op, f"{type(self).__name__}.reduce")
+
+    # ------------------------------------------------------------------------------------ async model averaging
+    # Background averaging runs while fitting: resumed when training starts, paused (with a final average, so every
+    # rank validates the same weights) while validation runs inside fit, aborted when training ends; on an exception
+    # it stops without waiting for other ranks. Teardown's close() aborts whatever is still running.
+
+    _async_paused_for_validation: bool = False
+
+    def _async_averaging(self) -> AsyncModelAverageImpl | None:
+        if isinstance(self.model, BaguaDistributedDataParallel):
+            impl = self.model.bagua_algorithm_impl
+            if isinstance(impl, AsyncModelAverageImpl):
+                return impl
+        return None
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        impl = self._async_averaging()
+        if impl is not None:
+            impl.resume()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        impl = self._async_averaging()
+        if impl is not None and impl.enabled:
+            impl.abort()
+            self._async_paused_for_validation = True
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        impl = self._async_averaging()
+        if impl is not None and self._async_paused_for_validation:
+            self._async_paused_for_validation = False
+            impl.resume()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        impl = self._async_averaging()
+        if impl is not None:
+            impl.abort()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._stop_async_averaging_on_failure()
+
+    def _stop_async_averaging_on_failure(self) -> None:
+        # First thing on an exception: the peers' averaging threads learn of it at their next round and stop too,
+        # instead of waiting in a collective for this rank.
+        impl = self._async_averaging()
+        if impl is not None:
+            self._async_paused_for_validation = False
+            impl.stop_on_failure()
 
     @override
     def teardown(self) -> None:

@@ -1,5 +1,6 @@
 """Bagua's algorithms. Importing this package registers every algorithm this release provides."""
 
+from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -21,6 +22,7 @@ __all__ = [
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
+    "AsyncModelAverageAlgorithm",
     "ByteGradAlgorithm",
     "ByteGradState",
     "DecentralizedAlgorithm",

@@ -18,7 +18,7 @@ __all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "available_algorith
 log = logging.getLogger(__name__)
 
 # Bagua's algorithm names that later releases of this package implement; asking for one is not a typo.
-_PLANNED_ALGORITHMS = ("async",)
+_PLANNED_ALGORITHMS: tuple[str, ...] = ()
 
 _REGISTRY: dict[str, type["Algorithm"]] = {}
 
