@@ -42,7 +42,7 @@ LINKS: tuple[tuple[str, float], ...] = (
     ("10 Gbit/s", 10.0),
     ("25 Gbit/s", 25.0),
     ("100 Gbit/s (IB)", 100.0),
-    ("NVLink, ~3600 Gbit/s", 3600.0),
+    ("NVLink ~3.6 Tbit/s", 3600.0),
 )
 
 # (label, algorithm, keywords for traffic.wire_bytes)
@@ -85,8 +85,18 @@ def _row(cells: Sequence[str]) -> nodes.row:
     return row
 
 
-def _source_note(text: str) -> nodes.paragraph:
-    return nodes.paragraph(text=text, classes=["lb-source"])
+def _source_note(commands: Sequence[str], files: str) -> nodes.paragraph:
+    """Return "Measured by `cmd`; `cmd` (files)." with the commands as literals (no smart quotes)."""
+    note = nodes.paragraph(classes=["lb-source"])
+    note += nodes.Text("Measured by ")
+    for index, command in enumerate(commands):
+        if index:
+            note += nodes.Text("; ")
+        note += nodes.literal(text=command)
+    note += nodes.Text(" (results in ")
+    note += nodes.literal(text=files)
+    note += nodes.Text(").")
+    return note
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -109,13 +119,16 @@ class TrafficTable(SphinxDirective):
         """Build the table."""
         ranks = self.options.get("ranks", 8)
         sizes = [int(float(s)) for s in self.options.get("parameters", "25e6,350e6,7e9").split(",")]
-        header = ["algorithm", *[f"{_size(p)} parameters" for p in sizes], "vs gradient_allreduce"]
+        header = ["algorithm", *[f"{_size(p)} parameters" for p in sizes], "ratio"]
         base = traffic.wire_bytes("gradient_allreduce", sizes[-1], ranks)
         rows = []
         for label, name, kwargs in VARIANTS:
             sent = [traffic.wire_bytes(name, p, ranks, **kwargs) for p in sizes]
-            rows.append([label, *[f"{b / 1e6:,.0f} MB" for b in sent], f"{sent[-1] / base:.2f}x"])
-        caption = f"Bytes each rank sends per step among {ranks} peers (computed by traffic.wire_bytes)"
+            rows.append([label, *[_megabytes(b) for b in sent], f"{sent[-1] / base:.2f}"])
+        caption = (
+            f"Bytes each rank sends per step among {ranks} peers, and the ratio to gradient_allreduce"
+            " (computed by traffic.wire_bytes)"
+        )
         return [table(header, rows, caption)]
 
 
@@ -140,6 +153,10 @@ class WireTimeTable(SphinxDirective):
         return [table(header, rows, caption)]
 
 
+def _megabytes(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e10 else f"{nbytes / 1e6:,.0f} MB"
+
+
 def _milliseconds(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:,.0f} ms" if ms >= 10 else f"{ms:.2g} ms"
@@ -150,7 +167,7 @@ def _codec_rows() -> list[tuple[str, str, dict[str, Any]]]:
     found = []
     for path in sorted(RESULTS.glob("codec_throughput_*.json")):
         data = _load(path.stem)
-        device = data["machine"].get("device", "?")
+        device = "CPU" if data["settings"].get("cpu") else data["machine"].get("device", "GPU")
         for result in data["results"]:
             if result["mode"] == "eager" and result["chunks"] == 1:
                 found.append((device, data["command"], result))
@@ -177,8 +194,8 @@ class CodecBreakEven(SphinxDirective):
                 ]
             )
         header = ["device, codec backend", "buffer", "codec throughput (fp32 in)", "bytegrad pays off below"]
-        note = "Measured by " + "; ".join(f"`{c}`" for c in commands) + " (benchmarks/results/codec_throughput_*.json)."
-        return [table(header, rows, "Codec speed and the break-even link speed"), _source_note(note)]
+        note = _source_note(commands, "benchmarks/results/codec_throughput_*.json")
+        return [table(header, rows, "Codec speed and the break-even link speed"), note]
 
 
 def _engine_overhead() -> tuple[list[str], list[list[str]], list[str]]:
@@ -276,8 +293,7 @@ class BenchmarkTable(SphinxDirective):
         header, rows, commands = BENCHMARKS[name]()
         for path in RESULTS.glob(f"{name}*.json"):
             self.env.note_dependency(str(path))
-        note = "Measured by " + "; ".join(f"`{c}`" for c in commands) + f" (benchmarks/results/{name}*.json)."
-        return [table(header, rows), _source_note(note)]
+        return [table(header, rows), _source_note(commands, f"benchmarks/results/{name}*.json")]
 
 
 def draw_codec_chart(app: Sphinx) -> None:
