@@ -21,6 +21,8 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
     "sphinx.ext.mathjax",
+    # MathJax served from the site itself, so the formulas render offline too (a CI artifact, a laptop).
+    "sphinx-mathjax-offline",
     "sphinx_autodoc_typehints",
     "myst_parser",
     "lb_docs",
