@@ -46,7 +46,8 @@ $(VENV)/.docs-installed: $(VENV)/.installed requirements/docs.txt
 	touch $@
 
 docs: $(VENV)/.docs-installed
-	$(PY) -m sphinx -W --keep-going -b html docs/source docs/build/html
+	# -E: read every page on every build, so warnings of unchanged pages are never skipped.
+	$(PY) -m sphinx -E -W --keep-going -b html docs/source docs/build/html
 
 build: setup
 	$(PY) -m build --outdir dist .

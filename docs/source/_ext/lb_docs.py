@@ -1,0 +1,346 @@
+"""Sphinx extension: tables and charts computed at build time from the traffic model and the benchmark results.
+
+Nothing measured is typed into the pages. Each directive reads ``benchmarks/results/*.json`` (or evaluates
+``traffic.py``) when the documentation is built, and names the command that wrote the results.
+
+Directives:
+
+``traffic-table``
+    Megabytes one rank sends per step, per algorithm, for several model sizes (option ``:ranks:``).
+``wire-time-table``
+    Milliseconds those bytes take on links of several speeds, for one model size (options ``:parameters:``,
+    ``:ranks:``).
+``codec-break-even``
+    The measured codec throughput and the link speed below which ``bytegrad`` pays off, from
+    ``codec_throughput_*.json``.
+``benchmark-table``
+    A summary of one results file (argument: its name without ``.json``).
+
+The chart ``_generated/codec_break_even.png`` is drawn from the same results when the build starts.
+"""
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import traffic
+from docutils import nodes
+from docutils.parsers.rst import directives
+from sphinx.application import Sphinx
+from sphinx.util.docutils import SphinxDirective
+
+log = logging.getLogger(__name__)
+
+RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+GENERATED = Path(__file__).resolve().parents[1] / "_generated"
+
+# Representative link speeds in Gbit/s, by regime.
+LINKS: tuple[tuple[str, float], ...] = (
+    ("1 Gbit/s", 1.0),
+    ("10 Gbit/s", 10.0),
+    ("25 Gbit/s", 25.0),
+    ("100 Gbit/s (IB)", 100.0),
+    ("NVLink ~3.6 Tbit/s", 3600.0),
+)
+
+# (label, algorithm, keywords for traffic.wire_bytes)
+VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("gradient_allreduce", "gradient_allreduce", {}),
+    ("bytegrad", "bytegrad", {}),
+    ("decentralized (all)", "decentralized", {}),
+    ("decentralized (shift_one)", "decentralized", {"peer_selection_mode": "shift_one"}),
+    ("low_precision_decentralized", "low_precision_decentralized", {}),
+    ("qadam (warm-up)", "qadam", {"warmup": True}),
+    ("qadam (after warm-up)", "qadam", {}),
+)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], caption: str | None = None) -> nodes.table:
+    """Return a docutils table with a header row; cells are plain text."""
+    table_node = nodes.table(classes=["lb-generated"])
+    if caption:
+        table_node += nodes.title(text=caption)
+    group = nodes.tgroup(cols=len(header))
+    table_node += group
+    for _ in header:
+        group += nodes.colspec(colwidth=1)
+    head = nodes.thead()
+    group += head
+    head += _row(header)
+    body = nodes.tbody()
+    group += body
+    for cells in rows:
+        body += _row(cells)
+    return table_node
+
+
+def _row(cells: Sequence[str]) -> nodes.row:
+    row = nodes.row()
+    for text in cells:
+        entry = nodes.entry()
+        entry += nodes.paragraph(text=text)
+        row += entry
+    return row
+
+
+def _source_note(commands: Sequence[str], files: str) -> nodes.paragraph:
+    """Return "Measured by `cmd`; `cmd` (files)." with the commands as literals (no smart quotes)."""
+    note = nodes.paragraph(classes=["lb-source"])
+    note += nodes.Text("Measured by ")
+    for index, command in enumerate(commands):
+        if index:
+            note += nodes.Text("; ")
+        note += nodes.literal(text=command)
+    note += nodes.Text(" (results in ")
+    note += nodes.literal(text=files)
+    note += nodes.Text(").")
+    return note
+
+
+def _load(name: str) -> dict[str, Any]:
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark results {path} not found; run the benchmark that writes it")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _size(parameters: int) -> str:
+    return f"{parameters / 1e9:g}B" if parameters >= 1e9 else f"{parameters / 1e6:g}M"
+
+
+class TrafficTable(SphinxDirective):
+    """Bytes per rank per step, per algorithm, for several model sizes."""
+
+    option_spec = {"ranks": directives.positive_int, "parameters": directives.unchanged}  # noqa: RUF012
+
+    def run(self) -> list[nodes.Node]:
+        """Build the table."""
+        ranks = self.options.get("ranks", 8)
+        sizes = [int(float(s)) for s in self.options.get("parameters", "25e6,350e6,7e9").split(",")]
+        header = ["algorithm", *[f"{_size(p)} parameters" for p in sizes], "ratio"]
+        base = traffic.wire_bytes("gradient_allreduce", sizes[-1], ranks)
+        rows = []
+        for label, name, kwargs in VARIANTS:
+            sent = [traffic.wire_bytes(name, p, ranks, **kwargs) for p in sizes]
+            rows.append([label, *[_megabytes(b) for b in sent], f"{sent[-1] / base:.2f}"])
+        caption = (
+            f"Bytes each rank sends per step among {ranks} peers, and the ratio to gradient_allreduce"
+            " (computed by traffic.wire_bytes)"
+        )
+        return [table(header, rows, caption)]
+
+
+class WireTimeTable(SphinxDirective):
+    """Milliseconds on the wire per step, per algorithm and link speed."""
+
+    option_spec = {"ranks": directives.positive_int, "parameters": directives.unchanged}  # noqa: RUF012
+
+    def run(self) -> list[nodes.Node]:
+        """Build the table."""
+        ranks = self.options.get("ranks", 8)
+        parameters = int(float(self.options.get("parameters", "350e6")))
+        header = ["algorithm", *[name for name, _ in LINKS]]
+        rows = []
+        for label, name, kwargs in VARIANTS:
+            sent = traffic.wire_bytes(name, parameters, ranks, **kwargs)
+            rows.append([label, *[_milliseconds(traffic.wire_seconds(sent, speed)) for _, speed in LINKS]])
+        caption = (
+            f"Time on the wire per step for {_size(parameters)} parameters among {ranks} peers"
+            " (bandwidth only: latency, codec time and overlap with backward are left out)"
+        )
+        return [table(header, rows, caption)]
+
+
+def _megabytes(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e10 else f"{nbytes / 1e6:,.0f} MB"
+
+
+def _milliseconds(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if ms >= 10 else f"{ms:.2g} ms"
+
+
+def _codec_rows() -> list[tuple[str, str, dict[str, Any]]]:
+    # (device, command, result) for each eager, single-chunk codec measurement in every codec results file.
+    found = []
+    for path in sorted(RESULTS.glob("codec_throughput_*.json")):
+        data = _load(path.stem)
+        device = "CPU" if data["settings"].get("cpu") else data["machine"].get("device", "GPU")
+        for result in data["results"]:
+            if result["mode"] == "eager" and result["chunks"] == 1:
+                found.append((device, data["command"], result))
+    return found
+
+
+class CodecBreakEven(SphinxDirective):
+    """Measured codec throughput and the link speed below which compression pays off."""
+
+    def run(self) -> list[nodes.Node]:
+        """Build the table from every ``codec_throughput_*.json``."""
+        rows = []
+        commands = []
+        for device, command, result in _codec_rows():
+            if command not in commands:
+                commands.append(command)
+            gbyte = result["input_gbps"]
+            rows.append(
+                [
+                    f"{device}, {result['backend']}",
+                    f"{result['size_mb']} MB",
+                    f"{gbyte:,.1f} GB/s",
+                    f"{traffic.break_even_gbit(gbyte):,.0f} Gbit/s",
+                ]
+            )
+        header = ["device, codec backend", "buffer", "codec throughput (fp32 in)", "bytegrad pays off below"]
+        note = _source_note(commands, "benchmarks/results/codec_throughput_*.json")
+        return [table(header, rows, "Codec speed and the break-even link speed"), note]
+
+
+def _engine_overhead() -> tuple[list[str], list[list[str]], list[str]]:
+    rows, commands = [], []
+    for path in sorted(RESULTS.glob("engine_overhead_*.json")):
+        data = _load(path.stem)
+        commands.append(data["command"])
+        step = data["median_step_ms"]
+        rows.append(
+            [
+                f"{data['device']} x{data['settings']['devices']}",
+                f"{data['parameters'] / 1e6:,.1f}M",
+                f"{step['torch_ddp']:.2f} ms",
+                f"{step['bagua_gradient_allreduce']:.2f} ms",
+                f"{data['ratio_bagua_to_ddp']:.3f}",
+            ]
+        )
+    header = ["devices", "parameters", "torch DDP", "gradient_allreduce", "ratio"]
+    return header, rows, commands
+
+
+def _fused_optimizer() -> tuple[list[str], list[list[str]], list[str]]:
+    rows, commands = [], []
+    for path in sorted(RESULTS.glob("fused_optimizer_*.json")):
+        data = _load(path.stem)
+        commands.append(data["command"])
+        for optimizer, variants in data["results"].items():
+            cells = [f"{data['device']}", optimizer]
+            for variant in ("for_loop", "foreach", "torch_fused", "fuse_step", "fuse_step+torch_fused"):
+                cells.append(f"{variants[variant]['median_ms']:.2f} ms" if variant in variants else "-")
+            rows.append(cells)
+    header = ["device", "optimizer", "for-loop", "foreach", "fused=True", "fuse_step", "fuse_step + fused"]
+    return header, rows, commands
+
+
+def _sampler_balance() -> tuple[list[str], list[list[str]], list[str]]:
+    data = _load("sampler_balance")
+    rows = []
+    for name, result in data["results"].items():
+        summary = result["summary"]
+        rows.append(
+            [
+                name,
+                f"{summary['mean_step_s'] * 1e3:.1f} ms",
+                f"{summary['idle_fraction'] * 100:.1f} %",
+                f"{summary['mean_work_gap_tokens']:.1f}",
+            ]
+        )
+    header = ["batches / sampler", "mean step", "idle time of a rank", "work gap between ranks (tokens)"]
+    return header, rows, [data["command"]]
+
+
+def _cached_dataset() -> tuple[list[str], list[list[str]], list[str]]:
+    data = _load("cached_dataset")
+    rows = []
+    for name, result in data["variants"].items():
+        epochs = ", ".join(f"{t:.2f} s" for t in result["epoch_s"])
+        rows.append([name, epochs, f"{result['last_epoch_speedup_vs_plain']:.1f}x"])
+    return ["dataset", "epoch times", "last epoch vs plain"], rows, [data["command"]]
+
+
+def _startup_time() -> tuple[list[str], list[list[str]], list[str]]:
+    data = _load("startup_time")
+    rows = [
+        [
+            f"{data['baseline']['median_ms']:.2f} ms",
+            f"{data['with_hook']['median_ms']:.2f} ms",
+            f"{data['overhead_median_ms']:.2f} ms",
+            ", ".join(data["heavy_modules_imported"]) or "none",
+        ]
+    ]
+    header = ["python -c pass", "with the hook", "added", "torch / Lightning imported"]
+    return header, rows, ["python benchmarks/startup_time.py"]
+
+
+BENCHMARKS: dict[str, Callable[[], tuple[list[str], list[list[str]], list[str]]]] = {
+    "engine_overhead": _engine_overhead,
+    "fused_optimizer": _fused_optimizer,
+    "sampler_balance": _sampler_balance,
+    "cached_dataset": _cached_dataset,
+    "startup_time": _startup_time,
+}
+
+
+class BenchmarkTable(SphinxDirective):
+    """A summary table of one benchmark's results files."""
+
+    required_arguments = 1
+
+    def run(self) -> list[nodes.Node]:
+        """Build the table for the benchmark named by the argument."""
+        name = self.arguments[0]
+        if name not in BENCHMARKS:
+            raise self.error(f"Unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}.")
+        header, rows, commands = BENCHMARKS[name]()
+        for path in RESULTS.glob(f"{name}*.json"):
+            self.env.note_dependency(str(path))
+        return [table(header, rows), _source_note(commands, f"benchmarks/results/{name}*.json")]
+
+
+def draw_codec_chart(app: Sphinx) -> None:
+    """Draw the break-even link speed of every codec measurement against the buffer size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    for device, _command, result in _codec_rows():
+        label = f"{device}, {result['backend']}"
+        series.setdefault(label, []).append((result["size_mb"], traffic.break_even_gbit(result["input_gbps"])))
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    for label, points in series.items():
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, marker="o", label=f"codec on {label}")
+    for name, speed in LINKS:
+        ax.axhline(speed, color="grey", linewidth=0.8, linestyle="--")
+        ax.annotate(
+            name,
+            (1.0, speed),
+            xycoords=("axes fraction", "data"),
+            xytext=(4, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=8,
+            color="dimgrey",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bucket size handed to the codec (MB)")
+    ax.set_ylabel("bytegrad pays off below (Gbit/s)")
+    ax.set_title("Link speed below which 8-bit compression saves time", fontsize=11)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    GENERATED.mkdir(exist_ok=True)
+    fig.savefig(GENERATED / "codec_break_even.png")
+    plt.close(fig)
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    """Register the directives and the chart."""
+    app.add_directive("traffic-table", TrafficTable)
+    app.add_directive("wire-time-table", WireTimeTable)
+    app.add_directive("codec-break-even", CodecBreakEven)
+    app.add_directive("benchmark-table", BenchmarkTable)
+    app.connect("builder-inited", draw_codec_chart)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
