@@ -121,7 +121,7 @@ class CommunicationTelemetry:
             A hook with the same contract.
         """
 
-        def measured_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        def measured_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             last = bucket.is_last()
             if last:
                 # Every gradient is ready once the reducer hands over the last bucket; what follows until the end
