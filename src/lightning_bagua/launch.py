@@ -15,9 +15,12 @@ What became of Bagua's other flags:
 - ``--default_bucket_size`` (bytes) sets ``BAGUA_DEFAULT_BUCKET_SIZE``, the engine's default bucket size.
 - ``--enable_bagua_net`` asks NCCL for several sockets and threads per connection (``NCCL_SOCKET_NTHREADS``,
   ``NCCL_NSOCKS_PERTHREAD``), what Bagua-Net provided, unless those variables are set already.
-- ``--autotune_level``, ``--is_output_autotune_log``, ``--autotune_max_samples``,
-  ``--autotune_sampling_confidence_time``, ``--autotune_warmup_time`` and ``--report_metrics`` are accepted; a
-  non-default value is reported once as having no effect in this release.
+- ``--autotune_level 1`` sets ``BAGUA_AUTOTUNE=1``: a :class:`~lightning_bagua.BaguaStrategy` built without an
+  explicit ``autotune`` tunes the bucket size during the first steps (see the autotuning docs); ``0`` (the
+  default) leaves the variable alone. Other levels are refused.
+- ``--is_output_autotune_log``, ``--autotune_max_samples``, ``--autotune_sampling_confidence_time``,
+  ``--autotune_warmup_time`` and ``--report_metrics`` are accepted; a non-default value is reported once as
+  having no effect in this release.
 - ``--host_list`` and ``--ssh_port`` (Bagua's ssh fan-out) are accepted with a warning: start the launcher on
   each host yourself, or through your scheduler.
 """
@@ -36,7 +39,6 @@ DEFAULT_BUCKET_SIZE = 10 * 1024**2
 _NCCL_MULTI_SOCKET = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 # Flags kept for compatibility, with the value at which they do nothing.
 _WITHOUT_EFFECT = {
-    "autotune_level": 0,
     "is_output_autotune_log": False,
     "autotune_max_samples": 60,
     "autotune_sampling_confidence_time": 5.0,
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--logdir", default=None, help="write each process's output under this folder")
     add("--default_bucket_size", type=int, default=DEFAULT_BUCKET_SIZE, help="gradient bucket size in bytes")
     add("--enable_bagua_net", action="store_true", help="several sockets and threads per NCCL connection")
-    add("--autotune_level", type=int, default=0, help="accepted; no effect in this release")
+    add("--autotune_level", type=int, default=0, help="1: tune the bucket size in the first steps (BAGUA_AUTOTUNE=1)")
     add("--is_output_autotune_log", action="store_true", help="accepted; no effect in this release")
     add("--autotune_max_samples", type=int, default=60, help="accepted; no effect in this release")
     add("--autotune_sampling_confidence_time", type=float, default=5.0, help="accepted; no effect")
@@ -130,6 +132,8 @@ def child_environment(args: argparse.Namespace, environ: dict[str, str] | None =
         "BAGUA_SERVICE_PORT": str(args.bagua_service_port),
         "BAGUA_DEFAULT_BUCKET_SIZE": str(args.default_bucket_size),
     }
+    if args.autotune_level == 1:
+        added["BAGUA_AUTOTUNE"] = "1"
     if args.enable_bagua_net:
         added.update({name: value for name, value in _NCCL_MULTI_SOCKET.items() if name not in environ})
     return added
@@ -155,6 +159,11 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--nproc_per_node must be at least 1, got {args.nproc_per_node}.")
     if args.module and args.no_python:
         raise SystemExit("--module and --no_python exclude each other: choose how the script is run.")
+    if args.autotune_level not in (0, 1):
+        raise SystemExit(
+            f"--autotune_level must be 0 (off) or 1 (tune the bucket size during the first steps), got"
+            f" {args.autotune_level}."
+        )
     if args.default_bucket_size <= 0:
         raise SystemExit(f"--default_bucket_size must be a positive number of bytes, got {args.default_bucket_size}.")
 

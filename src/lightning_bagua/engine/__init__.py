@@ -21,9 +21,11 @@ from lightning_bagua.engine.algorithms import (
     available_algorithms,
     register_algorithm,
 )
+from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, NodeLayout
 from lightning_bagua.engine.data_parallel import DEFAULT_BUCKET_CAP_MB, BaguaDistributedDataParallel
+from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -32,9 +34,11 @@ __all__ = [
     "AlgorithmImpl",
     "AsyncModelAverageAlgorithm",
     "BaguaDistributedDataParallel",
+    "BucketAutotuner",
     "ByteGradAlgorithm",
     "CommunicationCounter",
     "CommunicationGroups",
+    "CommunicationTelemetry",
     "DecentralizedAlgorithm",
     "GradientAllReduceAlgorithm",
     "LowPrecisionDecentralizedAlgorithm",

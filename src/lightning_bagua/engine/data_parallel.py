@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from lightning_bagua.engine.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
+from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "BaguaDistributedDataParallel", "default_bucket_cap_mb"]
 
@@ -64,6 +65,10 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             ``None`` (all ranks form one node if that is unset too).
         bagua_module_name: a name for this model in logs; derived from the module when ``None``.
         timeout: how long the engine's collectives may wait before they fail; torch's default when ``None``.
+        telemetry: measure each step's communication (:attr:`telemetry`); off by default, and then nothing is
+            measured at all.
+        communication_counter: record into this counter instead of a new one (to keep counting across
+            :meth:`rewrapped` wrappers of one model).
         **ddp_kwargs: further keywords for DDP (``device_ids``, ``broadcast_buffers``, ``static_graph``, ...).
 
     Example::
@@ -86,6 +91,8 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         ranks_per_node: int | None = None,
         bagua_module_name: str | None = None,
         timeout: timedelta | None = None,
+        telemetry: bool = False,
+        communication_counter: CommunicationCounter | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if algorithm is None:
@@ -99,6 +106,8 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             )
         if not isinstance(gradient_as_bucket_view, bool):
             raise TypeError(f"`gradient_as_bucket_view` must be a bool, got {gradient_as_bucket_view!r}.")
+        if not isinstance(telemetry, bool):
+            raise TypeError(f"`telemetry` must be a bool, got {telemetry!r} ({type(telemetry).__name__}).")
         _merge_ignored_parameters(module)
         super().__init__(
             module,
@@ -108,9 +117,23 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             bucket_cap_mb=default_bucket_cap_mb() if bucket_cap_mb is None else bucket_cap_mb,
             **ddp_kwargs,
         )
+        # What `rewrapped()` needs to build an equal wrapper with another bucket size or algorithm.
+        self._bagua_init_kwargs: dict[str, Any] = {
+            "process_group": process_group,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "find_unused_parameters": find_unused_parameters,
+            "bucket_cap_mb": bucket_cap_mb,
+            "ranks_per_node": ranks_per_node,
+            "bagua_module_name": bagua_module_name,
+            "timeout": timeout,
+            "telemetry": telemetry,
+            **ddp_kwargs,
+        }
         self.bagua_algorithm: Algorithm = algorithm
         self.bagua_module_name: str = bagua_module_name or f"{type(module).__name__}_{id(module)}"
-        self.communication_counter = CommunicationCounter()
+        self.communication_counter = (
+            communication_counter if communication_counter is not None else CommunicationCounter()
+        )
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._bagua_groups = CommunicationGroups.create(process_group, ranks_per_node, algorithm.hierarchical, timeout)
         self._bagua_executor = OrderedExecutor(device)
@@ -130,6 +153,11 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             self._bagua_groups.close()
             raise
         state, hook = self._bagua_impl.communication_hook()
+        self._bagua_telemetry: CommunicationTelemetry | None = None
+        if telemetry:
+            self._bagua_telemetry = CommunicationTelemetry(self.communication_counter, self._bagua_impl, device)
+            self._bagua_impl.telemetry = self._bagua_telemetry
+            hook = self._bagua_telemetry.wrap_hook(hook)
         self.register_comm_hook(state, hook)
         self._bagua_optimizers: list[Optimizer] = []
         self._bagua_closed = False
@@ -151,13 +179,60 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         """The engine's own communicators and the node layout."""
         return self._bagua_groups
 
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The gradient bucket size this wrapper was built with, in MiB."""
+        given = self._bagua_init_kwargs["bucket_cap_mb"]
+        return default_bucket_cap_mb() if given is None else float(given)
+
+    @property
+    def telemetry(self) -> CommunicationTelemetry | None:
+        """The per-step communication telemetry, or ``None`` when the wrapper was built without ``telemetry=True``.
+
+        ``model.telemetry.end_step()`` closes the current step and returns its record as a dict;
+        ``model.telemetry.last_step`` is the last closed one (steps also close by themselves at the next forward).
+        """
+        return self._bagua_telemetry
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module, letting the algorithm act first on passes that record gradients in training mode."""
         # The wrapped module's mode, not the wrapper's: Lightning's validation inside fit puts the wrapper in eval
         # mode and restores only the LightningModule's own modules afterwards.
         if torch.is_grad_enabled() and self.module.training:
+            if self._bagua_telemetry is not None:
+                self._bagua_telemetry.on_forward_start()
             self._bagua_impl.on_forward_start(self.require_backward_grad_sync)
         return super().forward(*inputs, **kwargs)
+
+    def rewrapped(
+        self, bucket_cap_mb: float | None = None, algorithm: Algorithm | None = None
+    ) -> "BaguaDistributedDataParallel":
+        """Close this wrapper and return a new one over the same module, with another bucket size or algorithm.
+
+        torch's reducer fixes its buckets when it is built, so a new bucket size needs a new wrapper. Call it
+        between steps (no backward in flight), on every rank at the same step: building the wrapper is a
+        collective. The module, its gradients (moved into the new buckets), the bound optimizers, the counter
+        and every other setting carry over; the algorithm is bound anew, so use it for algorithms whose state
+        lives in the optimizer or in the weights alone (the gradient-bucket algorithms).
+
+        Args:
+            bucket_cap_mb: the new bucket size in MiB; this wrapper's when ``None``.
+            algorithm: the new algorithm; this wrapper's when ``None``.
+
+        Returns:
+            The new wrapper; this one is closed and must not be used again.
+        """
+        kwargs = dict(self._bagua_init_kwargs)
+        if bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = bucket_cap_mb
+        self.close()
+        return BaguaDistributedDataParallel(
+            self.module,
+            optimizers=self._bagua_optimizers,
+            algorithm=self.bagua_algorithm if algorithm is None else algorithm,
+            communication_counter=self.communication_counter,
+            **kwargs,
+        )
 
     def bagua_state_dict(self) -> dict[str, Any]:
         """Return the algorithm's state on this rank (see :meth:`AlgorithmImpl.state_dict`), named for its kind.

@@ -2,6 +2,7 @@
 
 import atexit
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -16,12 +17,15 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter
 from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageImpl
 from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, check_qadam_configuration
+from lightning_bagua.engine.autotune import AutotuneSetting, BucketAutotuner, autotune_from_environment
 from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
+from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
 
 if TYPE_CHECKING:
@@ -87,9 +91,12 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         timeout: timedelta | None = default_pg_timeout,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        telemetry: bool = False,
+        autotune: bool | None = None,
         **bagua_kwargs: Any,
     ) -> None:
         self._algorithm = _check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
+        self._telemetry, self._autotune = _check_telemetry_and_autotune(telemetry, autotune)
         if cluster_environment is None and self._bagua_environment_cls.detect():
             cluster_environment = self._bagua_environment_cls()
         super().__init__(
@@ -106,6 +113,9 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         self._bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
         self._find_unused_parameters = find_unused_parameters
         self._communication_counter: CommunicationCounter | None = None
+        self._autotuner: BucketAutotuner | None = None
+        self._autotune_last_step: int | None = None
+        self._autotune_logged = False
 
     @property
     def algorithm(self) -> Algorithm:
@@ -131,6 +141,17 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
     def communication_counter(self) -> CommunicationCounter | None:
         """What the engine communicated in the current or last fit; ``None`` before the first fit."""
         return self._communication_counter
+
+    @property
+    def telemetry(self) -> CommunicationTelemetry | None:
+        """The wrapped model's per-step telemetry while fitting with ``telemetry=True``; ``None`` otherwise."""
+        model = self.model
+        return model.telemetry if isinstance(model, BaguaDistributedDataParallel) else None
+
+    @property
+    def autotuner(self) -> BucketAutotuner | None:
+        """The bucket autotuner of the current or last fit when autotuning is on; ``None`` otherwise."""
+        return self._autotuner
 
     @override
     def setup_distributed(self) -> None:
@@ -164,9 +185,65 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             bucket_cap_mb=self._bucket_cap_mb,
             ranks_per_node=self.num_processes,
             timeout=self._timeout,
+            telemetry=self._telemetry,
         )
         self._communication_counter = wrapped.communication_counter
+        if self._autotune:
+            self._autotuner = BucketAutotuner()
+            self._autotune_last_step = None
+            self._autotune_logged = False
         return wrapped
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._autotuner is None or not isinstance(self.model, BaguaDistributedDataParallel):
+            return
+        # Once per optimizer step (the batches of an accumulated step share one global step), before its forward.
+        assert self.lightning_module is not None
+        step = self.lightning_module.trainer.global_step
+        if step == self._autotune_last_step:
+            return
+        self._autotune_last_step = step
+        tuned = self._autotuner.step(self.model)
+        if tuned is not self.model:
+            self.model = tuned
+        if self._autotuner.decision is not None and not self._autotune_logged:
+            self._autotune_logged = True
+            self._log_autotune_decision(self._autotuner.decision)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: "pl.LightningModule | Module | None" = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        telemetry = self.telemetry
+        if telemetry is not None:
+            # The step is complete here, the algorithm's post-step communication included.
+            record = telemetry.end_step()
+            if record is not None:
+                self._log_to_loggers({f"bagua/{key}": value for key, value in record.items() if key != "step"})
+        return output
+
+    def _log_autotune_decision(self, decision: AutotuneSetting) -> None:
+        self._log_to_loggers(
+            {
+                "bagua/autotune/bucket_cap_mb": decision.bucket_cap_mb,
+                "bagua/autotune/hierarchical": float(decision.hierarchical),
+            }
+        )
+
+    def _log_to_loggers(self, metrics: dict[str, float]) -> None:
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -301,6 +378,12 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
         bucket_cap_mb: gradient bucket size in MiB; ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes, set by the launcher's
             ``--default_bucket_size``) or Bagua's 10 MiB when ``None``.
         find_unused_parameters: as in DDP, for models whose forward skips parameters.
+        telemetry: measure each step's communication (bytes sent and received, compression ratio, time waiting
+            on communication, the algorithm's phase) and log it through the trainer's loggers from rank zero,
+            under ``bagua/``; off by default, and then nothing is measured.
+        autotune: try bucket sizes (and hierarchical communication on several nodes) during the first steps and
+            keep the fastest, the same on every rank; ``None`` reads ``BAGUA_AUTOTUNE`` (``1``: on; the launcher's
+            ``--autotune_level 1`` sets it), off when unset.
         **bagua_kwargs: the algorithm's keywords, e.g. ``hierarchical=True``; checked here, so that a typo
             fails before any process starts.
     """
@@ -353,6 +436,22 @@ def _reduce_over_all_processes(
     if op == "mean":
         result.div_(dist.get_world_size())
     return result
+
+
+def _check_telemetry_and_autotune(telemetry: Any, autotune: Any) -> tuple[bool, bool]:
+    if not isinstance(telemetry, bool):
+        raise TypeError(
+            f"`telemetry` must be a bool, got {telemetry!r} ({type(telemetry).__name__}). Pass True to measure and"
+            " log each step's communication."
+        )
+    if autotune is None:
+        autotune = autotune_from_environment()
+    elif not isinstance(autotune, bool):
+        raise TypeError(
+            f"`autotune` must be a bool or None, got {autotune!r} ({type(autotune).__name__}). Pass True to tune the"
+            " bucket size during the first steps, or None to follow BAGUA_AUTOTUNE."
+        )
+    return telemetry, autotune
 
 
 def _build_algorithm(algorithm: str | Algorithm, bagua_kwargs: dict[str, Any]) -> Algorithm:

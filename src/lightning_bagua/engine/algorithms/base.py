@@ -5,13 +5,16 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
+
+if TYPE_CHECKING:
+    from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
 __all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "available_algorithms", "register_algorithm"]
 
@@ -56,6 +59,22 @@ class AlgorithmImpl(ABC):
 
     def __init__(self, context: AlgorithmContext) -> None:
         self.context = context
+        # Set by the wrapper when telemetry is on; an algorithm that blocks on communication outside backward
+        # (after the optimizer step, say) times that wait with `telemetry.blocking()` only when it is set.
+        self.telemetry: CommunicationTelemetry | None = None
+
+    def telemetry_phase(self) -> dict[str, float]:
+        """Describe the algorithm's phase in the step that just ended, for telemetry; ``{}`` if it has none.
+
+        Called once per step, only while telemetry is on. Values are numbers, so that any logger takes them:
+        ``qadam`` reports ``{"compressed": 0.0}`` during warm-up and ``1.0`` after it; an asynchronous
+        algorithm would report e.g. ``{"warmup": ..., "syncs_per_second": ...}``. The telemetry prefixes the keys
+        with ``"phase/"``.
+
+        Returns:
+            Key to number.
+        """
+        return {}
 
     @abstractmethod
     def communication_hook(self) -> tuple[Any, CommunicationHook]:
@@ -121,6 +140,9 @@ class Algorithm(ABC):
 
     hierarchical: bool = False
     """Whether to communicate in two levels: inside each node, then among node leaders."""
+
+    communicates_gradient_buckets: ClassVar[bool] = True
+    """Whether the algorithm communicates DDP's gradient buckets, so that the bucket size matters (autotuning)."""
 
     @abstractmethod
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:

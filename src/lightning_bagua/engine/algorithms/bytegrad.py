@@ -174,7 +174,9 @@ def compressed_scatter_gather_(
         padded = torch.cat([tensor, tensor[-1:].expand(chunk * n - numel)])
     sent = codec.compress(padded, num_chunks=n)
     received = torch.empty_like(sent)
-    counter.record("all_to_all", sent)
+    float_bytes = padded.element_size()
+    # One row stays here, one arrives from each other rank; the rows encode the padded floats.
+    counter.record("all_to_all", sent, received=sent[0].numel() * (n - 1), uncompressed=padded.numel() * float_bytes)
     dist.all_to_all_single(received, sent, group=group)
     # Rows are sliced to the chunk length: the codec may store longer rows for alignment.
     reduced = codec.decompress_rows(received, dtype=torch.float32)[:, :chunk].sum(dim=0)
@@ -182,7 +184,7 @@ def compressed_scatter_gather_(
         reduced.div_(n)
     mine = codec.compress(reduced, num_chunks=1)
     gathered = torch.empty((n, mine.shape[1]), dtype=mine.dtype, device=mine.device)
-    counter.record("all_gather", mine)
+    counter.record("all_gather", mine, received=mine.numel() * (n - 1), uncompressed=chunk * float_bytes)
     all_gather_into(gathered, mine, group)
     decoded = codec.decompress_rows(gathered, dtype=torch.float32)[:, :chunk].reshape(-1)[:numel]
     return tensor.copy_(decoded)

@@ -84,6 +84,9 @@ class DecentralizedAlgorithm(Algorithm):
         TypeError: a keyword has the wrong type.
     """
 
+    # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.
+    communicates_gradient_buckets = False
+
     def __init__(
         self, *, hierarchical: bool = True, peer_selection_mode: str = "all", communication_interval: int = 1
     ) -> None:

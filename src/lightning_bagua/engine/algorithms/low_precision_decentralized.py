@@ -76,6 +76,9 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         TypeError: a keyword has the wrong type.
     """
 
+    # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.
+    communicates_gradient_buckets = False
+
     def __init__(self, *, hierarchical: bool = True, communication_interval: int = 1) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_positive_int(self.name, "communication_interval", communication_interval)
@@ -237,6 +240,14 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self._stepped.clear()
 
     def _run_round(self) -> None:
+        if self.telemetry is not None:
+            # The round blocks the training loop after the step, so all of it is communication nothing overlaps.
+            with self.telemetry.blocking():
+                self._run_round_now()
+        else:
+            self._run_round_now()
+
+    def _run_round_now(self) -> None:
         state = self.state
         state.armed = False
         self._stepped.clear()
@@ -285,8 +296,10 @@ def _ring_round(
         from_left = from_right = code
     else:
         left, right = members[(position - 1) % size], members[(position + 1) % size]
-        state.counter.record("send", code)
-        state.counter.record("send", code)
+        # Each code sent is matched by a code of the same size received from the other side.
+        uncompressed = numel * x.element_size()
+        state.counter.record("send", code, uncompressed=uncompressed)
+        state.counter.record("send", code, uncompressed=uncompressed)
         works = dist.batch_isend_irecv(
             [
                 dist.P2POp(dist.isend, code, left, group, _TOWARDS_LEFT),

@@ -255,12 +255,14 @@ class QAdamState:
         compressed: the compressed phase's bytegrad state (``average=True``).
         executor: runs the compressed jobs in bucket order.
         optimizer: the bound optimizer, ``None`` until one is known.
+        last_compressed: whether the last bucket communicated was in the compressed phase (``None`` before one).
     """
 
     full_precision: GradientAllReduceState
     compressed: ByteGradState
     executor: OrderedExecutor
     optimizer: QAdamOptimizer | None = field(default=None)
+    last_compressed: bool | None = None
 
     def require_optimizer(self) -> QAdamOptimizer:
         """Return the bound optimizer, or raise a ``RuntimeError`` that says how to bind one."""
@@ -306,6 +308,12 @@ class QAdamImpl(AlgorithmImpl):
         """Return the state and :func:`qadam_hook`."""
         return self.state, qadam_hook
 
+    def telemetry_phase(self) -> dict[str, float]:
+        """Return ``{"compressed": 1.0}`` after the warm-up, ``0.0`` during it (``{}`` before any bucket)."""
+        if self.state.last_compressed is None:
+            return {}
+        return {"compressed": float(self.state.last_compressed)}
+
     def bind_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Take the single :class:`QAdamOptimizer` among ``optimizers`` (unless one was given to the algorithm).
 
@@ -350,7 +358,9 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
     phases = {optimizer.is_compressed_step(param) for param in params}
     if len(phases) != 1:
         raise RuntimeError("Algorithm 'qadam': the parameters of one gradient bucket are in different phases.")
-    if not phases.pop():
+    compressed = phases.pop()
+    state.last_compressed = compressed
+    if not compressed:
         return gradient_allreduce_hook(state.full_precision, bucket)
     # Computed here, in backward, while the local gradients are in the bucket; communicated off this thread.
     momentum = optimizer.local_momentum(params, bucket.gradients())
