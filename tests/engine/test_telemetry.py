@@ -222,3 +222,31 @@ def test_step_without_communication_has_no_ratio():
     assert record["bytes_sent"] == 0
     assert math.isnan(record["compression_ratio"])
     assert measured.last_step is record
+
+
+def train_async_with_telemetry(rank: int, world_size: int) -> list[dict | None]:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    algorithm = Algorithm.init("async", warmup_steps=2, sync_interval_ms=0)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, telemetry=True)
+    records = []
+    for step in range(5):
+        inputs, targets = batch_for(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+        if step >= 2:
+            time.sleep(0.2)  # let the background rounds run between steps
+        records.append(ddp.telemetry.end_step())
+    algorithm.abort(ddp)
+    ddp.close()
+    return records
+
+
+def test_async_reports_its_warmup_and_averaging_rate():
+    for records in run_processes(train_async_with_telemetry, WORLD_SIZE):
+        phases = [(r["phase/warmup"], r["phase/syncs_per_second"]) for r in records if r is not None]
+        assert [warmup for warmup, _ in phases[:2]] == [1.0, 1.0], records
+        assert all(warmup == 0.0 for warmup, _ in phases[2:]), records
+        assert phases[2:], "no record after the warm-up"
+        assert phases[-1][1] > 0, f"no averaging rounds counted after the warm-up: {records}"

@@ -25,6 +25,7 @@ Design:
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -246,6 +247,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._optimizers: list[Optimizer] = []
         self._hook_handles: list[RemovableHandle] = []
         self.state.release_after_backward = self._release_after_backward
+        self._telemetry_mark = (0, time.monotonic())  # rounds and time at the last telemetry_phase call
+        self._step_all_reduced = True
 
     # ------------------------------------------------------------------------------------------- public surface
 
@@ -264,6 +267,20 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         """Whether the background thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
+    def telemetry_phase(self) -> dict[str, float]:
+        """Return ``warmup`` (1.0 if the step that ended all-reduced its gradients) and ``syncs_per_second``.
+
+        ``syncs_per_second`` counts the averaging rounds completed since the previous call, over the time since it.
+        """
+        now = time.monotonic()
+        rounds, since = self._telemetry_mark
+        self._telemetry_mark = (self.rounds, now)
+        elapsed = now - since
+        return {
+            "warmup": float(self._step_all_reduced),
+            "syncs_per_second": (self.rounds - rounds) / elapsed if elapsed else 0.0,
+        }
+
     def communication_hook(self) -> tuple[Any, CommunicationHook]:
         """Return the state and :func:`async_model_average_hook`."""
         return self.state, async_model_average_hook
@@ -281,6 +298,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             if self._cuda:
                 self._training_stream = torch.cuda.current_stream(self.context.device)
         self.state.all_reduce_gradients = self.in_warmup
+        self._step_all_reduced = self.state.all_reduce_gradients  # for telemetry, which asks after the step
         self.state.release_queued = False
         self.forward_passes += 1
         if not self.state.all_reduce_gradients and self._enabled and not self._active:
