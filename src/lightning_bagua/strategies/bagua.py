@@ -95,7 +95,8 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
     ) -> None:
         if not isinstance(average_before_save, bool):
             raise TypeError(
-                f"`average_before_save` must be a bool, got {average_before_save!r} ({type(average_before_save).__name__})."
+                f"`average_before_save` must be a bool, got {average_before_save!r}"
+                f" ({type(average_before_save).__name__})."
             )
         if not isinstance(flatten, bool):
             raise TypeError(

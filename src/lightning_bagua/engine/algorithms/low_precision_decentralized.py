@@ -247,9 +247,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             ValueError: the state does not match this model's dtype groups or this rank's place on the ring.
         """
         name = LowPrecisionDecentralizedAlgorithm.name
-        check_state_keys(
-            name, state, {"forward_passes": int, "due": bool, "armed": bool, "copies": (list, type(None))}
-        )
+        check_state_keys(name, state, {"forward_passes": int, "due": bool, "armed": bool, "copies": (list, type(None))})
         saved = state["copies"]
         own = self.state
         if saved is not None and not own.on_ring:
@@ -265,7 +263,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         copies = None
         if saved is not None:
             copies = []
-            for index, (ring, weights) in enumerate(zip(saved, own.weights)):
+            for index, (ring, weights) in enumerate(zip(saved, own.weights, strict=True)):
                 buffer = weights.buffer
                 for key in ("w", "left", "right"):
                     tensor = ring.get(key) if isinstance(ring, dict) else None
