@@ -161,8 +161,36 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
 
     @override
     def setup_distributed(self) -> None:
+        if _restart_count() > 0 and dist.is_available() and not dist.is_initialized():
+            self._init_restarted_process_group()
         super().setup_distributed()
         _destroy_process_group_at_exit()
+
+    def _init_restarted_process_group(self) -> None:
+        # torch's elastic agent keeps one store for all attempts, and the process group's keys (each rank's
+        # address) carry no attempt number: a restarted rank can read the address of a rank that died in the last
+        # attempt and fail to connect. Keys under a prefix of their own per attempt cannot be stale; Lightning then
+        # finds the group initialised and keeps it.
+        assert self.cluster_environment is not None
+        self.set_world_ranks()
+        backend = self._get_process_group_backend()
+        use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        timeout = self._timeout or default_pg_timeout
+        store = dist.TCPStore(
+            self.cluster_environment.main_address,
+            self.cluster_environment.main_port,
+            self.world_size,
+            is_master=not use_agent_store and self.global_rank == 0,
+            timeout=timeout,
+        )
+        log.info("Joining the process group of restart %d under its own store prefix", _restart_count())
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"lightning_bagua/restart_{_restart_count()}", store),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=timeout,
+        )
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -485,6 +513,12 @@ def _average_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
     return averaged
 
 
+def _restart_count() -> int:
+    """Return how often torch's elastic agent restarted this job's workers (0 outside torchelastic)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
+
+
 def _looks_like_failed_collective(exception: BaseException) -> bool:
     if isinstance(exception, getattr(dist, "DistError", ())):
         return True
@@ -497,11 +531,13 @@ def _looks_like_failed_collective(exception: BaseException) -> bool:
 def _diagnose_failure(exception: BaseException, rank: int, world_size: int, fit: int, window_s: float) -> str | None:
     """Report this rank's failure to the store; after a failed collective, return a note naming the silent ranks."""
     # Keys are per restart (the agent's store outlives its workers) and per fit, so old reports never count.
-    prefix = f"{_FAILURE_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{fit}"
+    prefix = f"{_FAILURE_KEY}/{_restart_count()}/{fit}"
     summary = f"{type(exception).__name__}: {str(exception).strip().splitlines()[0] if str(exception).strip() else ''}"
     collective = _looks_like_failed_collective(exception)
     try:
         store = dist.distributed_c10d._get_default_store()
+        # A store that stopped answering must not hold the failing process for the whole collective timeout.
+        store.set_timeout(timedelta(seconds=max(window_s, 1.0)))
         store.set(f"{prefix}/{rank}", summary[:500])
         if not collective:
             return None
@@ -514,13 +550,16 @@ def _diagnose_failure(exception: BaseException, rank: int, world_size: int, fit:
             if len(reports) == world_size or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
-    except Exception as error:  # the store died with the process that hosted it; the original error is re-raised
+    except Exception as error:  # the original error is re-raised either way; this one goes into its note
+        # The store dies with the process hosting it, and a launcher's SIGTERM can interrupt the wait (Lightning's
+        # handler then runs a collective of its own, which fails too).
         if not collective:
             return None
         return (
-            f"lightning_bagua: rank {rank} of {world_size} saw a collective fail, and the rendezvous store does not"
-            f" answer ({type(error).__name__}: {error}). The process hosting it probably died: rank 0 under"
-            " Lightning's own launcher, the launcher's agent under torchrun or lightning_bagua.launch."
+            f"lightning_bagua: rank {rank} of {world_size} saw a collective fail; collecting the other ranks'"
+            f" reports failed too ({type(error).__name__}: {error}). If the rendezvous store is gone, the process"
+            " hosting it died: rank 0 under Lightning's own launcher; under torchrun or lightning_bagua.launch the"
+            " agent, whose summary names the failed rank."
         )
     silent = [other for other in range(world_size) if other not in reports]
     raised = [f"rank {other} ({reports[other]})" for other in sorted(reports) if other != rank]
