@@ -10,6 +10,7 @@ Run with the project's interpreter: ``.venv/bin/python benchmarks/dead_rank_exit
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -123,10 +124,8 @@ def run_job(
         time.sleep(0.1)
     leftovers = job_pids(job_id)
     for pid in leftovers:  # never leave a stray job running, whatever the result
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
     death = json.loads(marker.read_text())["time"] if marker.exists() else None
     return JobResult(
         returncode=returncode,
@@ -161,7 +160,7 @@ def main() -> None:
     report = {
         "benchmark": "seconds from one rank's SIGKILL (mid-epoch) to the exit of the whole 2-process job",
         "command": "python benchmarks/dead_rank_exit.py",
-        "job": f"tests/strategies/fit_script.py {' '.join(TRAINING_ARGS)}, BaguaStrategy(gradient_allreduce), gloo, CPU",
+        "job": f"tests/strategies/fit_script.py {' '.join(TRAINING_ARGS)}, gradient_allreduce, gloo, CPU",
         "killed_rank": KILLED_RANK,
         "kill_at_step": KILL_AT_STEP,
         "python": platform.python_version(),

@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-
 from benchmarks.dead_rank_exit import EXIT_DEADLINE_S, KILLED_RANK, run_job
 
 # How each launcher's output names the dead rank: Lightning's child-process observer (or, when rank 0's collective
