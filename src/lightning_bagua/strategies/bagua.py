@@ -3,6 +3,7 @@
 import atexit
 import logging
 import os
+import subprocess
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -93,6 +94,11 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         average_before_save: bool = False,
         **bagua_kwargs: Any,
     ) -> None:
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(
+                f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__})."
+                " Pass e.g. timeout=timedelta(seconds=60)."
+            )
         if not isinstance(average_before_save, bool):
             raise TypeError(
                 f"`average_before_save` must be a bool, got {average_before_save!r}"
@@ -161,9 +167,26 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
 
     @override
     def setup_distributed(self) -> None:
-        if _restart_count() > 0 and dist.is_available() and not dist.is_initialized():
-            self._init_restarted_process_group()
-        super().setup_distributed()
+        backend = self._process_group_backend
+        if backend is not None and "nccl" in backend and self.root_device.type != "cuda":
+            raise self._configuration_error(
+                f"process_group_backend={backend!r} needs CUDA devices, but this run trains on"
+                f" {self.root_device.type!r}. Pass process_group_backend='gloo' (or leave it out to choose from the"
+                " device), or train on GPUs with accelerator='gpu'."
+            )
+        try:
+            if _restart_count() > 0 and dist.is_available() and not dist.is_initialized():
+                self._init_restarted_process_group()
+            super().setup_distributed()
+        except dist.DistNetworkError as error:
+            assert self.cluster_environment is not None
+            address = f"{self.cluster_environment.main_address}:{self.cluster_environment.main_port}"
+            raise dist.DistNetworkError(
+                f"Rank {self.global_rank} of {self.world_size} could not join the process group through the store at"
+                f" {address} ({error}). Check that MASTER_ADDR and MASTER_PORT name the main node and a port that is"
+                f" free there and reachable from here, and that rank 0 runs; joining waits at most the strategy's"
+                f" `timeout` ({self._timeout})."
+            ) from error
         _destroy_process_group_at_exit()
 
     def _init_restarted_process_group(self) -> None:
@@ -360,16 +383,16 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             exception: what interrupted the run.
         """
         super().on_exception(exception)
-        if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-            return
-        window = _DIAGNOSIS_WINDOW_S
-        if self._timeout is not None:
-            window = min(window, self._timeout.total_seconds())
-        note = _diagnose_failure(exception, self.global_rank, self.world_size, self._fits_started, window)
-        if note is not None:
-            log.error(note)
-            if hasattr(exception, "add_note"):
-                exception.add_note(note)
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            window = _DIAGNOSIS_WINDOW_S
+            if self._timeout is not None:
+                window = min(window, self._timeout.total_seconds())
+            note = _diagnose_failure(exception, self.global_rank, self.world_size, self._fits_started, window)
+            if note is not None:
+                log.error(note)
+                if hasattr(exception, "add_note"):
+                    exception.add_note(note)
+        _end_launched_children(self.launcher)
 
     def _add_bagua_state(self, checkpoint: dict[str, Any], wrapped: BaguaDistributedDataParallel) -> dict[str, Any]:
         per_rank = self._algorithm.name in _PER_RANK_WEIGHTS
@@ -442,7 +465,10 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
         checkpoint_io: the checkpoint plugin.
         precision_plugin: the precision plugin.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
-        timeout: how long a collective may wait before the job fails.
+        timeout: how long a collective, or joining the process group, may wait before the job fails; Lightning's
+            30 minutes by default, which also covers ranks that wait for rank 0 to prepare data or write a
+            checkpoint. A killed peer is noticed within seconds (its sockets close, and the launchers end the
+            job); only a hung peer, or an unreachable master address, takes the whole timeout.
         bucket_cap_mb: gradient bucket size in MiB; ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes, set by the launcher's
             ``--default_bucket_size``) or Bagua's 10 MiB when ``None``.
         find_unused_parameters: as in DDP, for models whose forward skips parameters.
@@ -511,6 +537,18 @@ def _average_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(value, Tensor) and value.is_floating_point():
             averaged[key] = torch.stack([state_dict[key] for state_dict in state_dicts]).mean(dim=0)
     return averaged
+
+
+def _end_launched_children(launcher: Any) -> None:
+    """Kill the processes Lightning's own launcher started from this one, which cannot go on without it."""
+    # Under Lightning's launcher this process is rank 0 and hosts the rendezvous store; the other ranks are its
+    # children, and Lightning ends them only on KeyboardInterrupt. Otherwise a child still joining the group, or
+    # blocked in a collective that the dead store cannot fail, waits out the whole timeout as an orphan.
+    children = [proc for proc in getattr(launcher, "procs", None) or () if isinstance(proc, subprocess.Popen)]
+    for child in children:
+        if child.poll() is None:
+            log.error("Ending rank process %d, started by this one, since this one is failing", child.pid)
+            child.kill()
 
 
 def _restart_count() -> int:
