@@ -378,6 +378,7 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         Every rank that fails writes its error to the rendezvous store. A rank whose error looks like a failed
         collective then waits a few seconds for the others' reports and adds a note to its exception naming the
         ranks that raised (with their errors) and those that never reported: dead (killed, out of memory) or hung.
+        Under Lightning's own launcher, the main process (rank 0) then kills the ranks it started.
 
         Args:
             exception: what interrupted the run.
