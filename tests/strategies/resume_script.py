@@ -62,6 +62,9 @@ def main() -> None:
             inputs, targets = batch
             return nn.functional.mse_loss(self.net(inputs), targets)
 
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if self.optimizer_name == "qadam":
                 return QAdamOptimizer(self.parameters(), lr=0.01, warmup_steps=QADAM_WARMUP_STEPS)
@@ -107,6 +110,10 @@ def main() -> None:
             "algorithm_state": record.state,
             "global_step": trainer.global_step,
         }
+        if args.phase == "resume" and average:
+            # Evaluation reads the checkpoint's top-level weights: here the average of the ranks'.
+            trainer.validate(model, loader, ckpt_path=directory / "epoch=0.ckpt", verbose=False)
+            result["validated_state"] = {key: value.detach().clone() for key, value in model.state_dict().items()}
         torch.save(result, directory / f"{args.phase}_rank{trainer.global_rank}.pt")
     (out / f"{args.phase}_cases.json").write_text(json.dumps(args.cases.split(",")))
 

@@ -87,6 +87,10 @@ def test_checkpoint_contents(runs, case):
     if averaged:
         mean = (rank_states[0]["net.0.weight"] + rank_states[1]["net.0.weight"]) / 2
         torch.testing.assert_close(checkpoint["state_dict"]["net.0.weight"], mean, **EXACT)
+        # trainer.validate(ckpt_path=...) on every rank evaluates that average, not the rank's own weights.
+        for rank in range(WORLD_SIZE):
+            validated = _load(runs, case, "resume", rank)["validated_state"]
+            torch.testing.assert_close(validated, checkpoint["state_dict"], **EXACT)
     if algorithm == "low_precision_decentralized":
         for rank_state in saved["algorithm_states"]:
             assert {"w", "left", "right"} == set(rank_state["state"]["copies"][0])

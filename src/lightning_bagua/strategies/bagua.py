@@ -324,7 +324,7 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load a checkpoint, putting this rank's own weights and optimizer states where Lightning reads them.
+        """Load a checkpoint; when fitting, put this rank's own weights and optimizer states where Lightning reads them.
 
         The algorithm state (and, where ranks' weights differ, this rank's weights once more: wrapping the model
         broadcasts rank 0's) is applied after the model is wrapped and the optimizers are restored.
@@ -338,10 +338,15 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             The checkpoint, with this rank's ``state_dict`` and ``optimizer_states``.
 
         Raises:
-            ValueError: the checkpoint was written by another algorithm or another number of processes.
+            ValueError: when fitting, the checkpoint was written by another algorithm or another number of processes.
         """
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._bagua_resume = None
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or trainer.state.fn != "fit":
+            # Validating, testing or predicting read the top-level `state_dict` (rank 0's, or the ranks' average
+            # with `average_before_save`), on any number of processes.
+            return checkpoint
         saved = checkpoint.get("bagua")
         if saved is None:
             if self._algorithm.name in _PER_RANK_WEIGHTS:
