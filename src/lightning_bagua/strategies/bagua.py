@@ -3,6 +3,7 @@
 import atexit
 import logging
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Mapping
@@ -175,8 +176,10 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
                 " device), or train on GPUs with accelerator='gpu'."
             )
         try:
-            if _restart_count() > 0 and dist.is_available() and not dist.is_initialized():
-                self._init_restarted_process_group()
+            if dist.is_available() and not dist.is_initialized():
+                self._wait_for_store()
+                if _restart_count() > 0:
+                    self._init_restarted_process_group()
             super().setup_distributed()
         except dist.DistNetworkError as error:
             assert self.cluster_environment is not None
@@ -188,6 +191,26 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
                 f" `timeout` ({self._timeout})."
             ) from error
         _destroy_process_group_at_exit()
+
+    def _wait_for_store(self) -> None:
+        # torch's store client tries to connect twice, each time for the whole timeout and with a random pause
+        # between, so an unreachable address fails only after two to three timeouts; probing first bounds it by one.
+        assert self.cluster_environment is not None
+        self.set_world_ranks()
+        if self.global_rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+            return  # this process hosts the store
+        timeout = self._timeout or default_pg_timeout
+        address = (self.cluster_environment.main_address, self.cluster_environment.main_port)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                with socket.create_connection(address, timeout=max(min(remaining, 5.0), 0.1)):
+                    return
+            except OSError as error:
+                if time.monotonic() + 0.5 >= deadline:
+                    raise dist.DistNetworkError(f"nothing answered within the timeout ({timeout}): {error}") from error
+            time.sleep(0.5)  # rank 0 may still be starting
 
     def _init_restarted_process_group(self) -> None:
         # torch's elastic agent keeps one store for all attempts, and the process group's keys (each rank's
