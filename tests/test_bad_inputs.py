@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_bagua import BaguaStrategy, QAdamOptimizer
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
+from lightning_bagua.engine.algorithms.decentralized import check_state_keys
 from lightning_bagua.engine.algorithms.qadam import check_qadam_configuration
 from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
 from lightning_bagua.launch import main as launch_main
@@ -124,6 +125,16 @@ IN_PROCESS: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
         _bucket_size_from_environment("ten"),
         ValueError,
         r"BAGUA_DEFAULT_BUCKET_SIZE='ten'",
+    ),
+    "saved algorithm state with a missing key": (
+        lambda: check_state_keys("decentralized", {"forward_passes": 3}, {"forward_passes": int, "rounds": int}),
+        ValueError,
+        r"keys \['forward_passes', 'rounds'\], got \['forward_passes'\]",
+    ),
+    "saved algorithm state of the wrong type": (
+        lambda: check_state_keys("decentralized", {"due": 1}, {"due": bool}),
+        ValueError,
+        r"'due' must be bool, got 1 \(int\)",
     ),
     "launcher: no processes": (
         _launch("--nproc_per_node", "0", "train.py"),
