@@ -164,6 +164,15 @@ def _check(args: argparse.Namespace) -> None:
             f"--autotune_level must be 0 (off) or 1 (tune the bucket size during the first steps), got"
             f" {args.autotune_level}."
         )
+    nodes = args.nnodes.split(":")
+    if not all(part.isdigit() and int(part) >= 1 for part in nodes) or len(nodes) > 2:
+        raise SystemExit(f"--nnodes must be a positive number of nodes or MIN:MAX, got {args.nnodes!r}.")
+    if len(nodes) == 1 and args.rdzv_backend is None and not 0 <= args.node_rank < int(nodes[0]):
+        # Static rendezvous would wait (15 minutes) for a node rank that can never join.
+        raise SystemExit(
+            f"--node_rank must be in [0, {int(nodes[0])}) for --nnodes {nodes[0]}, got {args.node_rank}. Number the"
+            " nodes 0 to nnodes - 1, one launcher each."
+        )
     if args.default_bucket_size <= 0:
         raise SystemExit(f"--default_bucket_size must be a positive number of bytes, got {args.default_bucket_size}.")
 

@@ -8,7 +8,10 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -57,6 +60,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--flatten", default="true", choices=["true", "false"])
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "qadam"])
     parser.add_argument("--val-check-interval", type=int, default=None, help="validate every N training batches")
+    # Fault tolerance: epochs of a few batches, checkpoints, resuming, and a rank that kills itself once.
+    parser.add_argument("--max-epochs", type=int, default=None)
+    parser.add_argument("--limit-train-batches", type=int, default=None)
+    parser.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint(save_last=True) every epoch here")
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--timeout", type=float, default=None, help="the strategy's timeout in seconds")
+    parser.add_argument("--kill-rank", type=int, default=None)
+    parser.add_argument("--kill-at-step", type=int, default=None)
+    parser.add_argument(
+        "--kill-marker", default=None, help="written (time of death) before the kill; none if it exists"
+    )
     return parser.parse_args()
 
 
@@ -82,6 +96,13 @@ def main() -> None:
             return self.net(inputs)
 
         def training_step(self, batch, batch_idx):
+            if (
+                self.global_rank == args.kill_rank
+                and self.global_step == args.kill_at_step
+                and not Path(args.kill_marker).exists()
+            ):
+                Path(args.kill_marker).write_text(json.dumps({"rank": self.global_rank, "time": time.time()}))
+                os.kill(os.getpid(), signal.SIGKILL)
             inputs, targets = batch
             loss = nn.functional.mse_loss(self(inputs), targets)
             self.seen["fit_model"] = type(self.trainer.strategy.model).__name__
@@ -111,10 +132,16 @@ def main() -> None:
         strategy = pl.strategies.DDPStrategy(gradient_as_bucket_view=args.flatten == "true", bucket_cap_mb=10)
     else:
         strategy_cls = importlib.import_module(strategy_module).BaguaStrategy
-        strategy = strategy_cls(algorithm=args.algorithm, flatten=args.flatten == "true", **json.loads(args.kwargs))
+        timeout = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
+        strategy = strategy_cls(
+            algorithm=args.algorithm, flatten=args.flatten == "true", **timeout, **json.loads(args.kwargs)
+        )
 
     model = Regression()
     loader = DataLoader(make_dataset(), batch_size=BATCH, shuffle=False)
+    callbacks = []
+    if args.checkpoint_dir is not None:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, every_n_epochs=1))
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
@@ -122,17 +149,20 @@ def main() -> None:
         strategy=strategy,
         precision=args.precision,
         max_steps=args.max_steps,
+        max_epochs=args.max_epochs,
+        limit_train_batches=args.limit_train_batches,
+        callbacks=callbacks,
         accumulate_grad_batches=args.accumulate,
         sync_batchnorm=args.sync_batchnorm,
         limit_val_batches=2,
         val_check_interval=args.val_check_interval,
         num_sanity_val_steps=0,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, loader, loader)
+    trainer.fit(model, loader, loader, ckpt_path=args.ckpt_path)
     strategy_obj = trainer.strategy
     counter = getattr(strategy_obj, "communication_counter", None)
     result = {

@@ -109,6 +109,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         if not isinstance(telemetry, bool):
             raise TypeError(f"`telemetry` must be a bool, got {telemetry!r} ({type(telemetry).__name__}).")
         _merge_ignored_parameters(module)
+        _refuse_sparse_gradients(module)
         super().__init__(
             module,
             process_group=process_group,
@@ -297,3 +298,26 @@ def _merge_ignored_parameters(module: Module) -> None:
     ddp_ignored = getattr(module, "_ddp_params_and_buffers_to_ignore", ())
     merged = list(dict.fromkeys([*ddp_ignored, *bagua_ignored]))
     module._ddp_params_and_buffers_to_ignore = merged  # type: ignore[assignment]
+
+
+def _refuse_sparse_gradients(module: Module) -> None:
+    # Every algorithm communicates dense flat buckets; DDP would hand a sparse gradient to the hook as it is, and
+    # the ranks would silently step with unsynchronised gradients. Refused before any collective runs.
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    sparse = []
+    for name, submodule in module.named_modules():
+        if getattr(submodule, "sparse", False) is not True:
+            continue
+        trained = [
+            key
+            for key, parameter in submodule.named_parameters(recurse=False)
+            if parameter.requires_grad and (f"{name}.{key}" if name else key) not in ignored
+        ]
+        if trained:
+            sparse.append(name or type(submodule).__name__)
+    if sparse:
+        raise ValueError(
+            f"Bagua's algorithms communicate dense gradients, but {', '.join(sparse)} produce(s) sparse gradients"
+            " (sparse=True). Construct them with sparse=False, or list their parameters in the module's"
+            " `_bagua_params_and_buffers_to_ignore` and synchronise them yourself."
+        )

@@ -2,7 +2,11 @@
 
 import atexit
 import logging
-from collections.abc import Callable
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -10,6 +14,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -93,8 +98,19 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         find_unused_parameters: bool = False,
         telemetry: bool = False,
         autotune: bool | None = None,
+        average_before_save: bool = False,
         **bagua_kwargs: Any,
     ) -> None:
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(
+                f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__})."
+                " Pass e.g. timeout=timedelta(seconds=60)."
+            )
+        if not isinstance(average_before_save, bool):
+            raise TypeError(
+                f"`average_before_save` must be a bool, got {average_before_save!r}"
+                f" ({type(average_before_save).__name__})."
+            )
         self._algorithm = _check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
         self._telemetry, self._autotune = _check_telemetry_and_autotune(telemetry, autotune)
         if cluster_environment is None and self._bagua_environment_cls.detect():
@@ -116,6 +132,10 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         self._autotuner: BucketAutotuner | None = None
         self._autotune_last_step: int | None = None
         self._autotune_logged = False
+        self._average_before_save = average_before_save
+        # What `load_checkpoint` read for this rank, applied once the model is wrapped and its optimizers restored.
+        self._bagua_resume: _RankResume | None = None
+        self._fits_started = 0
 
     @property
     def algorithm(self) -> Algorithm:
@@ -138,6 +158,11 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         return default_bucket_cap_mb() if self._bucket_cap_mb is None else self._bucket_cap_mb
 
     @property
+    def average_before_save(self) -> bool:
+        """Whether a checkpoint's ``state_dict`` holds the average of the ranks' weights instead of rank 0's."""
+        return self._average_before_save
+
+    @property
     def communication_counter(self) -> CommunicationCounter | None:
         """What the engine communicated in the current or last fit; ``None`` before the first fit."""
         return self._communication_counter
@@ -155,11 +180,79 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
 
     @override
     def setup_distributed(self) -> None:
-        super().setup_distributed()
+        backend = self._process_group_backend
+        if backend is not None and "nccl" in backend and self.root_device.type != "cuda":
+            raise self._configuration_error(
+                f"process_group_backend={backend!r} needs CUDA devices, but this run trains on"
+                f" {self.root_device.type!r}. Pass process_group_backend='gloo' (or leave it out to choose from the"
+                " device), or train on GPUs with accelerator='gpu'."
+            )
+        try:
+            if dist.is_available() and not dist.is_initialized():
+                self._wait_for_store()
+                if _restart_count() > 0:
+                    self._init_restarted_process_group()
+            super().setup_distributed()
+        except dist.DistNetworkError as error:
+            assert self.cluster_environment is not None
+            address = f"{self.cluster_environment.main_address}:{self.cluster_environment.main_port}"
+            raise dist.DistNetworkError(
+                f"Rank {self.global_rank} of {self.world_size} could not join the process group through the store at"
+                f" {address} ({error}). Check that MASTER_ADDR and MASTER_PORT name the main node and a port that is"
+                f" free there and reachable from here, and that rank 0 runs; joining waits at most the strategy's"
+                f" `timeout` ({self._timeout})."
+            ) from error
         _destroy_process_group_at_exit()
+
+    def _wait_for_store(self) -> None:
+        # torch's store client tries to connect twice, each time for the whole timeout and with a random pause
+        # between, so an unreachable address fails only after two to three timeouts; probing first bounds it by one.
+        assert self.cluster_environment is not None
+        self.set_world_ranks()
+        if self.global_rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+            return  # this process hosts the store
+        timeout = self._timeout or default_pg_timeout
+        address = (self.cluster_environment.main_address, self.cluster_environment.main_port)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                with socket.create_connection(address, timeout=max(min(remaining, 5.0), 0.1)):
+                    return
+            except OSError as error:
+                if time.monotonic() + 0.5 >= deadline:
+                    raise dist.DistNetworkError(f"nothing answered within the timeout ({timeout}): {error}") from error
+            time.sleep(0.5)  # rank 0 may still be starting
+
+    def _init_restarted_process_group(self) -> None:
+        # torch's elastic agent keeps one store for all attempts, and the process group's keys (each rank's
+        # address) carry no attempt number: a restarted rank can read the address of a rank that died in the last
+        # attempt and fail to connect. Keys under a prefix of their own per attempt cannot be stale; Lightning then
+        # finds the group initialised and keeps it.
+        assert self.cluster_environment is not None
+        self.set_world_ranks()
+        backend = self._get_process_group_backend()
+        use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        timeout = self._timeout or default_pg_timeout
+        store = dist.TCPStore(
+            self.cluster_environment.main_address,
+            self.cluster_environment.main_port,
+            self.world_size,
+            is_master=not use_agent_store and self.global_rank == 0,
+            timeout=timeout,
+        )
+        log.info("Joining the process group of restart %d under its own store prefix", _restart_count())
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"lightning_bagua/restart_{_restart_count()}", store),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=timeout,
+        )
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        self._fits_started += 1
         super().setup(trainer)
         if isinstance(self._algorithm, QAdamAlgorithm) and trainer.state.fn == "fit":
             try:
@@ -323,11 +416,6 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         if impl is not None:
             impl.abort()
 
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self._stop_async_averaging_on_failure()
-
     def _stop_async_averaging_on_failure(self) -> None:
         # First thing on an exception: the peers' averaging threads learn of it at their next round and stop too,
         # instead of waiting in a collective for this rank.
@@ -337,7 +425,139 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             impl.stop_on_failure()
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Add every rank's algorithm state (and, where ranks' weights differ, their weights) and save on rank 0.
+
+        Every rank must call it, as ``Trainer.save_checkpoint`` does: the ranks' states are gathered to rank 0.
+        While fitting, the checkpoint gets a ``"bagua"`` entry (see the fault tolerance page of the docs): the
+        algorithm's name, the world size, each rank's algorithm state, and, for algorithms whose ranks hold
+        different weights (``decentralized``, ``low_precision_decentralized``), each rank's ``state_dict`` and
+        ``optimizer_states``. Its top-level ``state_dict`` is rank 0's weights, or their average over the ranks
+        with ``average_before_save=True``.
+
+        Args:
+            checkpoint: the checkpoint Lightning assembled on this rank.
+            filepath: where rank 0 writes it.
+            storage_options: passed to the checkpoint plugin.
+        """
+        if isinstance(self.model, BaguaDistributedDataParallel) and "state_dict" in checkpoint:
+            checkpoint = self._add_bagua_state(checkpoint, self.model)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load a checkpoint; when fitting, put this rank's own weights and optimizer states where Lightning reads them.
+
+        The algorithm state (and, where ranks' weights differ, this rank's weights once more: wrapping the model
+        broadcasts rank 0's) is applied after the model is wrapped and the optimizers are restored.
+
+        Args:
+            checkpoint_path: the checkpoint to read.
+            *args: passed on to Lightning's ``load_checkpoint``.
+            **kwargs: passed on to Lightning's ``load_checkpoint``.
+
+        Returns:
+            The checkpoint, with this rank's ``state_dict`` and ``optimizer_states``.
+
+        Raises:
+            ValueError: when fitting, the checkpoint was written by another algorithm or another number of processes.
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._bagua_resume = None
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or trainer.state.fn != "fit":
+            # Validating, testing or predicting read the top-level `state_dict` (rank 0's, or the ranks' average
+            # with `average_before_save`), on any number of processes.
+            return checkpoint
+        saved = checkpoint.get("bagua")
+        if saved is None:
+            if self._algorithm.name in _PER_RANK_WEIGHTS:
+                log.warning(
+                    "%s holds no Bagua state (it was not saved by BaguaStrategy while fitting): every rank resumes"
+                    " from its single `state_dict`, and the %r algorithm's state starts afresh.",
+                    checkpoint_path,
+                    self._algorithm.name,
+                )
+            return checkpoint
+        self._bagua_resume = _read_rank_state(saved, self._algorithm.name, self.world_size, self.global_rank)
+        if self._bagua_resume.state_dict is not None:
+            checkpoint["state_dict"] = self._bagua_resume.state_dict
+            if self._bagua_resume.optimizer_states is not None:
+                checkpoint["optimizer_states"] = self._bagua_resume.optimizer_states
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        resume, self._bagua_resume = self._bagua_resume, None
+        wrapped = self.model if isinstance(self.model, BaguaDistributedDataParallel) else None
+        if resume is not None and wrapped is not None and resume.state_dict is not None:
+            # Wrapping broadcast rank 0's weights to every rank; this rank continues from its own.
+            assert self.lightning_module is not None
+            self.lightning_module.load_state_dict(resume.state_dict, strict=self.lightning_module.strict_loading)
+        super().load_optimizer_state_dict(checkpoint)
+        if resume is not None and wrapped is not None:
+            wrapped.load_bagua_state_dict(resume.algorithm_state)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks about this failure and, when a collective failed, name the ranks that went silent.
+
+        Every rank that fails writes its error to the rendezvous store. A rank whose error looks like a failed
+        collective then waits a few seconds for the others' reports and adds a note to its exception naming the
+        ranks that raised (with their errors) and those that never reported: dead (killed, out of memory) or hung.
+        Under Lightning's own launcher, the main process (rank 0) then kills the ranks it started.
+
+        Args:
+            exception: what interrupted the run.
+        """
+        super().on_exception(exception)
+        self._stop_async_averaging_on_failure()
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            window = _DIAGNOSIS_WINDOW_S
+            if self._timeout is not None:
+                window = min(window, self._timeout.total_seconds())
+            note = _diagnose_failure(exception, self.global_rank, self.world_size, self._fits_started, window)
+            if note is not None:
+                log.error(note)
+                if hasattr(exception, "add_note"):
+                    exception.add_note(note)
+        _end_launched_children(self.launcher)
+
+    def _add_bagua_state(self, checkpoint: dict[str, Any], wrapped: BaguaDistributedDataParallel) -> dict[str, Any]:
+        per_rank = self._algorithm.name in _PER_RANK_WEIGHTS
+        own: dict[str, Any] = {"algorithm_state": wrapped.bagua_state_dict()}
+        if per_rank:
+            own["state_dict"] = checkpoint["state_dict"]
+            own["optimizer_states"] = checkpoint.get("optimizer_states")
+        # Pickled to rank 0 through the default group; CPU copies travel on any backend.
+        own = apply_to_collection(own, Tensor, lambda tensor: tensor.detach().cpu())
+        gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
+        dist.gather_object(own, gathered, dst=0)
+        if gathered is None:
+            return checkpoint  # only rank 0 writes
+        checkpoint = dict(checkpoint)
+        checkpoint["bagua"] = {
+            "version": _CHECKPOINT_VERSION,
+            "algorithm": self._algorithm.name,
+            "world_size": self.world_size,
+            "algorithm_states": [rank_state["algorithm_state"] for rank_state in gathered],
+            "ranks": (
+                [
+                    {"state_dict": rank_state["state_dict"], "optimizer_states": rank_state["optimizer_states"]}
+                    for rank_state in gathered
+                ]
+                if per_rank
+                else None
+            ),
+            "averaged": per_rank and self._average_before_save,
+        }
+        if per_rank and self._average_before_save:
+            checkpoint["state_dict"] = _average_state_dicts([rank_state["state_dict"] for rank_state in gathered])
+        return checkpoint
+
+    @override
     def teardown(self) -> None:
+        self._bagua_resume = None
         if isinstance(self.model, BaguaDistributedDataParallel):
             self.model.close()
             # Unwrapped here so that DDPStrategy's teardown, which would suggest DDP-only options, skips its own.
@@ -374,7 +594,10 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
         checkpoint_io: the checkpoint plugin.
         precision_plugin: the precision plugin.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
-        timeout: how long a collective may wait before the job fails.
+        timeout: how long a collective, or joining the process group, may wait before the job fails; Lightning's
+            30 minutes by default, which also covers ranks that wait for rank 0 to prepare data or write a
+            checkpoint. A killed peer is noticed within seconds (its sockets close, and the launchers end the
+            job); only a hung peer, or an unreachable master address, takes the whole timeout.
         bucket_cap_mb: gradient bucket size in MiB; ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes, set by the launcher's
             ``--default_bucket_size``) or Bagua's 10 MiB when ``None``.
         find_unused_parameters: as in DDP, for models whose forward skips parameters.
@@ -384,6 +607,11 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
         autotune: try bucket sizes (and hierarchical communication on several nodes) during the first steps and
             keep the fastest, the same on every rank; ``None`` reads ``BAGUA_AUTOTUNE`` (``1``: on; the launcher's
             ``--autotune_level 1`` sets it), off when unset.
+        average_before_save: with an algorithm whose ranks hold different weights (``decentralized``,
+            ``low_precision_decentralized``), write the average of the ranks' weights as the checkpoint's
+            ``state_dict`` (what ``load_from_checkpoint`` and evaluation read) instead of rank 0's. Training is
+            unaffected, and resuming still restores each rank's own weights. With other algorithms the ranks'
+            weights are equal, so rank 0's are their average.
         **bagua_kwargs: the algorithm's keywords, e.g. ``hierarchical=True``; checked here, so that a typo
             fails before any process starts.
     """
@@ -452,6 +680,133 @@ def _check_telemetry_and_autotune(telemetry: Any, autotune: Any) -> tuple[bool, 
             " bucket size during the first steps, or None to follow BAGUA_AUTOTUNE."
         )
     return telemetry, autotune
+
+
+# Algorithms whose ranks hold different weights between steps: checkpoints carry every rank's weights and optimizer
+# state, since rank 0's alone would not resume the others.
+_PER_RANK_WEIGHTS = frozenset({"decentralized", "low_precision_decentralized", "async"})
+_CHECKPOINT_VERSION = 1
+# How long a rank whose collective failed waits for the others' reports before naming the silent ones.
+_DIAGNOSIS_WINDOW_S = 5.0
+_FAILURE_KEY = "lightning_bagua/failure"
+
+
+class _RankResume:
+    """What one rank resumes from: its algorithm state and, where ranks' weights differ, its weights and optimizers."""
+
+    def __init__(
+        self, algorithm_state: dict[str, Any], state_dict: dict[str, Any] | None, optimizer_states: list[Any] | None
+    ) -> None:
+        self.algorithm_state = algorithm_state
+        self.state_dict = state_dict
+        self.optimizer_states = optimizer_states
+
+
+def _read_rank_state(saved: Any, algorithm: str, world_size: int, rank: int) -> _RankResume:
+    if not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION:
+        version = saved.get("version") if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(
+            f"The checkpoint's 'bagua' entry has version {version!r}; this release reads version"
+            f" {_CHECKPOINT_VERSION}. Resume with the release that wrote it, or delete the entry to load the weights"
+            " alone."
+        )
+    if saved["algorithm"] != algorithm:
+        raise ValueError(
+            f"The checkpoint was written while training with the {saved['algorithm']!r} algorithm, but this strategy"
+            f" uses {algorithm!r}. Resume with the same algorithm, or load the weights alone"
+            " (LightningModule.load_from_checkpoint) to switch."
+        )
+    if saved["world_size"] != world_size:
+        raise ValueError(
+            f"The checkpoint holds the algorithm state of {saved['world_size']} processes, but this run has"
+            f" {world_size}. Resume with {saved['world_size']} processes, or load the weights alone"
+            " (LightningModule.load_from_checkpoint) to start the algorithm afresh."
+        )
+    ranks = saved["ranks"]
+    own = ranks[rank] if ranks is not None else {"state_dict": None, "optimizer_states": None}
+    return _RankResume(saved["algorithm_states"][rank], own["state_dict"], own["optimizer_states"])
+
+
+def _average_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    averaged = dict(state_dicts[0])
+    for key, value in state_dicts[0].items():
+        # Floating tensors are averaged; counters (BatchNorm's num_batches_tracked) stay rank 0's.
+        if isinstance(value, Tensor) and value.is_floating_point():
+            averaged[key] = torch.stack([state_dict[key] for state_dict in state_dicts]).mean(dim=0)
+    return averaged
+
+
+def _end_launched_children(launcher: Any) -> None:
+    """Kill the processes Lightning's own launcher started from this one, which cannot go on without it."""
+    # Under Lightning's launcher this process is rank 0 and hosts the rendezvous store; the other ranks are its
+    # children, and Lightning ends them only on KeyboardInterrupt. Otherwise a child still joining the group, or
+    # blocked in a collective that the dead store cannot fail, waits out the whole timeout as an orphan.
+    children = [proc for proc in getattr(launcher, "procs", None) or () if isinstance(proc, subprocess.Popen)]
+    for child in children:
+        if child.poll() is None:
+            log.error("Ending rank process %d, started by this one, since this one is failing", child.pid)
+            child.kill()
+
+
+def _restart_count() -> int:
+    """Return how often torch's elastic agent restarted this job's workers (0 outside torchelastic)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _looks_like_failed_collective(exception: BaseException) -> bool:
+    if isinstance(exception, getattr(dist, "DistError", ())):
+        return True
+    text = str(exception).lower()
+    return isinstance(exception, RuntimeError) and any(
+        marker in text for marker in ("gloo", "nccl", "connection", "timed out", "timeout", "peer")
+    )
+
+
+def _diagnose_failure(exception: BaseException, rank: int, world_size: int, fit: int, window_s: float) -> str | None:
+    """Report this rank's failure to the store; after a failed collective, return a note naming the silent ranks."""
+    # Keys are per restart (the agent's store outlives its workers) and per fit, so old reports never count.
+    prefix = f"{_FAILURE_KEY}/{_restart_count()}/{fit}"
+    summary = f"{type(exception).__name__}: {str(exception).strip().splitlines()[0] if str(exception).strip() else ''}"
+    collective = _looks_like_failed_collective(exception)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        # A store that stopped answering must not hold the failing process for the whole collective timeout.
+        store.set_timeout(timedelta(seconds=max(window_s, 1.0)))
+        store.set(f"{prefix}/{rank}", summary[:500])
+        if not collective:
+            return None
+        reports: dict[int, str] = {}
+        deadline = time.monotonic() + window_s
+        while True:
+            for other in range(world_size):
+                if other not in reports and store.check([f"{prefix}/{other}"]):
+                    reports[other] = store.get(f"{prefix}/{other}").decode(errors="replace")
+            if len(reports) == world_size or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+    except Exception as error:  # the original error is re-raised either way; this one goes into its note
+        # The store dies with the process hosting it, and a launcher's SIGTERM can interrupt the wait (Lightning's
+        # handler then runs a collective of its own, which fails too).
+        if not collective:
+            return None
+        return (
+            f"lightning_bagua: rank {rank} of {world_size} saw a collective fail; collecting the other ranks'"
+            f" reports failed too ({type(error).__name__}: {error}). If the rendezvous store is gone, the process"
+            " hosting it died: rank 0 under Lightning's own launcher; under torchrun or lightning_bagua.launch the"
+            " agent, whose summary names the failed rank."
+        )
+    silent = [other for other in range(world_size) if other not in reports]
+    raised = [f"rank {other} ({reports[other]})" for other in sorted(reports) if other != rank]
+    parts = [f"lightning_bagua: rank {rank} of {world_size} saw a collective fail."]
+    if silent:
+        parts.append(
+            f"Failed rank(s): {', '.join(map(str, silent))} (no report within {window_s:g} s: the process died,"
+            " was killed or hangs)."
+        )
+    if raised:
+        parts.append(f"Other ranks that raised: {'; '.join(raised)}.")
+    return " ".join(parts)
 
 
 def _build_algorithm(algorithm: str | Algorithm, bagua_kwargs: dict[str, Any]) -> Algorithm:

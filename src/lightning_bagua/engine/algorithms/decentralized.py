@@ -331,6 +331,43 @@ class DecentralizedImpl(AlgorithmImpl):
             check_optimizers_cover(DecentralizedAlgorithm.name, self.context.named_parameters, optimizers)
         self._optimizers = list(optimizers)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Return the counters that place this rank in the schedule: passes seen, rounds run, an exchange owed.
+
+        The exchange buffers are not saved: every exchange refills them from the parameters first, so the
+        parameters (saved with the model) are all of the weight state. What differs between ranks is the weights
+        and the optimizer state, which the caller saves per rank.
+
+        Returns:
+            ``{"forward_passes": int, "rounds": int, "due": bool}``.
+
+        Raises:
+            RuntimeError: an exchange is in flight (between a training forward pass and its backward), which
+                cannot be saved; save between optimizer steps.
+        """
+        state = self.state
+        if state.pending is not None:
+            raise RuntimeError(
+                f"Algorithm {DecentralizedAlgorithm.name!r} cannot save its state while a weight exchange is in"
+                " flight (between a training forward pass and the end of its backward). Save between optimizer"
+                " steps, as Lightning's checkpointing does."
+            )
+        return {"forward_passes": state.forward_passes, "rounds": state.rounds, "due": state.due}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters :meth:`state_dict` returned.
+
+        Args:
+            state: a dict from :meth:`state_dict`.
+
+        Raises:
+            ValueError: ``state`` lacks a key, has extra ones, or holds a value of the wrong type.
+        """
+        check_state_keys(DecentralizedAlgorithm.name, state, {"forward_passes": int, "rounds": int, "due": bool})
+        self.state.forward_passes = state["forward_passes"]
+        self.state.rounds = state["rounds"]
+        self.state.due = state["due"]
+
     def close(self) -> None:
         """Wait out an exchange still in flight (its result is dropped)."""
         pending, self.state.pending = self.state.pending, None
@@ -481,6 +518,30 @@ def _start_average_with_partner(
         weights.add_(received).div_(2)
 
     return finish
+
+
+def check_state_keys(algorithm: str, state: Any, expected: dict[str, type | tuple[type, ...]]) -> None:
+    """Raise a ``ValueError`` unless ``state`` is a dict with exactly the ``expected`` keys, each of its type(s).
+
+    Args:
+        algorithm: the algorithm's registry name, for the message.
+        state: the saved state to check.
+        expected: the type (or types) each key must hold; ``bool`` does not pass for ``int``.
+    """
+    if not isinstance(state, dict) or set(state) != set(expected):
+        found = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"Algorithm {algorithm!r}: the saved state must have the keys {sorted(expected)}, got {found}. Was it"
+            " written by another version or another algorithm?"
+        )
+    for key, kinds in expected.items():
+        value = state[key]
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+            names = " or ".join(kind.__name__ for kind in kinds)
+            raise ValueError(
+                f"Algorithm {algorithm!r}: saved state {key!r} must be {names}, got {value!r} ({type(value).__name__})."
+            )
 
 
 def _odd_participants_message(groups: CommunicationGroups, participants: int) -> str:

@@ -24,6 +24,7 @@ from lightning_bagua.engine.algorithms.base import (
 from lightning_bagua.engine.algorithms.decentralized import (
     FlatWeights,
     check_optimizers_cover,
+    check_state_keys,
     group_by_dtype,
     local_gradient_hook,
 )
@@ -221,6 +222,67 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self._optimizers = list(optimizers)
         self._stepped.clear()
         self._hook_handles = [optimizer.register_step_post_hook(self._after_step) for optimizer in optimizers]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return this rank's ring copies and counters: what it needs beyond its weights to continue the ring.
+
+        Returns:
+            ``{"forward_passes": int, "due": bool, "armed": bool, "copies": ...}``; ``armed`` is a round still
+            owed by a step that has not completed, and ``copies`` is ``None`` before the first training forward
+            pass and off the ring (non-leaders when two-level), else one ``{"w", "left", "right"}`` dict of
+            flat tensors (clones) per dtype group.
+        """
+        state = self.state
+        copies = None
+        if state.copies is not None:
+            copies = [
+                {"w": ring.w.clone(), "left": ring.left.clone(), "right": ring.right.clone()} for ring in state.copies
+            ]
+        return {"forward_passes": state.forward_passes, "due": state.due, "armed": state.armed, "copies": copies}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, after the weights have been restored.
+
+        Args:
+            state: a dict from :meth:`state_dict` of the same rank, with the same parameters and ring layout.
+
+        Raises:
+            ValueError: the state does not match this model's dtype groups or this rank's place on the ring.
+        """
+        name = LowPrecisionDecentralizedAlgorithm.name
+        check_state_keys(name, state, {"forward_passes": int, "due": bool, "armed": bool, "copies": (list, type(None))})
+        saved = state["copies"]
+        own = self.state
+        if saved is not None and not own.on_ring:
+            raise ValueError(
+                f"Algorithm {name!r}: the saved state holds ring copies, but this rank is not on the ring (it is not"
+                " its node's leader). Resume with the same number of nodes and processes per node."
+            )
+        if saved is not None and len(saved) != len(own.weights):
+            raise ValueError(
+                f"Algorithm {name!r}: the saved ring copies have {len(saved)} dtype group(s), this model has"
+                f" {len(own.weights)}. Resume with the same model."
+            )
+        copies = None
+        if saved is not None:
+            copies = []
+            for index, (ring, weights) in enumerate(zip(saved, own.weights, strict=True)):
+                buffer = weights.buffer
+                for key in ("w", "left", "right"):
+                    tensor = ring.get(key) if isinstance(ring, dict) else None
+                    if not isinstance(tensor, Tensor) or tensor.shape != buffer.shape or tensor.dtype != buffer.dtype:
+                        raise ValueError(
+                            f"Algorithm {name!r}: saved ring copy {key!r} of dtype group {index} does not match the"
+                            f" model's {buffer.numel()} {buffer.dtype} weights. Resume with the same model."
+                        )
+                copy = _RingCopies(ring["w"].to(buffer.device), own.codec.row_bytes(buffer.numel(), 1))
+                copy.left.copy_(ring["left"])
+                copy.right.copy_(ring["right"])
+                copies.append(copy)
+        own.copies = copies
+        own.forward_passes = state["forward_passes"]
+        own.due = state["due"]
+        own.armed = state["armed"]
 
     def close(self) -> None:
         """Remove the optimizer hooks, first running a round the last step still owes (its peers ran theirs)."""

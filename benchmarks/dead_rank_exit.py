@@ -1,0 +1,179 @@
+"""Measure how long a job takes to exit after one of its ranks is killed with SIGKILL, per launcher.
+
+The job is ``tests/strategies/fit_script.py`` (a small regression model, ``BaguaStrategy``, Gloo on CPU, 2
+processes) started by Lightning's own launcher (``python script.py`` with ``devices=2``), by
+``python -m lightning_bagua.launch`` and by ``torchrun``. Rank 1 kills itself with SIGKILL in the middle of an
+epoch, after writing the time of its death; the figure is the time from that moment until the launching command
+has exited and no process of the job is left. Results go to ``benchmarks/results/dead_rank_exit.json``.
+
+Run with the project's interpreter: ``.venv/bin/python benchmarks/dead_rank_exit.py [--repeats N]``.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "dead_rank_exit.json"
+SCRIPT = REPO / "tests" / "strategies" / "fit_script.py"
+LAUNCHERS = ("lightning", "lightning_bagua.launch", "torchrun")
+KILLED_RANK = 1
+# Epochs of 3 steps and 4 epochs; rank 1 dies at step 8, in the middle of the third epoch.
+TRAINING_ARGS = ["--max-steps", "-1", "--max-epochs", "4", "--limit-train-batches", "3"]
+KILL_AT_STEP = 8
+# A job still alive this long after the death counts as hung (the issue's bound).
+EXIT_DEADLINE_S = 60.0
+_JOB_VARIABLE = "LIGHTNING_BAGUA_FAULT_JOB"
+
+
+@dataclass
+class JobResult:
+    """One job's outcome: its exit status, output, and the seconds from the rank's death to the last exit."""
+
+    returncode: int
+    output: str
+    death_to_exit_s: float | None
+    leftover_pids: list[int]
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_command(launcher: str, port: int, max_restarts: int = 0) -> list[str]:
+    """Return the command that starts the 2-process job under ``launcher``, up to the script."""
+    if launcher == "lightning":
+        if max_restarts:
+            raise ValueError("Lightning's own launcher does not restart failed processes.")
+        return [sys.executable]
+    if launcher == "lightning_bagua.launch":
+        return [sys.executable, "-m", "lightning_bagua.launch", "--nproc_per_node", "2", "--master_port", str(port),
+                "--max_restarts", str(max_restarts)]  # fmt: skip
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+                "--max-restarts", str(max_restarts)]  # fmt: skip
+    raise ValueError(f"Unknown launcher {launcher!r}; choose from {LAUNCHERS}.")
+
+
+def job_pids(job_id: str) -> list[int]:
+    """Return the processes whose environment carries this job's id (the launcher and everything it started)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"{_JOB_VARIABLE}={job_id}".encode() in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def run_job(
+    launcher: str,
+    workdir: Path,
+    kill: bool = True,
+    max_restarts: int = 0,
+    extra_args: tuple[str, ...] = (),
+    timeout_s: float = 240.0,
+) -> JobResult:
+    """Run the job under ``launcher`` in ``workdir``; rank 1 kills itself once at step 8 when ``kill``.
+
+    The marker file rank 1 writes before dying keeps a restarted rank 1 alive, so ``max_restarts=1`` finishes.
+    """
+    port = free_port()
+    marker = workdir / "death.json"
+    job_id = uuid.uuid4().hex
+    command = [*launcher_command(launcher, port, max_restarts), str(SCRIPT), "--out", str(workdir / "out"),
+               "--devices", "2", *TRAINING_ARGS, *extra_args]  # fmt: skip
+    if kill:
+        command += ["--kill-rank", str(KILLED_RANK), "--kill-at-step", str(KILL_AT_STEP), "--kill-marker", str(marker)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "MASTER_PORT": str(port),
+        _JOB_VARIABLE: job_id,
+    }
+    log_path = workdir / "output.log"
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            returncode = process.wait()
+        exited = time.time()
+    # The launcher is gone; wait briefly for any process it left behind, then name the survivors.
+    deadline = time.monotonic() + 5
+    while job_pids(job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leftovers = job_pids(job_id)
+    for pid in leftovers:  # never leave a stray job running, whatever the result
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    death = json.loads(marker.read_text())["time"] if marker.exists() else None
+    return JobResult(
+        returncode=returncode,
+        output=log_path.read_text(errors="replace"),
+        death_to_exit_s=None if death is None or max_restarts else exited - death,
+        leftover_pids=leftovers,
+    )
+
+
+def main() -> None:
+    """Run every launcher ``--repeats`` times and write the death-to-exit figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    for launcher in LAUNCHERS:
+        seconds = []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as directory:
+                result = run_job(launcher, Path(directory), timeout_s=EXIT_DEADLINE_S + 120)
+            if result.death_to_exit_s is None or result.returncode == 0 or result.leftover_pids:
+                raise RuntimeError(f"{launcher}: the job did not fail as expected:\n{result.output[-4000:]}")
+            seconds.append(round(result.death_to_exit_s, 3))
+            print(f"{launcher}: {seconds[-1]:.2f} s from rank {KILLED_RANK}'s death to the job's exit", flush=True)
+        results[launcher] = {
+            "death_to_exit_s": seconds,
+            "median_s": round(statistics.median(seconds), 3),
+            "max_s": max(seconds),
+        }
+    import torch
+
+    report = {
+        "benchmark": "seconds from one rank's SIGKILL (mid-epoch) to the exit of the whole 2-process job",
+        "command": "python benchmarks/dead_rank_exit.py",
+        "job": f"tests/strategies/fit_script.py {' '.join(TRAINING_ARGS)}, gradient_allreduce, gloo, CPU",
+        "killed_rank": KILLED_RANK,
+        "kill_at_step": KILL_AT_STEP,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "repeats": args.repeats,
+        "launchers": results,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
