@@ -121,9 +121,11 @@ def theory(name: str, kwargs: dict, step: int, numels: list[int]) -> dict:
         # One fp32 group: all-reduce of the weights ("all"), or the weights sent to and received from the partner.
         return {"bytes_sent": 4 * weights, "bytes_received": 4 * weights, "bytes_uncompressed": 4 * weights, "calls": 1}
     if name == "low_precision_decentralized":
-        # The compressed difference (one chunk) goes to both neighbours; one code of the same size comes from each.
+        # The compressed difference (one chunk) goes to the one peer that is both neighbours on a ring of two, and
+        # one code of the same size comes back.
+        assert WORLD_SIZE == 2
         row = HEADER + weights
-        return {"bytes_sent": 2 * row, "bytes_received": 2 * row, "bytes_uncompressed": 2 * 4 * weights, "calls": 2}
+        return {"bytes_sent": row, "bytes_received": row, "bytes_uncompressed": 4 * weights, "calls": 1}
     raise AssertionError(name)
 
 

@@ -271,7 +271,29 @@ def _startup_time() -> tuple[list[str], list[list[str]], list[str]]:
     return header, rows, ["python benchmarks/startup_time.py"]
 
 
+def _network_lab() -> tuple[list[str], list[list[str]], list[str]]:
+    data = _load("network_lab_cpu")
+    rates: list[str] = list(dict.fromkeys(row["rate"] for row in data["results"]))
+    by_key = {(row["rate"], row["method"]): row for row in data["results"]}
+    rows = []
+    for method in dict.fromkeys(row["method"] for row in data["results"]):
+        cells = [method]
+        for rate in rates:
+            row, ddp = by_key.get((rate, method)), by_key.get((rate, "ddp"))
+            if row is None:
+                cells.append("-")
+                continue
+            ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp is not None else ""
+            cells.append(f"{row['median_step_s'] * 1e3:.0f} ms{ratio}")
+        payload = next((by_key[(rate, method)]["bytes_per_step"] for rate in rates if (rate, method) in by_key), None)
+        cells.append("-" if payload is None else f"{payload / 1e6:.2f} MB")
+        rows.append(cells)
+    header = ["method", *[f"{rate} (x DDP)" for rate in rates], "payload per step"]
+    return header, rows, [data["command"]]
+
+
 BENCHMARKS: dict[str, Callable[[], tuple[list[str], list[list[str]], list[str]]]] = {
+    "network_lab": _network_lab,
     "engine_overhead": _engine_overhead,
     "fused_optimizer": _fused_optimizer,
     "sampler_balance": _sampler_balance,

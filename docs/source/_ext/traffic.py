@@ -97,8 +97,10 @@ def wire_bytes(
         if peer_selection_mode == "shift_one":
             return 4 * parameters / communication_interval
         raise ValueError(f"Unknown peer_selection_mode {peer_selection_mode!r}; choose 'all' or 'shift_one'.")
-    # low_precision_decentralized: one compressed chunk of the whole model to each ring neighbour.
-    return 2 * (HEADER_BYTES + parameters) / communication_interval
+    # low_precision_decentralized: one compressed chunk of the whole model to each ring neighbour (on a ring of
+    # two, the one peer is both and gets it once).
+    neighbours = 1 if ranks == 2 else 2
+    return neighbours * (HEADER_BYTES + parameters) / communication_interval
 
 
 def wire_seconds(nbytes: float, gbit_per_s: float) -> float:

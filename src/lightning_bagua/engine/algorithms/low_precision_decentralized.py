@@ -60,7 +60,8 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
        step. It reads ``d = (x - w) + ((w + L + R)/3 - w)``: the local progress since the last round, plus the
        move of ``w`` to the average of the three neighbouring ``w`` (the ring's mixing weights of 1/3 each).
     2. Compress it to 8 bits with the MinMaxUInt8 codec, as one chunk: ``c = compress(d)``.
-    3. Send ``c`` to both neighbours; receive ``cL`` from the left one and ``cR`` from the right one.
+    3. Send ``c`` to both neighbours; receive ``cL`` from the left one and ``cR`` from the right one. On a ring
+       of two, the one peer is both neighbours: ``c`` is sent once and ``cL = cR``.
     4. Update the copies with what every side decodes, so that ``L`` and ``R`` stay exactly equal to the
        neighbours' own ``w``: ``L += decompress(cL)``, ``R += decompress(cR)``, ``w += decompress(c)``.
     5. Continue from the communicated weight: ``x = w``.
@@ -356,6 +357,19 @@ def _ring_round(
     if size == 1:
         # Alone on the ring, this rank is its own neighbour on both sides.
         from_left = from_right = code
+    elif size == 2:
+        # Both neighbours are the one peer, and both would be sent the same code: one exchange carries it.
+        peer = members[1 - position]
+        state.counter.record("send", code, uncompressed=numel * x.element_size())
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, code, peer, group, _TOWARDS_RIGHT),
+                dist.P2POp(dist.irecv, copies.from_left, peer, group, _TOWARDS_RIGHT),
+            ]
+        )
+        for work in works:
+            work.wait()
+        from_left = from_right = copies.from_left
     else:
         left, right = members[(position - 1) % size], members[(position + 1) % size]
         # Each code sent is matched by a code of the same size received from the other side.
