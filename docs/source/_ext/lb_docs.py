@@ -277,7 +277,8 @@ def _network_lab() -> tuple[list[str], list[list[str]], list[str]]:
     by_key = {(row["rate"], row["method"]): row for row in data["results"]}
     rows = []
     for method in dict.fromkeys(row["method"] for row in data["results"]):
-        cells = [method]
+        payload = next((by_key[(rate, method)]["bytes_per_step"] for rate in rates if (rate, method) in by_key), None)
+        cells = [method, "-" if payload is None else f"{payload / 1e6:.2f} MB"]
         for rate in rates:
             row, ddp = by_key.get((rate, method)), by_key.get((rate, "ddp"))
             if row is None:
@@ -285,11 +286,8 @@ def _network_lab() -> tuple[list[str], list[list[str]], list[str]]:
                 continue
             ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp is not None else ""
             cells.append(f"{row['median_step_s'] * 1e3:.0f} ms{ratio}")
-        payload = next((by_key[(rate, method)]["bytes_per_step"] for rate in rates if (rate, method) in by_key), None)
-        cells.append("-" if payload is None else f"{payload / 1e6:.2f} MB")
         rows.append(cells)
-    header = ["method", *[f"{rate} (x DDP)" for rate in rates], "payload per step"]
-    return header, rows, [data["command"]]
+    return ["method", "payload / step", *rates], rows, [data["command"]]
 
 
 BENCHMARKS: dict[str, Callable[[], tuple[list[str], list[list[str]], list[str]]]] = {
