@@ -142,7 +142,8 @@ def run_script(out: Path, mode: str, *args: str) -> list[dict]:
 def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_path):
     """Same start, same batches per rank, same algorithm: the Fabric loop and the Trainer reach the same weights.
 
-    The cases are the five algorithms (decentralized with both peer selections) and gradient accumulation through
+    The cases are the six algorithms (decentralized with both peer selections, async within its warm-up, where it
+    is deterministic) and gradient accumulation through
     ``fabric.no_backward_sync``; each rank compares its own weights, since decentralized replicas differ by design.
     """
     results = run_script(tmp_path, "compare")
@@ -156,6 +157,7 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
             "gradient_allreduce_accumulate",
             "low_precision_decentralized",
             "qadam",
+            "async_warmup",
         ]
     )
     for rank, result in enumerate(results):
@@ -165,8 +167,12 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
             torch.testing.assert_close(fabric["state"], trainer["state"], **EXACT, msg=f"{case}, rank {rank}")
             assert fabric["bytes_by_op"] == trainer["bytes_by_op"], f"{case}, rank {rank}"
     # Data-parallel algorithms keep the replicas identical; gradient_allreduce matches one process on all batches.
-    for case in ["gradient_allreduce", "gradient_allreduce_accumulate", "bytegrad", "qadam"]:
+    for case in ["gradient_allreduce", "gradient_allreduce_accumulate", "bytegrad", "qadam", "async_warmup"]:
         assert_ranks_identical([result[case]["fabric"] for result in results])
+    # async's warm-up is gradient_allreduce, and the abort that ends the run averages replicas that are equal.
+    torch.testing.assert_close(
+        results[0]["async_warmup"]["fabric"]["state"], results[0]["gradient_allreduce"]["fabric"]["state"], **EXACT
+    )
     torch.testing.assert_close(results[0]["gradient_allreduce"]["fabric"]["state"], reference_state(2), **TOLERANCE)
     accumulated = results[0]["gradient_allreduce_accumulate"]["fabric"]
     torch.testing.assert_close(accumulated["state"], reference_state(2, accumulate=3), **TOLERANCE)
