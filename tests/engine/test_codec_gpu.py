@@ -162,6 +162,26 @@ def test_one_large_chunk_spreads_over_the_gpu(torch_codec, triton_codec):
     assert float((out - values).abs().max()) <= 3.0 / 510 * (1 + 1e-6) + 1e-6
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_chunks", [1, 8])
+@pytest.mark.parametrize("where", ["head", "tail", "none"])
+def test_both_compress_configs_agree_with_torch(torch_codec, triton_codec, dtype, num_chunks, where):
+    # Inputs from the small-input threshold up take the large configuration, whose min/max pass loads the head of
+    # each span with another eviction policy than its tail: a non-finite value in either part must still be seen.
+    from lightning_bagua.engine import _codec_triton
+
+    threshold = _codec_triton.SMALL_COMPRESS_BYTES // torch.tensor([], dtype=dtype).element_size()
+    for numel in (threshold - 1, threshold, 3 * threshold + 5):
+        values = random_values(numel, 3.0, -1.0, seed=numel % 97).to(DEVICE, dtype)
+        if where != "none":
+            position = 1 if where == "head" else numel - 2
+            values[position] = float("inf") if where == "head" else float("nan")
+        encoded = triton_codec.compress(values, num_chunks)
+        assert_same_encoding(encoded, torch_codec.compress(values, num_chunks))
+        decoded = triton_codec.decompress(encoded, numel, torch.float32)
+        assert_decoded_close(decoded, torch_codec.decompress(encoded, numel, torch.float32))
+
+
 def test_strided_rows_and_partial_decode_on_triton(torch_codec, triton_codec):
     values = random_values(10_001, 1.0, 0.0, seed=6).to(DEVICE)
     encoded = triton_codec.compress(values, 8)

@@ -35,26 +35,61 @@ class _Config(NamedTuple):
     num_warps: int
     programs_per_sm: int  # programs launched per SM (over all chunks), before spans are rounded to blocks
     max_programs_per_row: int
+    # Compression only: the share of L2 that the min/max pass fills with (the tails of) the spans to be quantised
+    # next, and Triton's eviction policies ("", "evict_first", "evict_last") of the two passes' loads and stores.
+    l2_share: float = 0.0
+    early_eviction: str = ""
+    late_eviction: str = ""
+    load_eviction: str = ""
+    store_eviction: str = ""
 
 
-# Measured on an H200 (1 and 8 chunks, 64 MiB to 1 GiB): compression is fastest with a few looping programs
-# per SM (and must bound the programs per chunk: each quantising program reduces all its chunk's partials);
-# decoding with one block per program, up to the grid's limit of 65535 programs per chunk.
-COMPRESS_CONFIG = _Config(block=4096, num_warps=8, programs_per_sm=8, max_programs_per_row=1024)
+# Measured on an H200 (1 and 8 chunks, 4 MiB to 1 GiB, scratch sweeps of block, warps, programs per SM and
+# eviction policies): compression is fastest with a few looping programs per SM (and must bound the programs per
+# chunk: each quantising program reduces all its chunk's partials); decoding with one block per program, up to
+# the grid's limit of 65535 programs per chunk. From 12 MiB up, marking the head of each span evict-first in the
+# min/max pass leaves its tail in L2 for the quantising pass, which starts there, and longer loops of smaller
+# blocks keep more loads in flight; below that, where launches dominate, fewer longer steps win.
+COMPRESS_CONFIG = _Config(
+    block=2048, num_warps=16, programs_per_sm=4, max_programs_per_row=1024, l2_share=0.7, early_eviction="evict_first"
+)
+SMALL_COMPRESS_CONFIG = _Config(block=4096, num_warps=8, programs_per_sm=8, max_programs_per_row=1024)
+SMALL_COMPRESS_BYTES = 12 << 20  # inputs smaller than this use SMALL_COMPRESS_CONFIG
 DECODE_CONFIG = _Config(block=4096, num_warps=8, programs_per_sm=1 << 20, max_programs_per_row=65535)
 
 
 @triton.jit
-def _load_values(x_ptr, row_start, j, end, numel, x_last):
+def _load_values(x_ptr, row_start, j, end, numel, x_last, eviction: tl.constexpr):
     # Elements past the input are padding: they repeat the last element, as in the torch backend.
     index = row_start + j
     valid = index < numel
-    x = tl.load(x_ptr + index, mask=valid & (j < end), other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + index, mask=valid & (j < end), other=0.0, eviction_policy=eviction).to(tl.float32)
     return tl.where(valid, x, x_last)
 
 
 @triton.jit
-def _minmax_kernel(x_ptr, partial_ptr, numel, length, span, block: tl.constexpr):
+def _minmax_update(x_ptr, row_start, j, end, numel, x_last, lo, hi, nan_seen, eviction: tl.constexpr):
+    inside = j < end
+    x = _load_values(x_ptr, row_start, j, end, numel, x_last, eviction)
+    lo = tl.where(inside, tl.minimum(lo, x), lo)
+    hi = tl.where(inside, tl.maximum(hi, x), hi)
+    # min/max need not propagate NaN, so it is tracked apart; +-inf shows up in lo/hi.
+    nan_seen = nan_seen | ((x != x) & inside).to(tl.int32)
+    return lo, hi, nan_seen
+
+
+@triton.jit
+def _minmax_kernel(
+    x_ptr,
+    partial_ptr,
+    numel,
+    length,
+    span,
+    keep_per_mille,
+    block: tl.constexpr,
+    early_eviction: tl.constexpr,
+    late_eviction: tl.constexpr,
+):
     row = tl.program_id(0)
     part = tl.program_id(1)
     per_row = tl.num_programs(1)
@@ -67,14 +102,18 @@ def _minmax_kernel(x_ptr, partial_ptr, numel, length, span, block: tl.constexpr)
     lo = tl.full([block], float("inf"), tl.float32)
     hi = tl.full([block], float("-inf"), tl.float32)
     nan_seen = tl.zeros([block], tl.int32)
-    for base in range(start, end, block):
-        j = base + offsets
-        inside = j < end
-        x = _load_values(x_ptr, row_start, j, end, numel, x_last)
-        lo = tl.where(inside, tl.minimum(lo, x), lo)
-        hi = tl.where(inside, tl.maximum(hi, x), hi)
-        # min/max need not propagate NaN, so it is tracked apart; +-inf shows up in lo/hi.
-        nan_seen = nan_seen | ((x != x) & inside).to(tl.int32)
+    # The quantising pass reads each span backwards, so the span's tail is what it can find in L2: the tail
+    # (keep_per_mille of the span) is loaded with late_eviction, the head with early_eviction.
+    steps = tl.cdiv(end - start, block)
+    split = start + (steps - (steps * keep_per_mille) // 1000) * block
+    for base in range(start, split, block):
+        lo, hi, nan_seen = _minmax_update(
+            x_ptr, row_start, base + offsets, end, numel, x_last, lo, hi, nan_seen, early_eviction
+        )
+    for base in range(split, end, block):
+        lo, hi, nan_seen = _minmax_update(
+            x_ptr, row_start, base + offsets, end, numel, x_last, lo, hi, nan_seen, late_eviction
+        )
     slot = row * per_row + part
     tl.store(partial_ptr + slot, tl.min(lo, axis=0))
     tl.store(partial_ptr + programs + slot, tl.max(hi, axis=0))
@@ -102,6 +141,8 @@ def _quantize_kernel(
     header_bytes: tl.constexpr,
     partials_block: tl.constexpr,
     block: tl.constexpr,
+    load_eviction: tl.constexpr,
+    store_eviction: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -135,11 +176,11 @@ def _quantize_kernel(
     steps = tl.cdiv(end - start, block)
     for step in range(steps):
         j = start + (steps - 1 - step) * block + offsets
-        x = _load_values(x_ptr, row_start, j, end, numel, x_last)
+        x = _load_values(x_ptr, row_start, j, end, numel, x_last, load_eviction)
         q = libdevice.rint(x * scale) - lower
         q = tl.minimum(tl.maximum(q, 0.0), 255.0)
         q = tl.where(zero_codes, 0.0, q)
-        tl.store(row_ptr + header_bytes + j, q.to(tl.uint8), mask=j < end)
+        tl.store(row_ptr + header_bytes + j, q.to(tl.uint8), mask=j < end, eviction_policy=store_eviction)
 
 
 @triton.jit
@@ -190,6 +231,17 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def _keep_per_mille(nbytes: int, device_index: int, config: _Config) -> int:
+    """Return how much of each span (in thousandths, from its tail) the min/max pass asks L2 to keep."""
+    keep = config.l2_share * _l2_bytes(device_index)
+    return min(1000, int(1000 * keep / nbytes))
+
+
 @functools.lru_cache(maxsize=1024)
 def _split(rows: int, length: int, device_index: int, config: _Config) -> tuple[int, int]:
     """Return ``(span, programs_per_row)``: each program handles ``span`` elements (whole blocks) of a row."""
@@ -220,7 +272,8 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
         The encoded rows.
     """
     device = tensor.device
-    config = COMPRESS_CONFIG
+    nbytes = tensor.numel() * tensor.element_size()
+    config = SMALL_COMPRESS_CONFIG if nbytes < SMALL_COMPRESS_BYTES else COMPRESS_CONFIG
     span, per_row = _split(num_chunks, length, device.index, config)
     partials = torch.empty(3 * num_chunks * per_row, dtype=torch.float32, device=device)
     out = torch.empty((num_chunks, header_bytes + length), dtype=torch.uint8, device=device)
@@ -232,7 +285,10 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
             tensor.numel(),
             length,
             span,
+            _keep_per_mille(nbytes, device.index, config),
             block=config.block,
+            early_eviction=config.early_eviction,
+            late_eviction=config.late_eviction,
             num_warps=config.num_warps,
         )
         _quantize_kernel[grid](
@@ -246,6 +302,8 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
             header_bytes=header_bytes,
             partials_block=max(16, triton.next_power_of_2(per_row)),
             block=config.block,
+            load_eviction=config.load_eviction,
+            store_eviction=config.store_eviction,
             num_warps=config.num_warps,
         )
     return out
