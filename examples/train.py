@@ -23,7 +23,7 @@ from sklearn.preprocessing import StandardScaler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_bagua import BaguaStrategy
+from lightning_bagua import BaguaStrategy, QAdamOptimizer
 
 __all__ = ["DigitsClassifier", "load_data", "main", "parse_args"]
 
@@ -36,13 +36,19 @@ class DigitsClassifier(LightningModule):
     """A two-layer perceptron for 8x8 digit images, flattened to 64 features.
 
     Args:
-        lr: Learning rate of the Adam optimizer.
+        lr: Learning rate of the optimizer.
         hidden: Width of the hidden layer.
+        optimizer: ``"adam"`` for torch's Adam, or ``"qadam"`` for :class:`~lightning_bagua.QAdamOptimizer` (the
+            optimizer the ``qadam`` algorithm requires), which switches from warm-up to compressed momentum after
+            its default ``warmup_steps``.
     """
 
-    def __init__(self, lr: float, hidden: int = 128) -> None:
+    def __init__(self, lr: float, hidden: int = 128, optimizer: str = "adam") -> None:
         super().__init__()
+        if optimizer not in ("adam", "qadam"):
+            raise ValueError(f"Unknown optimizer {optimizer!r}: choose 'adam' or 'qadam'.")
         self.lr = lr
+        self.optimizer = optimizer
         self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -62,6 +68,8 @@ class DigitsClassifier(LightningModule):
         self.log("test_acc", accuracy, sync_dist=True, batch_size=len(y))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "qadam":
+            return QAdamOptimizer(self.parameters(), lr=self.lr)
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
@@ -107,7 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-epochs", type=int, default=10, help="training epochs (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size per process (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default: %(default)s)")
+    parser.add_argument(
+        "--lr", type=float, default=3e-3, help="learning rate of Adam (QAdam for qadam) (default: %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=42, help="seed for weights and shuffling (default: %(default)s)")
     parser.add_argument(
         "--precision", default="32-true", help="Lightning precision, e.g. 32-true or bf16-mixed (default: %(default)s)"
@@ -146,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> float:
         # A live progress bar only helps on a terminal; in CI logs and pipes it turns into pages of carriage returns.
         enable_progress_bar=sys.stdout.isatty(),
     )
-    model = DigitsClassifier(lr=args.lr)
+    # The qadam algorithm runs only with its own optimizer; every other algorithm trains with Adam.
+    model = DigitsClassifier(lr=args.lr, optimizer="qadam" if args.algorithm == "qadam" else "adam")
     trainer.fit(model, train_dataloaders=train_loader)
     (results,) = trainer.test(model, dataloaders=test_loader, verbose=False)
     accuracy = float(results["test_acc"])

@@ -71,6 +71,9 @@ def test_train_example_learns_digits_on_two_cpu_processes(gradient_allreduce_acc
         ("decentralized", '{"hierarchical": false}'),
         ("decentralized", '{"hierarchical": false, "peer_selection_mode": "shift_one"}'),
         ("low_precision_decentralized", '{"hierarchical": false}'),
+        # The example trains qadam with QAdamOptimizer (warm-up 100 steps of about 230), async with 20 warm-up steps.
+        ("qadam", '{"hierarchical": false}'),
+        ("async", '{"warmup_steps": 20, "sync_interval_ms": 50}'),
     ],
 )
 def test_every_algorithm_trains_the_example_within_two_points(tmp_path, gradient_allreduce_accuracy, algorithm, kwargs):
