@@ -1,7 +1,8 @@
 """Step time of a ~124M-parameter transformer LM under Lightning: DDP and its hooks against every Bagua algorithm.
 
 The model is a GPT-2-small-shaped decoder (12 layers, width 768, 12 heads, tied 50304-token embeddings, 1024-token
-context) trained in bf16-mixed precision on random tokens, with a per-GPU batch that fills an H200 (``--batch``).
+context) trained in bf16-mixed precision on random tokens, with a large per-GPU batch (``--batch``, 64 sequences by
+default: activations then take most of the memory a step uses, as in real pre-training; the peak is recorded).
 For each network regime and method, a fresh ``torchrun`` job trains ``--warmup + --steps`` steps under
 ``lightning.Trainer``; a callback times every step between CUDA synchronisations. Recorded per method: the median
 step time, tokens per second over all ranks, the payload bytes per step each rank hands to collectives, and the
@@ -309,7 +310,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regimes", nargs="+", default=["nvlink", "sockets"], choices=["nvlink", "sockets"])
     parser.add_argument("--methods", nargs="+", default=None, help="default: all")
-    parser.add_argument("--batch", type=int, default=16, help="sequences of 1024 tokens per GPU per step")
+    parser.add_argument("--batch", type=int, default=64, help="sequences of 1024 tokens per GPU per step")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps (also qadam's and async's warm-up)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one job may take")
