@@ -433,6 +433,11 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
     def _replace_wrapper(self, old: BaguaDistributedDataParallel, new: BaguaDistributedDataParallel) -> None:
         # `rewrapped` closed the old wrapper; every reference the strategy and Fabric keep moves to the new one.
         self._bagua_modules = [new if wrapped is old else wrapped for wrapped in self._bagua_modules]
+        if old.telemetry is not None and new.telemetry is not None:
+            # One record stream per module: the step that ended with the rebuild stays readable (the loop logs it
+            # after this optimizer step), and step indices go on counting instead of restarting at 0.
+            new.telemetry.last_step = old.telemetry.last_step
+            new.telemetry._step = old.telemetry._step
         self._autotuners[id(new)] = self._autotuners.pop(id(old))
         holders = self._wrapper_holders.pop(id(old), [])
         for reference, name in holders:
