@@ -15,10 +15,16 @@ Modes:
   step and in gradient-ready order after, so a resumed run rounds its first step differently).
 * ``setup``: module and optimizers set up apart in either order, the ``qadam`` optimizer check, ``all_reduce``,
   ``broadcast`` and ``teardown``.
+* ``telemetry``: the strategy's ``telemetry`` flag on (``gradient_allreduce``, logged through a Fabric
+  ``CSVLogger``; ``bytegrad``) and off, each step's record read after ``optimizer.step()``; then ``BAGUA_AUTOTUNE=1``
+  tuning the bucket size over the first steps, against the same run with ``autotune=False``.
 """
 
 import argparse
 import copy
+import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +73,10 @@ def fabric_strategy(algorithm, **kwargs):
     return BaguaStrategy(algorithm=algorithm, **kwargs)
 
 
-def new_fabric(strategy):
+def new_fabric(strategy, loggers=None):
     from lightning.fabric import Fabric
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, loggers=loggers)
     fabric.launch()  # joins the process group the first Fabric created
     return fabric
 
@@ -302,10 +308,106 @@ def setup_checks(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+# ------------------------------------------------------------------------------------------ telemetry, autotune
+
+
+def endless_batches(world_size: int, rank: int) -> Iterator[Any]:
+    # Autotuning takes more steps than an epoch has; each epoch reshuffles, as the Trainer's sampler does.
+    loader = rank_loader(world_size, rank)
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def telemetry_run(algorithm: str, steps: int, loggers=None, **kwargs: Any) -> dict[str, Any]:
+    """Train with the Fabric strategy, reading (and logging, if a logger is given) the telemetry after each step."""
+    from lightning_bagua.engine import telemetry as telemetry_module
+
+    clock_reads = 0
+    clock = telemetry_module._clock
+
+    def counting_clock() -> float:
+        nonlocal clock_reads
+        clock_reads += 1
+        return clock()
+
+    telemetry_module._clock = counting_clock
+    fabric = new_fabric(fabric_strategy(algorithm, **kwargs), loggers=loggers)
+    strategy = fabric.strategy
+    network = make_network()
+    model, optimizer = fabric.setup(network, make_optimizer(network.parameters()))
+    batches = endless_batches(fabric.world_size, fabric.global_rank)
+    records, metrics, wrappers = [], [], []
+    for step in range(steps):
+        wrappers.append(id(model._forward_module))
+        train_steps(fabric, model, optimizer, batches, 1)
+        records.append(None if strategy.telemetry is None else strategy.telemetry.last_step)
+        metrics.append(strategy.telemetry_metrics)
+        fabric.log_dict(strategy.telemetry_metrics, step=step)
+    telemetry_module._clock = clock
+    tuner = strategy.autotuner
+    result = {
+        "state": cpu_state(network, prefix="net."),
+        "records": records,
+        "metrics": metrics,
+        "telemetry_is_none": strategy.telemetry is None,
+        "clock_reads": clock_reads,
+        "bytes_by_op": strategy.communication_counter.bytes_by_op,
+        "wrappers": len(set(wrappers)),
+        "calls_current_wrapper": model._forward_module is strategy.bagua_modules[0],
+        "bucket_cap_mb": model._forward_module.bucket_cap_mb,
+        "decision": None if tuner is None else tuner.decision,
+        "measurements": None if tuner is None else tuner.measurements,
+        "steps_needed": None if tuner is None else tuner.steps_needed,
+        "stopped_noting_holders": strategy._holder_hook is None,
+    }
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    strategy.teardown()
+    return result
+
+
+def telemetry_checks(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning.fabric.loggers import CSVLogger
+
+    from lightning_bagua.engine.autotune import DEFAULT_BUCKET_SIZES_MB
+
+    logger = CSVLogger(Path(args.out) / "csv", name="gradient_allreduce", version=0)
+    results = {
+        "telemetry": {
+            "gradient_allreduce": telemetry_run("gradient_allreduce", STEPS, loggers=[logger], telemetry=True),
+            "bytegrad": telemetry_run("bytegrad", STEPS, telemetry=True, hierarchical=False),
+        },
+        "telemetry_off": telemetry_run("bytegrad", STEPS, hierarchical=False),
+    }
+    # Every default candidate (one warm-up and three timed steps each), then two steps with the choice.
+    steps = len(DEFAULT_BUCKET_SIZES_MB) * 4 + 2
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    autotune_log = logging.getLogger("lightning_bagua.engine.autotune")
+    autotune_log.addHandler(handler)
+    autotune_log.setLevel(logging.INFO)
+    os.environ["BAGUA_AUTOTUNE"] = "1"  # as the launcher's --autotune_level 1 sets it
+    results["autotuned"] = telemetry_run("gradient_allreduce", steps, telemetry=True)
+    del os.environ["BAGUA_AUTOTUNE"]
+    autotune_log.removeHandler(handler)
+    results["autotuned"]["log"] = messages
+    results["untuned"] = telemetry_run("gradient_allreduce", steps, telemetry=True, autotune=False)
+    return results
+
+
+MODES = {"compare": compare, "checkpoint": checkpoint, "setup": setup_checks, "telemetry": telemetry_checks}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", required=True, help="compare, checkpoint or setup; several, comma-separated")
+    parser.add_argument(
+        "--mode", required=True, help="compare, checkpoint, setup or telemetry; several, comma-separated"
+    )
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
 
@@ -316,7 +418,7 @@ def main() -> None:
     first.launch()
     result: dict[str, Any] = {"strategy_class": f"{type(first.strategy).__module__}.{type(first.strategy).__name__}"}
     for mode in args.mode.split(","):
-        result.update({"compare": compare, "checkpoint": checkpoint, "setup": setup_checks}[mode](args))
+        result.update(MODES[mode](args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{first.global_rank}.pt")

@@ -1,5 +1,6 @@
 """The Fabric BaguaStrategy: construction in-process; training, checkpoints and setup on two real Gloo processes."""
 
+import csv
 import os
 import subprocess
 import sys
@@ -12,10 +13,13 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_bagua import QAdamOptimizer
 from lightning_bagua.engine import GradientAllReduceAlgorithm
+from lightning_bagua.engine.autotune import DEFAULT_BUCKET_SIZES_MB
 from lightning_bagua.strategies.fabric import ALGORITHM_STATE_KEY, BaguaStrategy
 from tests.distributed import assert_ranks_identical, free_port
+from tests.engine.test_telemetry import scatter_gather_step
 from tests.strategies.fit_script import make_network
-from tests.strategies.test_bagua import reference_state
+from tests.strategies.test_bagua import param_bytes, reference_state
+from tests.strategies.test_telemetry_autotune import TELEMETRY_COLUMNS
 
 SCRIPT = Path(__file__).with_name("fabric_script.py")
 ROOT = Path(__file__).parents[2]
@@ -58,11 +62,32 @@ def test_bagua_kwargs_reach_the_algorithm_and_instances_are_accepted():
         ({"algorithm": "decentralized", "peer_selection_mode": "ring"}, ValueError, r"'ring'"),
         ({"flatten": "true"}, TypeError, r"`flatten` must be a bool, got 'true' \(str\)"),
         ({"bucket_cap_mb": -1}, ValueError, r"`bucket_cap_mb` must be a positive number of MiB, got -1"),
+        ({"telemetry": 1}, TypeError, r"`telemetry` must be a bool, got 1 \(int\). Pass True to measure"),
+        ({"autotune": "yes"}, TypeError, r"`autotune` must be a bool or None, got 'yes' \(str\). Pass True to tune"),
     ],
 )
 def test_bad_input_fails_at_construction_naming_the_choices(kwargs, error, message):
     with pytest.raises(error, match=message):
         BaguaStrategy(**kwargs)
+
+
+def test_telemetry_and_autotune_flags_follow_the_trainer_strategy(monkeypatch):
+    from lightning_bagua.lightning_fabric import BaguaStrategy as Twin
+
+    monkeypatch.setenv("BAGUA_AUTOTUNE", "1")
+    assert BaguaStrategy()._autotune is True
+    assert Twin()._autotune is True
+    assert BaguaStrategy(autotune=False)._autotune is False  # an explicit value wins
+    monkeypatch.delenv("BAGUA_AUTOTUNE")
+    assert BaguaStrategy()._autotune is False
+    assert BaguaStrategy(autotune=True)._autotune is True
+    strategy = BaguaStrategy(telemetry=True)
+    assert strategy._telemetry is True
+    # Nothing is set up yet: no telemetry, no record, no tuner.
+    assert (strategy.telemetry, strategy.telemetry_metrics, strategy.autotuner) == (None, {}, None)
+    monkeypatch.setenv("BAGUA_AUTOTUNE", "fast")
+    with pytest.raises(ValueError, match=r"BAGUA_AUTOTUNE='fast' is not a valid autotune level: use 0 \(off\) or 1"):
+        BaguaStrategy()
 
 
 def test_bagua_environment_is_chosen_when_bagua_service_port_is_set(monkeypatch):
@@ -241,3 +266,86 @@ def test_setup_apart_in_either_order_qadam_check_reduce_and_teardown(lifecycle):
         assert result["all_reduce_in_place"] == 3.0
         assert result["all_reduce_int_mean"] == [2.5]
         assert result["broadcast"] == {"from": 1}
+
+
+@pytest.fixture(scope="module")
+def telemetry_runs(tmp_path_factory):
+    """One two-process run: telemetry on (two algorithms) and off, then autotuned and untuned runs."""
+    out = tmp_path_factory.mktemp("fabric-telemetry")
+    return out, run_script(out, "telemetry")
+
+
+def theory(algorithm: str) -> dict[str, float]:
+    # The network fits one bucket (under DDP's 1 MiB first bucket too), so every step reduces one of all parameters.
+    assert param_bytes() < 2**20
+    if algorithm == "gradient_allreduce":
+        return {"bytes_sent": param_bytes(), "bytes_received": param_bytes(), "bytes_uncompressed": param_bytes()}
+    expected = scatter_gather_step([param_bytes() // 4], n=2)
+    return {key: expected[key] for key in ("bytes_sent", "bytes_received", "bytes_uncompressed")}
+
+
+def test_telemetry_counts_the_theoretical_bytes_each_step_and_logs_through_fabric(telemetry_runs):
+    out, results = telemetry_runs
+    for rank, result in enumerate(results):
+        for algorithm, run in result["telemetry"].items():
+            expected = theory(algorithm)
+            assert len(run["records"]) == 4
+            for step, (record, metrics) in enumerate(zip(run["records"], run["metrics"], strict=True)):
+                assert record["step"] == step, (algorithm, rank)
+                for key, value in expected.items():
+                    assert record[key] == value, (algorithm, rank, step, key)
+                assert record["compression_ratio"] == pytest.approx(
+                    expected["bytes_uncompressed"] / expected["bytes_sent"]
+                )
+                assert record["communication_wait_s"] >= 0.0
+                # The Trainer strategy's metric names, the step index left to the logger.
+                assert metrics == {f"bagua/{key}": value for key, value in record.items() if key != "step"}
+                assert set(metrics) == set(TELEMETRY_COLUMNS)
+            assert run["clock_reads"] > 0
+        assert result["telemetry"]["bytegrad"]["records"][-1]["compression_ratio"] > 3.0
+    # `fabric.log_dict(strategy.telemetry_metrics, step=step)` reached the Fabric's CSVLogger (rank zero writes).
+    with open(out / "csv" / "gradient_allreduce" / "version_0" / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
+    assert all(int(float(row["bagua/bytes_sent"])) == param_bytes() for row in rows)
+
+
+def test_nothing_is_measured_when_telemetry_is_off(telemetry_runs):
+    _, results = telemetry_runs
+    for result in results:
+        off, on = result["telemetry_off"], result["telemetry"]["bytegrad"]
+        assert off["telemetry_is_none"]
+        assert off["records"] == [None] * 4
+        assert off["metrics"] == [{}] * 4
+        assert off["clock_reads"] == 0
+        assert off["bytes_by_op"] == on["bytes_by_op"]  # the communication itself is the same
+
+
+def test_autotune_under_fabric_agrees_on_every_rank_and_trains_as_untuned(telemetry_runs):
+    _, results = telemetry_runs
+    tuned = [result["autotuned"] for result in results]
+    steps = len(DEFAULT_BUCKET_SIZES_MB) * 4 + 2
+    decision = tuned[0]["decision"]
+    assert decision is not None
+    assert decision.bucket_cap_mb in DEFAULT_BUCKET_SIZES_MB
+    assert [run["decision"] for run in tuned] == [decision, decision]
+    assert tuned[0]["measurements"] == tuned[1]["measurements"]
+    assert [setting.bucket_cap_mb for setting, _ in tuned[0]["measurements"]] == [10.0, 1.0, 4.0, 25.0, 64.0]
+    assert tuned[0]["steps_needed"] == steps - 2
+    for run, result in zip(tuned, results, strict=True):
+        # Every candidate got its own wrapper, and the module Fabric returned calls the chosen one.
+        assert run["wrappers"] >= len(DEFAULT_BUCKET_SIZES_MB)
+        assert run["calls_current_wrapper"]
+        assert run["bucket_cap_mb"] == decision.bucket_cap_mb
+        assert run["stopped_noting_holders"]
+        # Telemetry carried on across the rebuilt wrappers: one full gradient per step.
+        assert [record["bytes_sent"] for record in run["records"]] == [param_bytes()] * steps
+        assert [record["step"] for record in run["records"]] == list(range(steps))
+        assert run["bytes_by_op"] == result["untuned"]["bytes_by_op"] == {"all_reduce": steps * param_bytes()}
+        torch.testing.assert_close(run["state"], result["untuned"]["state"], **TOLERANCE)
+        assert result["untuned"]["decision"] is None
+        assert result["untuned"]["wrappers"] == 1
+    assert_ranks_identical(tuned)
+    # The choice is logged once, by rank zero.
+    assert [len(run["log"]) for run in tuned] == [1, 0]
+    assert tuned[0]["log"][0].startswith(f"Bagua autotune chose {decision.describe()}")

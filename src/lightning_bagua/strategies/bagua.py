@@ -319,16 +319,11 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             # The step is complete here, the algorithm's post-step communication included.
             record = telemetry.end_step()
             if record is not None:
-                self._log_to_loggers({f"bagua/{key}": value for key, value in record.items() if key != "step"})
+                self._log_to_loggers(_telemetry_metrics(record))
         return output
 
     def _log_autotune_decision(self, decision: AutotuneSetting) -> None:
-        self._log_to_loggers(
-            {
-                "bagua/autotune/bucket_cap_mb": decision.bucket_cap_mb,
-                "bagua/autotune/hierarchical": float(decision.hierarchical),
-            }
-        )
+        self._log_to_loggers(_autotune_metrics(decision))
 
     def _log_to_loggers(self, metrics: dict[str, float]) -> None:
         assert self.lightning_module is not None
@@ -680,6 +675,19 @@ def _check_telemetry_and_autotune(telemetry: Any, autotune: Any) -> tuple[bool, 
             " bucket size during the first steps, or None to follow BAGUA_AUTOTUNE."
         )
     return telemetry, autotune
+
+
+def _telemetry_metrics(record: Mapping[str, float]) -> dict[str, float]:
+    """Name a telemetry record's values as both strategies publish them: ``bagua/<key>``, the step index left out."""
+    return {f"bagua/{key}": value for key, value in record.items() if key != "step"}
+
+
+def _autotune_metrics(decision: AutotuneSetting) -> dict[str, float]:
+    """Name the autotuner's choice as both strategies publish it."""
+    return {
+        "bagua/autotune/bucket_cap_mb": decision.bucket_cap_mb,
+        "bagua/autotune/hierarchical": float(decision.hierarchical),
+    }
 
 
 # Algorithms whose ranks hold different weights between steps: checkpoints carry every rank's weights and optimizer

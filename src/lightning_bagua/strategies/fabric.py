@@ -13,6 +13,7 @@ The class for the standalone ``lightning_fabric`` package is :class:`lightning_b
 
 import atexit
 import logging
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -25,22 +26,29 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.nn import Module
+from torch.nn.modules.module import register_module_module_registration_hook
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter
 from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, check_qadam_configuration
+from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
+from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
 from lightning_bagua.strategies.bagua import (
     _check_engine_arguments,
+    _check_telemetry_and_autotune,
     _destroy_process_group_at_exit,
     _fill_load_balancing_samplers,
     _reduce_over_all_processes,
+    _telemetry_metrics,
 )
 
 if TYPE_CHECKING:
@@ -84,9 +92,12 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
         timeout: timedelta | None = default_pg_timeout,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        telemetry: bool = False,
+        autotune: bool | None = None,
         **bagua_kwargs: Any,
     ) -> None:
         self._algorithm = _check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
+        self._telemetry, self._autotune = _check_telemetry_and_autotune(telemetry, autotune)
         if cluster_environment is None and self._bagua_environment_cls.detect():
             cluster_environment = self._bagua_environment_cls()
         super().__init__(
@@ -108,6 +119,12 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
         self._bagua_modules: list[BaguaDistributedDataParallel] = []
         self._bagua_optimizers: list[Optimizer] = []
         self._closes_at_exit = False
+        # With autotuning: each wrapped module's tuner (by the wrapper's id), and, while any is still tuning, the
+        # modules that hold a tuning wrapper as a child (Fabric's `_FabricModule`), so that a rebuilt wrapper takes
+        # the old one's place where the user's loop calls it.
+        self._autotuners: dict[int, BucketAutotuner] = {}
+        self._wrapper_holders: dict[int, list[tuple[weakref.ref[Module], str]]] = {}
+        self._holder_hook: RemovableHandle | None = None
 
     @property
     def algorithm(self) -> Algorithm:
@@ -138,6 +155,33 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
     def bagua_modules(self) -> list[BaguaDistributedDataParallel]:
         """The modules this strategy wrapped and has not torn down yet, in the order they were set up."""
         return list(self._bagua_modules)
+
+    @property
+    def telemetry(self) -> CommunicationTelemetry | None:
+        """The per-step telemetry of the most recently set-up module with ``telemetry=True``; ``None`` otherwise.
+
+        Other modules' telemetry is ``strategy.bagua_modules[i].telemetry``.
+        """
+        return self._bagua_modules[-1].telemetry if self._bagua_modules else None
+
+    @property
+    def telemetry_metrics(self) -> dict[str, float]:
+        """The last completed step's telemetry, under the names the Trainer strategy logs (``bagua/bytes_sent``, ...).
+
+        A step completes at the optimizer step that follows a synchronizing backward. Empty before the first and
+        when telemetry is off, so that ``fabric.log_dict(strategy.telemetry_metrics, step=step)`` always works.
+        """
+        telemetry = self.telemetry
+        if telemetry is None or telemetry.last_step is None:
+            return {}
+        return _telemetry_metrics(telemetry.last_step)
+
+    @property
+    def autotuner(self) -> BucketAutotuner | None:
+        """The bucket autotuner of the most recently set-up module when autotuning is on; ``None`` otherwise."""
+        if not self._bagua_modules:
+            return None
+        return self._autotuners.get(id(self._bagua_modules[-1]))
 
     @override
     def setup_environment(self) -> None:
@@ -199,6 +243,32 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
             if _updates(optimizer, wrapped):
                 self._bind(wrapped)
         return optimizer
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """Step the optimizer, then close the telemetry step and advance the autotuner of each module it updates.
+
+        Args:
+            optimizer: the optimizer to step.
+            **kwargs: passed to ``optimizer.step``.
+
+        Returns:
+            What the optimizer's step returned.
+        """
+        output = super().optimizer_step(optimizer, **kwargs)
+        for wrapped in list(self._bagua_modules):
+            bound = wrapped.bagua_optimizers
+            if not any(optimizer is known for known in bound):
+                continue
+            if wrapped.telemetry is not None:
+                # The step is complete here, the algorithm's post-step communication included (as under the Trainer).
+                wrapped.telemetry.end_step()
+            tuner = self._autotuners.get(id(wrapped))
+            # One tuning step per training step: counted at the steps of the module's first optimizer, so that
+            # several optimizers over one module do not count one step twice (the Trainer counts global steps).
+            if tuner is not None and not tuner.finished and bound[0] is optimizer:
+                self._advance_autotuner(wrapped, tuner)
+        return output
 
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
@@ -326,6 +396,7 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
             bucket_cap_mb=self._bucket_cap_mb,
             ranks_per_node=self.num_processes,
             timeout=self._timeout,
+            telemetry=self._telemetry,
         )
         self._bagua_modules.append(wrapped)
         self._communication_counter = wrapped.communication_counter
@@ -337,7 +408,51 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
             self._closes_at_exit = True
         if any(_updates(optimizer, wrapped) for optimizer in self._bagua_optimizers):
             self._bind(wrapped)
+        if self._autotune:
+            tuner = BucketAutotuner()
+            self._autotuners[id(wrapped)] = tuner
+            if self._holder_hook is None:
+                self._holder_hook = register_module_module_registration_hook(self._note_holder)
+            # The tuner's call before the first step's forward (the Trainer makes it at the first batch's start);
+            # every later call follows an optimizer step, i.e. comes before the next step's forward.
+            self._advance_autotuner(wrapped, tuner)
         return wrapped
+
+    def _note_holder(self, holder: Module, name: str, child: Module) -> None:
+        # Called for every child module registered anywhere while a module is tuning: remember who holds ours.
+        if any(child is wrapped for wrapped in self._bagua_modules) and id(child) in self._autotuners:
+            self._wrapper_holders.setdefault(id(child), []).append((weakref.ref(holder), name))
+
+    def _advance_autotuner(self, wrapped: BaguaDistributedDataParallel, tuner: BucketAutotuner) -> None:
+        tuned = tuner.step(wrapped)
+        if tuned is not wrapped:
+            self._replace_wrapper(wrapped, tuned)
+        if all(tuner.finished for tuner in self._autotuners.values()):
+            self._stop_noting_holders()
+
+    def _replace_wrapper(self, old: BaguaDistributedDataParallel, new: BaguaDistributedDataParallel) -> None:
+        # `rewrapped` closed the old wrapper; every reference the strategy and Fabric keep moves to the new one.
+        self._bagua_modules = [new if wrapped is old else wrapped for wrapped in self._bagua_modules]
+        if old.telemetry is not None and new.telemetry is not None:
+            # One record stream per module: the step that ended with the rebuild stays readable (the loop logs it
+            # after this optimizer step), and step indices go on counting instead of restarting at 0.
+            new.telemetry.last_step = old.telemetry.last_step
+            new.telemetry._step = old.telemetry._step
+        self._autotuners[id(new)] = self._autotuners.pop(id(old))
+        holders = self._wrapper_holders.pop(id(old), [])
+        for reference, name in holders:
+            holder = reference()
+            # Set in the children's table itself: `_FabricModule.__setattr__` would forward the name to the user's
+            # module, and registering anew would record the holder twice.
+            if holder is not None and holder._modules.get(name) is old:
+                holder._modules[name] = new
+        self._wrapper_holders[id(new)] = holders
+
+    def _stop_noting_holders(self) -> None:
+        if self._holder_hook is not None:
+            self._holder_hook.remove()
+            self._holder_hook = None
+        self._wrapper_holders = {}
 
     def _bind(self, wrapped: BaguaDistributedDataParallel) -> None:
         optimizers = [optimizer for optimizer in self._bagua_optimizers if _updates(optimizer, wrapped)]
@@ -383,6 +498,8 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
             _stop_algorithm(wrapped)
             wrapped.close()
         self._bagua_optimizers = []
+        self._autotuners = {}
+        self._stop_noting_holders()
 
 
 class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
@@ -397,6 +514,14 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
     that update it; ``fabric.no_backward_sync`` skips communication on accumulating steps; ``fabric.save`` and
     ``fabric.load`` carry each process's algorithm state along with the weights and optimizer state.
     ``strategy.teardown()`` closes the engines; engines still open at interpreter exit are closed then.
+
+    With ``telemetry=True`` each optimizer step closes a record of what the module communicated in that step;
+    Fabric logs only what the loop asks it to, so log it there, e.g. after ``optimizer.step()``::
+
+        fabric.log_dict(fabric.strategy.telemetry_metrics, step=step)
+
+    With ``autotune=True`` (or ``BAGUA_AUTOTUNE=1``) the first optimizer steps try bucket sizes and keep the
+    fastest; the module Fabric returned calls the rebuilt wrapper from then on, so the loop needs no change.
 
     Args:
         algorithm: an algorithm name (``"gradient_allreduce"``) or an
@@ -414,6 +539,14 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
         bucket_cap_mb: gradient bucket size in MiB; ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes) or Bagua's 10 MiB when
             ``None``.
         find_unused_parameters: as in DDP, for models whose forward skips parameters.
+        telemetry: measure each step's communication (bytes sent and received, compression ratio, time waiting
+            on communication, the algorithm's phase); a step's record closes when an optimizer over the module
+            steps, and :attr:`telemetry_metrics` holds the last one under the Trainer strategy's metric names. Off
+            by default, and then nothing is measured.
+        autotune: try bucket sizes (and hierarchical communication on several nodes) during the first optimizer
+            steps and keep the fastest, the same on every rank, as the Trainer strategy does; ``None`` reads
+            ``BAGUA_AUTOTUNE`` (``1``: on; the launcher's ``--autotune_level 1`` sets it), off when unset. Rank
+            zero logs the choice (Python logging), and :attr:`autotuner` holds it.
         **bagua_kwargs: the algorithm's keywords, e.g. ``hierarchical=True``; checked here, so that a typo
             fails before any process starts.
     """
