@@ -329,14 +329,18 @@ def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], p
     figure, axis = plt.subplots(figsize=(10, 5))
     width = 0.8 / max(1, len(methods))
     by_key = {(r["rate"], r["method"]): r for r in results}
+    # tab20 keeps up to 20 methods apart (the default cycle repeats after 10, as with the :flat/:hierarchical pairs).
+    colours = plt.get_cmap("tab20").colors
     for i, method in enumerate(methods):
         values = [by_key[(rate, method)]["median_step_s"] * 1e3 if (rate, method) in by_key else 0.0 for rate in rates]
-        axis.bar([x + i * width for x in range(len(rates))], values, width, label=method)
+        colour = colours[i % len(colours)]
+        axis.bar([x + i * width for x in range(len(rates))], values, width, label=method, color=colour)
     axis.set_xticks([x + 0.4 - width / 2 for x in range(len(rates))], rates)
     axis.set_yscale("log")
     axis.set_ylabel("median step time (ms, log scale)")
     axis.set_title(f"{title[0].upper()}{title[1:]} (benchmarks/network_lab.py)")
-    axis.legend(ncol=3, fontsize=8)
+    # Below the plot, where it hides no bar.
+    axis.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return True
