@@ -1,24 +1,31 @@
-"""CPU network lab: two Gloo ranks on two network-namespace hosts joined by a rate-limited veth pair.
+"""CPU network lab: Gloo ranks on network-namespace hosts joined by rate-limited links.
 
-Each host is a network namespace with an address of its own in 127.81.0.0/16 (routed over the veth with
-``route_localnet``); ``tc`` shapes both ends of the link with a token bucket, so every collective crosses a link
-of the chosen rate, as between two machines. For each rate, every method trains the same model for the same
-steps on both ranks, and the median step time (after a warm-up) and the payload bytes per step are recorded:
+Each host is a network namespace with an address of its own in 127.81.0.0/16 (routed over its link with
+``route_localnet``). Two hosts are joined by a veth pair; more hosts each have a veth to a bridge in a switch
+namespace. ``tc`` shapes both ends of every link with a token bucket, so every collective that leaves a host
+crosses a link of the chosen rate, as between machines; ranks of one host talk inside its namespace, unshaped,
+as the GPUs of one machine would. For each rate, every method trains the same model for the same steps on every
+rank, and the median step time (after a warm-up) and the payload bytes per step are recorded:
 
 - ``single``: one process, no communication (the no-communication limit, run outside the namespaces);
 - ``ddp``: torch's DistributedDataParallel, the engine under Lightning's ``strategy="ddp"``;
 - ``ddp_fp16``: DDP with torch's ``fp16_compress_hook``;
 - ``ddp_powersgd``: DDP with torch's PowerSGD hook (rank 1, after two uncompressed steps);
-- every algorithm of :mod:`lightning_bagua.engine` under ``BaguaDistributedDataParallel``, with its defaults.
+- every algorithm of :mod:`lightning_bagua.engine` under ``BaguaDistributedDataParallel``, with its defaults;
+  with several ranks per host, each algorithm that takes ``hierarchical`` runs twice instead, as
+  ``name:flat`` and ``name:hierarchical`` (reduce inside the host, communicate between hosts' leaders only).
 
 Run it as root (namespaces and ``tc`` need it)::
 
     python benchmarks/network_lab.py                         # 100 Mbit/s, 1 Gbit/s, 10 Gbit/s and unshaped
     python benchmarks/network_lab.py --rates 1gbit --steps 5 --methods ddp bytegrad   # a quick look
+    python benchmarks/network_lab.py --ranks-per-host 2 --rates 1gbit 100mbit          # 4 ranks, 2 nodes x 2
+    python benchmarks/network_lab.py --hosts 4 --methods ddp decentralized             # 4 ranks, 4 nodes x 1
 
 It writes ``benchmarks/results/network_lab_cpu.json`` (settings, machine, versions, every measurement) and
 ``network_lab_cpu.md`` (the table: step time and its ratio to DDP's), and ``network_lab_cpu.png`` when
-matplotlib is installed (``pip install -r requirements/benchmarks.txt``).
+matplotlib is installed (``pip install -r requirements/benchmarks.txt``). Other layouts than 2 hosts x 1 rank
+write ``network_lab_cpu_<hosts>x<ranks per host>.*`` instead, so the two-rank results are never overwritten.
 """
 
 import argparse
@@ -55,10 +62,24 @@ def make_model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
-def all_methods() -> list[str]:
+def all_methods(ranks_per_host: int = 1) -> list[str]:
+    """Every method; with several ranks per host, hierarchical-capable algorithms as ``:flat`` and ``:hierarchical``."""
     from lightning_bagua.engine import available_algorithms
+    from lightning_bagua.engine.algorithms.base import algorithm_class
 
-    return ["single", *DDP_METHODS, *available_algorithms()]
+    methods = ["single", *DDP_METHODS]
+    for name in available_algorithms():
+        # With one rank per host every rank is its node's leader, and both variants would move the same bytes.
+        if ranks_per_host > 1 and "hierarchical" in algorithm_class(name).keywords():
+            methods += [f"{name}:flat", f"{name}:hierarchical"]
+        else:
+            methods.append(name)
+    return methods
+
+
+def layout_name(hosts: int, ranks_per_host: int) -> str:
+    """The result files' stem: the two-rank lab keeps its original name."""
+    return "network_lab_cpu" if (hosts, ranks_per_host) == (2, 1) else f"network_lab_cpu_{hosts}x{ranks_per_host}"
 
 
 # ------------------------------------------------------------------------------------------------ one rank
@@ -71,7 +92,7 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
 
     from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, QAdamOptimizer
 
-    if method == "qadam":
+    if method.partition(":")[0] == "qadam":
         # Measured after its warm-up, in the compressed phase that the algorithm is chosen for.
         optimizer: torch.optim.Optimizer = QAdamOptimizer(model.parameters(), lr=1e-4, warmup_steps=warmup)
     else:
@@ -86,7 +107,9 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return ddp, optimizer, None
-    wrapped = BaguaDistributedDataParallel(model, optimizers=[optimizer], algorithm=Algorithm.init(method))
+    name, _, variant = method.partition(":")
+    keywords = {"hierarchical": variant == "hierarchical"} if variant else {}
+    wrapped = BaguaDistributedDataParallel(model, optimizers=[optimizer], algorithm=Algorithm.init(name, **keywords))
     return wrapped, optimizer, wrapped.communication_counter
 
 
@@ -97,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
             "gloo",
             init_method=f"tcp://{args.master}:{args.port}",
             rank=args.rank,
-            world_size=2,
+            world_size=args.world_size,
             timeout=timedelta(seconds=args.timeout),
         )
     model = make_model(args.width, args.depth)
@@ -147,16 +170,43 @@ def run(*command: str) -> None:
     subprocess.run(command, check=True, capture_output=True, text=True)
 
 
+def shape(namespace: str, interface: str, rate: str) -> None:
+    """Limit what ``interface`` (in ``namespace``) sends to ``rate``; ``unshaped`` leaves it alone."""
+    if rate == "unshaped":
+        return
+    # A token bucket of 10 ms at the rate (at least 64 KiB) lets TCP fill the link without bursting past it.
+    burst = max(64 * 1024, _bits_per_second(rate) // 8 // 100)
+    run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
+        "rate", rate, "burst", str(burst), "latency", "100ms")  # fmt: skip
+
+
 @contextmanager
-def two_hosts(rate: str) -> Iterator[list[tuple[str, str, str]]]:
-    """Create two namespaces joined by a veth pair shaped to ``rate``; yield (namespace, interface, address)."""
+def lab_hosts(rate: str, count: int) -> Iterator[list[tuple[str, str, str]]]:
+    """Create ``count`` namespaces joined by links shaped to ``rate``; yield (namespace, interface, address).
+
+    Two hosts share one veth pair. More hosts each get a veth pair to a bridge in a switch namespace, both ends
+    shaped: a host's uplink and its downlink are each a link of the rate, as with a port of a switch.
+    """
     tag = f"{os.getpid() % 10000}{random.randrange(100)}"
     subnet = random.randrange(1, 250)
-    hosts = [(f"lbl{tag}h{i}", f"lbl{tag}v{i}", f"127.81.{subnet}.{i + 1}") for i in range(2)]
+    hosts = [(f"lbl{tag}h{i}", f"lbl{tag}v{i}", f"127.81.{subnet}.{i + 1}") for i in range(count)]
+    switch = f"lbl{tag}sw"
+    namespaces = [namespace for namespace, _, _ in hosts] + ([switch] if count > 2 else [])
     try:
-        for namespace, _, _ in hosts:
+        for namespace in namespaces:
             run("ip", "netns", "add", namespace)
-        run("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        if count == 2:
+            run("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        else:
+            run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+            run("ip", "-n", switch, "link", "set", "br0", "up")
+            for index, (_, interface, _) in enumerate(hosts):
+                port = f"lbl{tag}p{index}"
+                run("ip", "link", "add", interface, "type", "veth", "peer", "name", port)
+                run("ip", "link", "set", port, "netns", switch)
+                run("ip", "-n", switch, "link", "set", port, "master", "br0")
+                run("ip", "-n", switch, "link", "set", port, "up")
+                shape(switch, port, rate)
         for namespace, interface, address in hosts:
             run("ip", "link", "set", interface, "netns", namespace)
             for scope in ("all", interface):
@@ -164,14 +214,10 @@ def two_hosts(rate: str) -> Iterator[list[tuple[str, str, str]]]:
             run("ip", "-n", namespace, "link", "set", "lo", "up")
             run("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
             run("ip", "-n", namespace, "link", "set", interface, "up")
-            if rate != "unshaped":
-                # A token bucket of 10 ms at the rate (at least 64 KiB) lets TCP fill the link without bursting past it.
-                burst = max(64 * 1024, _bits_per_second(rate) // 8 // 100)
-                run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
-                    "rate", rate, "burst", str(burst), "latency", "100ms")  # fmt: skip
+            shape(namespace, interface, rate)
         yield hosts
     finally:
-        for namespace, _, _ in hosts:
+        for namespace in namespaces:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
 
 
@@ -187,7 +233,7 @@ def worker_command(args: argparse.Namespace, method: str, rank: int, master: str
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method, "--rank", str(rank)]
     command += ["--master", master, "--port", str(port), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
-    return [*command, "--timeout", str(args.timeout)]
+    return [*command, "--timeout", str(args.timeout), "--world-size", str(args.hosts * args.ranks_per_host)]
 
 
 def parse_results(outputs: list[str], method: str) -> list[dict[str, Any]]:
@@ -209,13 +255,15 @@ def measure(args: argparse.Namespace, rate: str, method: str, hosts: list[tuple[
     else:
         port = random.randrange(20000, 60000)
         processes = []
-        for rank, (namespace, interface, _) in enumerate(hosts):
+        for rank in range(len(hosts) * args.ranks_per_host):
+            # Consecutive ranks share a host, as a launcher numbers them: hierarchical algorithms see the hosts.
+            namespace, interface, _ = hosts[rank // args.ranks_per_host]
+            local = {"LOCAL_WORLD_SIZE": str(args.ranks_per_host), "LOCAL_RANK": str(rank % args.ranks_per_host)}
             command = ["ip", "netns", "exec", namespace, *worker_command(args, method, rank, hosts[0][2], port)]
             processes.append(
                 subprocess.Popen(
                     command,
-                    # One process per host, as a launcher would say: hierarchical algorithms see two nodes.
-                    env={**env, "GLOO_SOCKET_IFNAME": interface, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+                    env={**env, "GLOO_SOCKET_IFNAME": interface, **local},
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
@@ -238,11 +286,19 @@ def measure(args: argparse.Namespace, rate: str, method: str, hosts: list[tuple[
     }
 
 
-def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str]) -> str:
+def describe(hosts: int, ranks_per_host: int) -> str:
+    if (hosts, ranks_per_host) == (2, 1):
+        return "two Gloo ranks over a shaped veth link"
+    link = "a shaped veth link" if hosts == 2 else "shaped links to a bridge"
+    return f"{hosts * ranks_per_host} Gloo ranks, {hosts} hosts x {ranks_per_host}, over {link}"
+
+
+def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str], report: dict[str, Any]) -> str:
     by_key = {(r["rate"], r["method"]): r for r in results}
+    hosts, ranks_per_host = report["settings"]["hosts"], report["settings"]["ranks_per_host"]
     lines = [
-        "Median step time in ms (ratio to DDP's at the same rate), two Gloo ranks over a shaped veth link.",
-        "Written by `python benchmarks/network_lab.py`; the numbers are in `network_lab_cpu.json`.",
+        f"Median step time in ms (ratio to DDP's at the same rate), {describe(hosts, ranks_per_host)}.",
+        f"Written by `{report['command']}`; the numbers are in `{layout_name(hosts, ranks_per_host)}.json`.",
         "",
         "| method | " + " | ".join(rates) + " | payload MB/step |",
         "|---|" + "---|" * len(rates) + "---|",
@@ -262,7 +318,7 @@ def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str]
     return "\n".join(lines) + "\n"
 
 
-def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], path: Path) -> bool:
+def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], path: Path, title: str) -> bool:
     try:
         import matplotlib
 
@@ -273,14 +329,18 @@ def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], p
     figure, axis = plt.subplots(figsize=(10, 5))
     width = 0.8 / max(1, len(methods))
     by_key = {(r["rate"], r["method"]): r for r in results}
+    # tab20 keeps up to 20 methods apart (the default cycle repeats after 10, as with the :flat/:hierarchical pairs).
+    colours = plt.get_cmap("tab20").colors
     for i, method in enumerate(methods):
         values = [by_key[(rate, method)]["median_step_s"] * 1e3 if (rate, method) in by_key else 0.0 for rate in rates]
-        axis.bar([x + i * width for x in range(len(rates))], values, width, label=method)
+        colour = colours[i % len(colours)]
+        axis.bar([x + i * width for x in range(len(rates))], values, width, label=method, color=colour)
     axis.set_xticks([x + 0.4 - width / 2 for x in range(len(rates))], rates)
     axis.set_yscale("log")
     axis.set_ylabel("median step time (ms, log scale)")
-    axis.set_title("Two CPU ranks over a shaped link (benchmarks/network_lab.py)")
-    axis.legend(ncol=3, fontsize=8)
+    axis.set_title(f"{title[0].upper()}{title[1:]} (benchmarks/network_lab.py)")
+    # Below the plot, where it hides no bar.
+    axis.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return True
@@ -289,16 +349,19 @@ def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], p
 def orchestrate(args: argparse.Namespace) -> None:
     if os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None:
         raise SystemExit("network_lab.py needs root, iproute2 and tc (network namespaces and shaping).")
-    methods = args.methods or all_methods()
-    unknown = sorted(set(methods) - set(all_methods()))
+    if args.hosts < 2 or args.ranks_per_host < 1:
+        raise SystemExit("The lab needs at least two hosts and one rank per host.")
+    known = all_methods(args.ranks_per_host)
+    methods = args.methods or known
+    unknown = sorted(set(methods) - set(known))
     if unknown:
-        raise SystemExit(f"Unknown methods {unknown}; choose from {all_methods()}.")
+        raise SystemExit(f"Unknown methods {unknown}; choose from {known}.")
     for rate in args.rates:
         if rate != "unshaped":
             _bits_per_second(rate)
     results = []
     for rate in args.rates:
-        with two_hosts(rate) as hosts:
+        with lab_hosts(rate, args.hosts) as hosts:
             for method in methods:
                 if method == "single" and results and any(r["method"] == "single" for r in results):
                     single = next(r for r in results if r["method"] == "single")
@@ -308,9 +371,11 @@ def orchestrate(args: argparse.Namespace) -> None:
                 results.append(row)
                 print(f"{rate:>9} {method:>28}: {row['median_step_s'] * 1e3:9.1f} ms", flush=True)
     report = {
-        "benchmark": "two Gloo ranks in two network namespaces over a tc-shaped veth link",
+        "benchmark": f"{describe(args.hosts, args.ranks_per_host)}, one network namespace per host, tc-shaped",
         "command": "python benchmarks/network_lab.py " + " ".join(sys.argv[1:]),
-        "settings": {k: v for k, v in vars(args).items() if k not in {"worker", "rank", "master", "port", "method"}},
+        "settings": {
+            k: v for k, v in vars(args).items() if k not in {"worker", "rank", "master", "port", "method", "world_size"}
+        },
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -322,14 +387,15 @@ def orchestrate(args: argparse.Namespace) -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "results": results,
     }
+    table = markdown(results, args.rates, methods, report)
     if args.no_save:
-        print(markdown(results, args.rates, methods))
+        print(table)
         return
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "network_lab_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(results, args.rates, methods)
-    (RESULTS / "network_lab_cpu.md").write_text(table)
-    chart(results, args.rates, methods, RESULTS / "network_lab_cpu.png")
+    stem = layout_name(args.hosts, args.ranks_per_host)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text(table)
+    chart(results, args.rates, methods, RESULTS / f"{stem}.png", describe(args.hosts, args.ranks_per_host))
     print(table)
 
 
@@ -343,12 +409,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--timeout", type=int, default=600, help="seconds a run (and a collective) may take")
+    parser.add_argument("--hosts", type=int, default=2, help="network namespaces (more than 2: joined by a bridge)")
+    parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks per host: LOCAL_WORLD_SIZE, unshaped")
     parser.add_argument("--no-save", action="store_true", help="print the table, write nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 

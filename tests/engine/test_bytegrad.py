@@ -87,6 +87,11 @@ def expected_bytes(bucket_sizes: list[int], n: int) -> dict[str, int]:
 @pytest.mark.parametrize(("world_size", "average"), [(2, True), (4, True), (2, False)])
 def test_flat_bytegrad_matches_the_spec_bucket_by_bucket(world_size, average):
     results = run_processes(train_with_bytegrad, world_size, {"hierarchical": False, "average": average}, None)
+    assert_flat_buckets_match(results, average)
+
+
+def assert_flat_buckets_match(results: list[dict], average: bool) -> None:
+    """Every bucket of every rank against the simulation, and every step's bytes against the theoretical count."""
     assert_ranks_identical(results)
     num_buckets = len(results[0]["buckets"])
     assert num_buckets > STEPS, "expected several buckets per step"
@@ -101,7 +106,7 @@ def test_flat_bytegrad_matches_the_spec_bucket_by_bucket(world_size, average):
             assert torch.equal(result["buckets"][index][1], results[0]["buckets"][index][1])
     # Bytes per step equal the theoretical count for the buckets that step reduced.
     for step, (counted, sizes) in enumerate(zip(results[0]["bytes"], results[0]["sizes"], strict=True)):
-        assert counted == expected_bytes(sizes, world_size), f"step {step}"
+        assert counted == expected_bytes(sizes, len(results)), f"step {step}"
 
 
 def test_bytegrad_trains_close_to_full_precision():
@@ -113,19 +118,29 @@ def test_bytegrad_trains_close_to_full_precision():
 
 def test_hierarchical_bytegrad_on_two_nodes_of_two():
     results = run_processes(train_with_bytegrad, 4, {"hierarchical": True}, 2)
+    assert_hierarchical_buckets_match(results, 2)
+
+
+def assert_hierarchical_buckets_match(results: list[dict], ranks_per_node: int) -> None:
+    """Node means at full precision, then the compressed scatter-gather among the leaders; bytes step by step."""
     assert_ranks_identical(results)
+    num_nodes = len(results) // ranks_per_node
     for index in range(len(results[0]["buckets"])):
         inputs = [result["buckets"][index][0] for result in results]
-        # Full-precision node means, then the compressed scatter-gather between the two node leaders.
-        node_means = [(inputs[0] + inputs[1]) / 2, (inputs[2] + inputs[3]) / 2]
+        node_means = [
+            sum(inputs[i : i + ranks_per_node]) / ranks_per_node for i in range(0, len(inputs), ranks_per_node)
+        ]
         expected, allowance = simulate_scatter_gather(node_means, average=True)
         for rank, result in enumerate(results):
             error = (result["buckets"][index][1].double() - expected).abs()
             assert (error <= allowance + 1e-6).all(), f"bucket {index}, rank {rank}"
     for rank, result in enumerate(results):
-        ops = set().union(*(step.keys() for step in result["bytes"]))
-        leader = rank % 2 == 0
-        assert ops == ({"reduce", "broadcast", "all_to_all", "all_gather"} if leader else {"reduce", "broadcast"})
+        for step, (counted, sizes) in enumerate(zip(result["bytes"], result["sizes"], strict=True)):
+            # Every rank reduces to and hears back from its leader at fp32; only leaders talk between nodes.
+            expected_step = {"reduce": 4 * sum(sizes), "broadcast": 4 * sum(sizes)}
+            if rank % ranks_per_node == 0:
+                expected_step |= expected_bytes(sizes, num_nodes)
+            assert counted == expected_step, f"rank {rank}, step {step}"
 
 
 def test_hierarchical_bytegrad_on_one_node_is_full_precision():

@@ -271,8 +271,9 @@ def _startup_time() -> tuple[list[str], list[list[str]], list[str]]:
     return header, rows, ["python benchmarks/startup_time.py"]
 
 
-def _network_lab() -> tuple[list[str], list[list[str]], list[str]]:
-    data = _load("network_lab_cpu")
+def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list[str]], list[str]]:
+    # One function for every layout the lab writes (network_lab_cpu, network_lab_cpu_2x2, ...): same columns.
+    data = _load(results)
     rates: list[str] = list(dict.fromkeys(row["rate"] for row in data["results"]))
     by_key = {(row["rate"], row["method"]): row for row in data["results"]}
     rows = []
@@ -290,7 +291,7 @@ def _network_lab() -> tuple[list[str], list[list[str]], list[str]]:
     return ["method", "payload / step", *rates], rows, [data["command"]]
 
 
-BENCHMARKS: dict[str, Callable[[], tuple[list[str], list[list[str]], list[str]]]] = {
+BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]]] = {
     "network_lab": _network_lab,
     "engine_overhead": _engine_overhead,
     "fused_optimizer": _fused_optimizer,
@@ -298,22 +299,29 @@ BENCHMARKS: dict[str, Callable[[], tuple[list[str], list[list[str]], list[str]]]
     "cached_dataset": _cached_dataset,
     "startup_time": _startup_time,
 }
+# Kinds whose function reads the results file named by the ``:results:`` option (a stem in benchmarks/results/).
+TAKES_RESULTS_FILE = {"network_lab"}
 
 
 class BenchmarkTable(SphinxDirective):
-    """A summary table of one benchmark's results files."""
+    """A summary table of one benchmark's results files; ``:results: stem`` picks the file where a kind allows."""
 
     required_arguments = 1
+    option_spec = {"results": directives.unchanged_required}  # noqa: RUF012
 
     def run(self) -> list[nodes.Node]:
         """Build the table for the benchmark named by the argument."""
         name = self.arguments[0]
         if name not in BENCHMARKS:
             raise self.error(f"Unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}.")
-        header, rows, commands = BENCHMARKS[name]()
+        results = self.options.get("results")
+        if results is not None and name not in TAKES_RESULTS_FILE:
+            raise self.error(f"Benchmark {name!r} takes no :results: option.")
+        header, rows, commands = BENCHMARKS[name]() if results is None else BENCHMARKS[name](results)
         for path in RESULTS.glob(f"{name}*.json"):
             self.env.note_dependency(str(path))
-        return [table(header, rows), _source_note(commands, f"benchmarks/results/{name}*.json")]
+        files = f"benchmarks/results/{name}*.json" if results is None else f"benchmarks/results/{results}.json"
+        return [table(header, rows), _source_note(commands, files)]
 
 
 def draw_codec_chart(app: Sphinx) -> None:
