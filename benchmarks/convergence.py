@@ -58,6 +58,10 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+# The example is a script, not a package: its folder goes on the path so its model and data are reused, not copied.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train import DigitsClassifier, load_data
+
 log = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).parent / "results"
@@ -90,14 +94,6 @@ TEXT_BYTES = 1_200_000  # bytes of standard-library source read for charlm
 
 
 # ------------------------------------------------------------------------------------------------ the tasks
-
-
-def _examples() -> Any:
-    """Import ``examples/train.py`` (a script, not a package) to reuse the example's model and data."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    import train
-
-    return train
 
 
 def make_optimizer(method: str, parameters: Any, settings: dict[str, Any], steps: int) -> torch.optim.Optimizer:
@@ -167,9 +163,8 @@ def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> 
     from lightning.pytorch import LightningModule
 
     if task == "digits":
-        train = _examples()
 
-        class Digits(train.DigitsClassifier):
+        class Digits(DigitsClassifier):
             def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
                 super().test_step(batch, batch_idx)
                 x, y = batch
@@ -178,7 +173,7 @@ def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> 
             def configure_optimizers(self) -> torch.optim.Optimizer:
                 return make_optimizer(method, self.parameters(), settings, steps)
 
-        train_set, test_set = train.load_data()
+        train_set, test_set = load_data()
         return Digits(lr=settings["adam_lr"]), train_set, test_set
 
     class CharLM(LightningModule):
@@ -225,7 +220,8 @@ def job(args: argparse.Namespace) -> None:
         strategy: Any = "ddp"
     else:
         algorithm = "qadam" if args.method == "qadam" else args.method
-        strategy = BaguaStrategy(algorithm=algorithm, **({"hierarchical": False} if args.method in FLAT else {}))
+        keywords: dict[str, Any] = {"hierarchical": False} if args.method in FLAT else {}
+        strategy = BaguaStrategy(algorithm=algorithm, **keywords)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
@@ -291,7 +287,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     tasks = list(dict.fromkeys(r["task"] for r in runs))
     for task in tasks:
         methods = list(dict.fromkeys(r["method"] for r in runs if r["task"] == task))
-        stats = {}
+        stats: dict[str, dict[str, Any]] = {}
         for method in methods:
             chosen = [r for r in runs if r["task"] == task and r["method"] == method]
             stats[method] = {
@@ -410,7 +406,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append(run)
                 log.info("%s %-28s seed %d: accuracy %.2f %% loss %.4f (%.0f s)", task, method, seed,
                          100 * run["test_acc"], run["test_loss"], run["wall_s"])  # fmt: skip
-    settings = {
+    settings: dict[str, Any] = {
         "tasks": args.tasks,
         "methods": args.methods,
         "seeds": list(range(args.seeds)),

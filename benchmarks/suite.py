@@ -85,7 +85,7 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
 
 def run_steps(steps: list[tuple[str, list[str], str | None]], timeout: int) -> list[dict[str, Any]]:
     """Run each benchmark as a subprocess; return what happened to each."""
-    done = []
+    done: list[dict[str, Any]] = []
     for name, command, reason in steps:
         full = [sys.executable, str(BENCHMARKS / command[0]), *command[1:]]
         shown = "python benchmarks/" + " ".join(command)

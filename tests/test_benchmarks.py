@@ -29,9 +29,11 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     assert [(r["method"], r["steps"]) for r in report["runs"]] == [("ddp", 5), ("gradient_allreduce", 5)]
     for row in report["summary"]:
         assert {"mean", "std", "min", "max", "n"} <= set(row["accuracy_pct"])
-        assert row["baseline"] == "ddp" and "accuracy_delta_pts" in row
+        assert row["baseline"] == "ddp"
+        assert "accuracy_delta_pts" in row
     table = (out / "convergence_cpu.md").read_text()
-    assert "| digits | gradient_allreduce | ddp |" in table and "python benchmarks/convergence.py" in table
+    assert "| digits | gradient_allreduce | ddp |" in table
+    assert "python benchmarks/convergence.py" in table
 
     # The targets check reads the tiny convergence results and the committed network lab; nothing else is there.
     shutil.copy(RESULTS / "network_lab_cpu.json", out)

@@ -406,7 +406,8 @@ def draw_benchmark_charts(app: Sphinx) -> None:
         if not path.is_file():
             continue
         spec = importlib.util.spec_from_file_location(f"_lb_benchmark_{script}", RESULTS.parent / f"{script}.py")
-        assert spec is not None and spec.loader is not None
+        assert spec is not None
+        assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         GENERATED.mkdir(exist_ok=True)
