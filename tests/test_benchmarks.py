@@ -46,4 +46,4 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     assert by_name["NVLink: gradient_allreduce step time vs Lightning DDP"]["status"] == "not run"
     assert by_name["Accuracy within 1 point of ddp: gradient_allreduce on digits"]["measured"] is not None
     assert by_name["Bytes per step within 10% of the theoretical count: bytegrad"]["status"] == "pass"
-    assert "| target | bar | measured | status | detail |" in (out / "targets.md").read_text()
+    assert "| target | bar | measured | status | detail | source |" in (out / "targets.md").read_text()

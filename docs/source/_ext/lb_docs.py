@@ -325,8 +325,10 @@ def _targets() -> tuple[list[str], list[list[str]], list[str]]:
             shown = f"{figure:+.2f} points"
         else:
             shown = f"{figure:.3f}x"
-        rows.append([target["target"], target["bar"], shown, target["status"], target["detail"]])
-    return ["target", "bar", "measured", "status", "detail"], rows, [data["command"]]
+        rows.append([target["target"], target["bar"], shown, target["status"], target["detail"], target["source"]])
+    # The suite's command first, then the commands that wrote the files it read (shown as literals, not prose).
+    commands = list(dict.fromkeys([data["command"], *(t["command"] for t in data["targets"] if t.get("command"))]))
+    return ["target", "bar", "measured", "status", "detail", "results file"], rows, commands
 
 
 BENCHMARKS: dict[str, Callable[[], tuple[list[str], list[list[str]], list[str]]]] = {
