@@ -59,8 +59,16 @@ def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
     return [
         ("network_lab", lab, None if lab_ok else "needs root, iproute2 and tc (network namespaces and shaping)"),
         ("convergence", ["convergence.py", *(["--quick"] if quick else [])], None),
-        ("codec_throughput", ["codec_throughput.py", "--cpu", *(["--sizes-mb", "4", "16"] if quick else [])], None),
-        ("engine_overhead", ["engine_overhead.py", "--cpu", *(["--rounds", "1"] if quick else [])], None),
+        (
+            "codec_throughput",
+            ["codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])],
+            None,
+        ),
+        (
+            "engine_overhead",
+            ["engine_overhead.py", "--cpu", "--devices", "2", *(["--rounds", "1"] if quick else [])],
+            None,
+        ),
         ("fused_optimizer", ["fused_optimizer.py", *(["--rounds", "1"] if quick else [])], None),
     ]
 
