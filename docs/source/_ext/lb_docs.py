@@ -14,9 +14,12 @@ Directives:
     The measured codec throughput and the link speed below which ``bytegrad`` pays off, from
     ``codec_throughput_*.json``.
 ``benchmark-table``
-    A summary of one results file (argument: its name without ``.json``).
+    A summary of one results file (argument: its name without ``.json``); ``convergence`` and ``targets`` read
+    ``convergence_cpu.json`` and ``targets.json``.
 
-The chart ``_generated/codec_break_even.png`` is drawn from the same results when the build starts.
+The charts ``_generated/codec_break_even.png``, ``_generated/convergence_cpu.png`` and ``_generated/targets.png``
+are drawn from the same results when the build starts (the last two by ``benchmarks/convergence.py``'s and
+``benchmarks/suite.py``'s own chart functions).
 """
 
 import json
@@ -291,7 +294,47 @@ def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list
     return ["method", "payload / step", *rates], rows, [data["command"]]
 
 
+def _convergence() -> tuple[list[str], list[list[str]], list[str]]:
+    data = _load("convergence_cpu")
+    rows = []
+    for row in data["summary"]:
+        acc, loss = row["accuracy_pct"], row["loss"]
+        delta = f"{row['accuracy_delta_pts']:+.2f}" if "accuracy_delta_pts" in row else "-"
+        rows.append(
+            [
+                row["task"],
+                row["method"],
+                row["baseline"],
+                f"{acc['mean']:.2f} ± {acc['std']:.2f} [{acc['min']:.2f}, {acc['max']:.2f}]",
+                delta,
+                f"{loss['mean']:.4f} ± {loss['std']:.4f}",
+                str(acc["n"]),
+            ]
+        )
+    header = ["task", "method", "baseline", "accuracy % (mean ± std [min, max])", "Δ points", "loss", "seeds"]
+    return header, rows, [data["command"]]
+
+
+def _targets() -> tuple[list[str], list[list[str]], list[str]]:
+    data = _load("targets")
+    rows = []
+    for target in data["targets"]:
+        figure = target["measured"]
+        if figure is None:
+            shown = "-"
+        elif "points" in target["bar"]:
+            shown = f"{figure:+.2f} points"
+        else:
+            shown = f"{figure:.3f}x"
+        rows.append([target["target"], target["bar"], shown, target["status"], target["detail"], target["source"]])
+    # The suite's command first, then the commands that wrote the files it read (shown as literals, not prose).
+    commands = list(dict.fromkeys([data["command"], *(t["command"] for t in data["targets"] if t.get("command"))]))
+    return ["target", "bar", "measured", "status", "detail", "results file"], rows, commands
+
+
 BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]]] = {
+    "convergence": _convergence,
+    "targets": _targets,
     "network_lab": _network_lab,
     "engine_overhead": _engine_overhead,
     "fused_optimizer": _fused_optimizer,
@@ -364,6 +407,23 @@ def draw_codec_chart(app: Sphinx) -> None:
     plt.close(fig)
 
 
+def draw_benchmark_charts(app: Sphinx) -> None:
+    """Draw the convergence and targets charts from their JSON with the benchmark scripts' own chart functions."""
+    import importlib.util
+
+    for script, name in (("convergence", "convergence_cpu"), ("suite", "targets")):
+        path = RESULTS / f"{name}.json"
+        if not path.is_file():
+            continue
+        spec = importlib.util.spec_from_file_location(f"_lb_benchmark_{script}", RESULTS.parent / f"{script}.py")
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        GENERATED.mkdir(exist_ok=True)
+        module.chart(_load(name), GENERATED / f"{name}.png")
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     """Register the directives and the chart."""
     app.add_directive("traffic-table", TrafficTable)
@@ -371,4 +431,5 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("codec-break-even", CodecBreakEven)
     app.add_directive("benchmark-table", BenchmarkTable)
     app.connect("builder-inited", draw_codec_chart)
+    app.connect("builder-inited", draw_benchmark_charts)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

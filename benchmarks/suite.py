@@ -1,0 +1,365 @@
+"""The benchmark suite in one command, and the check of every performance target against the measured results.
+
+It runs the benchmark scripts one after the other, each as a subprocess with its own command line (each writes
+its own ``benchmarks/results/*.json``), then reads those JSON files and writes the targets check:
+
+- ``--cpu``: the CPU network lab (``network_lab.py``; it needs root, ``ip`` and ``tc``, and is skipped with the
+  reason otherwise), the convergence runs (``convergence.py``), the codec on CPU (``codec_throughput.py --cpu``),
+  the engine overhead on CPU (``engine_overhead.py --cpu``) and the fused optimizer on CPU
+  (``fused_optimizer.py``);
+- ``--gpu`` (two GPUs): the transformer LM step time in both regimes (``lm_step_time.py``), the codec
+  (``codec_throughput.py``), bucket autotuning over sockets (``autotune_sockets.py``) and the engine overhead
+  (``engine_overhead.py --devices 2``);
+- ``--report-only``: run nothing, rebuild the targets check from the JSON files there are.
+
+The targets check, ``targets.json``, ``targets.md`` and ``targets.png``, lists every target of the performance
+bar with the figure read from the results, pass or miss, or "not run" and why (usually: the results file is
+missing). Byte counts compare the payload the engine's ``CommunicationCounter`` counted (the network lab
+records it) with the payload the algorithm's definition implies under the counter's convention (a byte is
+counted once for each collective that takes it as input), for a model of the lab's size on two ranks; the wire
+bytes of ``docs/source/_ext/traffic.py`` (the bytes that leave the rank) are listed beside them.
+
+Run it::
+
+    python benchmarks/suite.py --cpu                 # the CPU suite, then the targets check
+    python benchmarks/suite.py --gpu                 # on a machine with two GPUs
+    python benchmarks/suite.py --report-only         # the targets check from the committed results
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BENCHMARKS = Path(__file__).resolve().parent
+RESULTS = BENCHMARKS / "results"
+ROOT = BENCHMARKS.parent
+sys.path.insert(0, str(ROOT / "docs" / "source" / "_ext"))
+import traffic  # noqa: E402  (the traffic model lives with the documentation that draws its tables)
+
+GPU_MISSING = "lm_step_time_gpu.json is missing: the two-GPU benchmarks have not been run (no two-GPU machine)"
+TOLERANCE = 0.10  # bytes per step: measured within 10 % of the count the algorithm implies
+
+
+def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
+    """(name, command, reason it cannot run here or None) of every CPU benchmark."""
+    lab_ok = os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
+    lab = ["network_lab.py", *(["--rates", "100mbit", "--steps", "5"] if quick else [])]
+    return [
+        ("network_lab", lab, None if lab_ok else "needs root, iproute2 and tc (network namespaces and shaping)"),
+        ("convergence", ["convergence.py", *(["--quick"] if quick else [])], None),
+        (
+            "codec_throughput",
+            ["codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])],
+            None,
+        ),
+        (
+            "engine_overhead",
+            ["engine_overhead.py", "--cpu", "--devices", "2", *(["--rounds", "1"] if quick else [])],
+            None,
+        ),
+        ("fused_optimizer", ["fused_optimizer.py", *(["--rounds", "1"] if quick else [])], None),
+    ]
+
+
+def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
+    """(name, command, reason it cannot run here or None) of every GPU benchmark."""
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except ImportError:
+        gpus = 0
+    reason = None if gpus >= 2 else f"needs two GPUs, found {gpus}"
+    lm = ["lm_step_time.py", *(["--steps", "10", "--warmup", "5"] if quick else [])]
+    return [
+        ("lm_step_time", lm, reason),
+        ("codec_throughput", ["codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
+        ("autotune_sockets", ["autotune_sockets.py"], reason),
+        ("engine_overhead", ["engine_overhead.py", "--devices", "2"], reason),
+    ]
+
+
+def run_steps(steps: list[tuple[str, list[str], str | None]], timeout: int) -> list[dict[str, Any]]:
+    """Run each benchmark as a subprocess; return what happened to each."""
+    done: list[dict[str, Any]] = []
+    for name, command, reason in steps:
+        full = [sys.executable, str(BENCHMARKS / command[0]), *command[1:]]
+        shown = "python benchmarks/" + " ".join(command)
+        if reason is not None:
+            log.warning("skipped %s: %s", shown, reason)
+            done.append({"name": name, "command": shown, "status": "skipped", "reason": reason})
+            continue
+        log.info("running %s", shown)
+        start = time.perf_counter()
+        try:
+            completed = subprocess.run(full, cwd=ROOT, timeout=timeout, check=False)
+            status = "ok" if completed.returncode == 0 else f"failed (exit {completed.returncode})"
+        except subprocess.TimeoutExpired:
+            status = f"failed (over {timeout} s)"
+        done.append({"name": name, "command": shown, "status": status, "wall_s": time.perf_counter() - start})
+    return done
+
+
+# ------------------------------------------------------------------------------------------------ the targets
+
+
+def _load(results: Path, name: str) -> dict[str, Any] | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _target(
+    target: str, source: str, bar: str, figure: float | None, passed: bool | None, detail: str, **extra: Any
+) -> dict[str, Any]:
+    status = "not run" if figure is None else ("pass" if passed else "miss")
+    # command: what wrote the source file (None when the file or the measurement is missing).
+    return {"target": target, "source": source, "command": extra.pop("command", None), "bar": bar,
+            "measured": figure, "status": status, "detail": detail, **extra}  # fmt: skip
+
+
+def gpu_targets(results: Path) -> list[dict[str, Any]]:
+    """Step-time targets of the two-GPU transformer LM (``lm_step_time_gpu.json``)."""
+    data = _load(results, "lm_step_time_gpu")
+    bars = [
+        ("NVLink: gradient_allreduce step time vs Lightning DDP", "nvlink", "gradient_allreduce", "ddp", 1.02),
+        ("Sockets: bytegrad step time vs DDP", "sockets", "bytegrad", "ddp", 0.40),
+        ("Sockets: qadam (after warm-up) step time vs DDP", "sockets", "qadam", "ddp", 0.40),
+        ("Sockets: low_precision_decentralized step time vs DDP", "sockets", "low_precision_decentralized", "ddp",
+         0.60),
+        ("Sockets: async step time vs the single-GPU step", "sockets", "async", "single", 1.15),
+    ]  # fmt: skip
+    found = []
+    for target, regime, method, base, bar in bars:
+        if data is None:
+            found.append(_target(target, "lm_step_time_gpu.json", f"<= {bar:.2f}x", None, None, GPU_MISSING))
+            continue
+        by_key = {(r["regime"], r["method"]): r for r in data["results"]}
+        row, ref = by_key.get((regime, method)), by_key.get((regime, base))
+        if row is None or ref is None:
+            missing = f"no {regime} measurement of {method if row is None else base} in lm_step_time_gpu.json"
+            found.append(_target(target, "lm_step_time_gpu.json", f"<= {bar:.2f}x", None, None, missing))
+            continue
+        ratio = row["median_step_s"] / ref["median_step_s"]
+        detail = f"{row['median_step_s'] * 1e3:.1f} ms vs {ref['median_step_s'] * 1e3:.1f} ms"
+        found.append(_target(target, "lm_step_time_gpu.json", f"<= {bar:.2f}x", ratio, ratio <= bar, detail,
+                             command=data["command"]))  # fmt: skip
+    return found
+
+
+def lab_targets(results: Path) -> list[dict[str, Any]]:
+    """Throughput targets of the CPU network lab at 100 Mbit/s (``network_lab_cpu.json``)."""
+    data = _load(results, "network_lab_cpu")
+    names = ("CPU lab 100 Mbit/s: bytegrad throughput vs DDP", "CPU lab 100 Mbit/s: bytegrad vs DDP + fp16 hook")
+    by_key = {} if data is None else {(r["rate"], r["method"]): r for r in data["results"]}
+    found = []
+    for name, base, bar in zip(names, ("ddp", "ddp_fp16"), (3.0, 1.0), strict=True):
+        row, ref = by_key.get(("100mbit", "bytegrad")), by_key.get(("100mbit", base))
+        if data is None or row is None or ref is None:
+            reason = "network_lab_cpu.json has no 100mbit measurement of bytegrad and " + base
+            found.append(_target(name, "network_lab_cpu.json", f">= {bar:g}x", None, None, reason))
+            continue
+        speedup = ref["median_step_s"] / row["median_step_s"]  # same batch: throughput ratio = step-time ratio
+        detail = f"{row['median_step_s'] * 1e3:.0f} ms vs {ref['median_step_s'] * 1e3:.0f} ms"
+        passed = speedup >= bar if bar > 1 else speedup > bar
+        found.append(_target(name, "network_lab_cpu.json", f">= {bar:g}x" if bar > 1 else "> 1x", speedup, passed,
+                             detail, command=data["command"]))  # fmt: skip
+    return found
+
+
+def payload_bytes(algorithm: str, parameters: int, ranks: int) -> float:
+    """Bytes one rank hands to collectives per step, under ``CommunicationCounter``'s convention.
+
+    Every collective counts its whole input once: an all-reduce of ``P`` bytes counts ``P``, an all-to-all counts
+    all ``n`` rows (the own one too), an all-gather the rank's own part. Flat algorithms, default keywords.
+    """
+    if ranks == 1:
+        return 0.0
+    if algorithm in ("gradient_allreduce", "decentralized"):
+        return 4.0 * parameters
+    if algorithm in ("bytegrad", "qadam"):  # qadam after its warm-up
+        total = 0.0
+        for size in traffic._buckets(parameters, 10 * 1024**2):
+            row = traffic.HEADER_BYTES + math.ceil(size / ranks)
+            total += ranks * row + row  # all-to-all of n rows, all-gather of the reduced row
+        return total
+    if algorithm == "low_precision_decentralized":
+        return (1 if ranks == 2 else 2) * (traffic.HEADER_BYTES + parameters)
+    raise ValueError(f"no payload model for {algorithm!r}")
+
+
+def byte_targets(results: Path) -> list[dict[str, Any]]:
+    """Measured payload per step in the network lab against the count the algorithm implies."""
+    data = _load(results, "network_lab_cpu")
+    found = []
+    for algorithm in (*traffic.ALGORITHMS, "async"):
+        name = f"Bytes per step within 10% of the theoretical count: {algorithm}"
+        rows = [] if data is None else [r for r in data["results"] if r["method"] == algorithm]
+        if not rows or rows[0]["bytes_per_step"] is None:
+            found.append(_target(name, "network_lab_cpu.json", "within 10%", None, None, "no measurement"))
+            continue
+        measured, parameters = rows[0]["bytes_per_step"], rows[0]["parameter_bytes"] // 4
+        if algorithm == "async":
+            detail = ("no model: async averages on a timer (sync_interval_ms), not per step; the lab counted"
+                      f" {measured:.0f} bytes per timed step")  # fmt: skip
+            found.append(_target(name, "network_lab_cpu.json", "within 10%", None, None, detail))
+            continue
+        expected = payload_bytes(algorithm, parameters, 2)
+        wire = traffic.wire_bytes(algorithm, parameters, 2)
+        ratio = measured / expected
+        detail = (f"{measured:.0f} B counted vs {expected:.0f} B implied ({parameters} fp32 parameters, 2 ranks);"
+                  f" traffic.wire_bytes: {wire:.0f} B leave the rank")  # fmt: skip
+        numbers = {"wire_bytes": wire, "expected_payload_bytes": expected, "measured_payload_bytes": measured}
+        passed = abs(ratio - 1) <= TOLERANCE
+        found.append(_target(name, "network_lab_cpu.json", "within 10%", ratio, passed, detail,
+                             command=data["command"], **numbers))  # fmt: skip
+    return found
+
+
+def accuracy_targets(results: Path) -> list[dict[str, Any]]:
+    """Held-out accuracy within 1 point of the DDP baseline's (qadam: DDP with Adam), from ``convergence_cpu.json``."""
+    data = _load(results, "convergence_cpu")
+    if data is None:
+        reason = "convergence_cpu.json is missing: the convergence benchmark has not been run"
+        return [_target("Accuracy within 1 point of DDP", "convergence_cpu.json", ">= DDP - 1 point", None, None,
+                        reason)]  # fmt: skip
+    found = []
+    for row in data["summary"]:
+        if row["method"] == row["baseline"] or "accuracy_delta_pts" not in row:
+            continue
+        name = f"Accuracy within 1 point of {row['baseline']}: {row['method']} on {row['task']}"
+        acc = row["accuracy_pct"]
+        detail = f"{acc['mean']:.2f} % (± {acc['std']:.2f}, {acc['n']} seeds) vs {row['baseline']}"
+        delta = row["accuracy_delta_pts"]
+        found.append(_target(name, "convergence_cpu.json", ">= -1.00 points", delta, delta >= -1.0, detail,
+                             command=data["command"]))  # fmt: skip
+    return found
+
+
+CHECKS: tuple[Callable[[Path], list[dict[str, Any]]], ...] = (gpu_targets, lab_targets, byte_targets,
+                                                               accuracy_targets)  # fmt: skip
+
+
+def check_targets(results: Path) -> list[dict[str, Any]]:
+    """Every target, in the order of the performance bar."""
+    return [row for check in CHECKS for row in check(results)]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The targets table."""
+    counts = {s: sum(t["status"] == s for t in report["targets"]) for s in ("pass", "miss", "not run")}
+    lines = [
+        f"Performance targets: {counts['pass']} pass, {counts['miss']} miss, {counts['not run']} not run.",
+        f"Written by `{report['command']}` from the JSON files in `benchmarks/results/` (see `targets.json`).",
+        "Step-time and byte figures are ratios (x); accuracy figures are points against the baseline's mean.",
+        "",
+        "| target | bar | measured | status | detail | source |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in report["targets"]:
+        figure = "-" if t["measured"] is None else _figure(t)
+        source = f"`{t['source']}`" + (f" (`{t['command']}`)" if t["command"] else "")
+        lines.append(f"| {t['target']} | {t['bar']} | {figure} | {t['status']} | {t['detail']} | {source} |")
+    return "\n".join(lines) + "\n"
+
+
+def _figure(t: dict[str, Any]) -> str:
+    return f"{t['measured']:+.2f}" if "points" in t["bar"] else f"{t['measured']:.3f}x"
+
+
+def chart(report: dict[str, Any], path: Path) -> bool:
+    """Each measured target as its figure over its bar (pass when the bar is on the right side of 1)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no chart")
+        return False
+    measured = [t for t in report["targets"] if t["measured"] is not None and "points" not in t["bar"]]
+    accuracy = [t for t in report["targets"] if t["measured"] is not None and "points" in t["bar"]]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.35 * max(len(measured), len(accuracy), 4) + 1.5))
+    colour = {"pass": "tab:green", "miss": "tab:red"}
+    labels = [t["target"] for t in measured]
+    left.barh(range(len(measured)), [t["measured"] for t in measured], color=[colour[t["status"]] for t in measured])
+    left.set_yticks(range(len(measured)), labels, fontsize=7)
+    left.set_xlabel("measured ratio (x); the bar is in the table")
+    left.axvline(1.0, color="black", linewidth=0.8)
+    left.invert_yaxis()
+    right.barh(range(len(accuracy)), [t["measured"] for t in accuracy], color=[colour[t["status"]] for t in accuracy])
+    right.set_yticks(range(len(accuracy)), [t["target"].split(": ", 1)[1] for t in accuracy], fontsize=7)
+    right.axvline(-1.0, color="black", linestyle="--", linewidth=0.8)
+    right.axvline(0.0, color="black", linewidth=0.8)
+    deltas = [t["measured"] for t in accuracy] or [0.0]
+    right.set_xlim(min(-1.25, min(deltas) - 0.25), max(0.5, max(deltas) + 0.25))
+    right.set_xlabel("accuracy - baseline accuracy (points); the bar is -1")
+    right.invert_yaxis()
+    figure.suptitle("Performance targets: green pass, red miss (benchmarks/suite.py)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def write_report(results: Path, out: Path, command: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Check the targets against the JSON files in ``results``; write targets.json, .md and .png into ``out``."""
+    report = {
+        "benchmark": "every performance target against the measured results",
+        "command": command,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "results_read": sorted(p.name for p in results.glob("*.json") if p.stem != "targets"),
+        "suite_runs": runs,
+        "targets": check_targets(results),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "targets.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (out / "targets.md").write_text(table)
+    chart(report, out / "targets.png")
+    print(table)
+    return report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="run the CPU benchmarks")
+    parser.add_argument("--gpu", action="store_true", help="run the two-GPU benchmarks")
+    parser.add_argument("--report-only", action="store_true", help="run nothing: rebuild the targets check")
+    parser.add_argument("--quick", action="store_true", help="shorter runs where a script offers them")
+    parser.add_argument("--timeout", type=int, default=7200, help="seconds one benchmark may take")
+    parser.add_argument("--results", default=str(RESULTS), help="where the results JSON files are read")
+    parser.add_argument("--out", default=str(RESULTS), help="where targets.json, .md and .png are written")
+    arguments = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(arguments)
+    if not (args.cpu or args.gpu or args.report_only):
+        parser.error("choose --cpu, --gpu or --report-only")
+    # The command as it reproduces the results (the folders are left out: they default to benchmarks/results).
+    flags = {"--cpu": args.cpu, "--gpu": args.gpu, "--report-only": args.report_only, "--quick": args.quick}
+    args.command = " ".join(["python benchmarks/suite.py", *(flag for flag, on in flags.items() if on)])
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    runs: list[dict[str, Any]] = []
+    if not args.report_only:
+        steps = (cpu_steps(args.quick) if args.cpu else []) + (gpu_steps(args.quick) if args.gpu else [])
+        runs = run_steps(steps, args.timeout)
+    return write_report(Path(args.results), Path(args.out), args.command, runs)
+
+
+if __name__ == "__main__":
+    main()
