@@ -2,12 +2,15 @@
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_bagua.engine import CommunicationCounter, NodeLayout
-from lightning_bagua.engine.communication import OrderedExecutor
+from lightning_bagua.engine.communication import OrderedExecutor, all_gather_into, all_to_all_into, start_exchange
+from tests.distributed import run_processes
 
 
 def test_node_layout_of_two_nodes():
@@ -79,3 +82,57 @@ def test_executor_hands_a_failed_job_to_the_future_and_keeps_working():
     assert int(executor.submit(lambda: torch.tensor([7])).wait()) == 7
     executor.close()
     executor.close()  # idempotent
+
+
+def test_start_exchange_posts_every_receive_before_any_send(monkeypatch):
+    started: list[list[dist.P2POp]] = []
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda operations: started.append(operations) or [])
+    a, b, c, d = (torch.zeros(2) for _ in range(4))
+    # Stand-ins for dist.P2POp, which needs a process group to exist; start_exchange reads only `op`.
+    operations = [
+        SimpleNamespace(op=dist.isend, tensor=a),
+        SimpleNamespace(op=dist.irecv, tensor=b),
+        SimpleNamespace(op=dist.isend, tensor=c),
+        SimpleNamespace(op=dist.irecv, tensor=d),
+    ]
+    start_exchange(operations)
+    (posted,) = started
+    assert [(operation.op, operation.tensor) for operation in posted] == [
+        (dist.irecv, b),
+        (dist.irecv, d),
+        (dist.isend, a),
+        (dist.isend, c),
+    ]
+    assert start_exchange([]) == []
+
+
+def _point_to_point_against_collectives(rank: int, world_size: int) -> dict[str, bool]:
+    # Every rank joins every new_group call; the odd ranks form a subgroup whose group ranks differ from global ones.
+    odd = dist.new_group([r for r in range(world_size) if r % 2])
+    outcomes = {}
+    for name, group in (("world", None), ("odd", odd)):
+        if group is not None and rank % 2 == 0:
+            continue
+        n = dist.get_world_size(group)
+        for dtype in (torch.uint8, torch.float32):
+            generator = torch.Generator().manual_seed(100 * rank + n)
+            rows = (torch.rand(n, 37, generator=generator) * 200).to(dtype)
+            ours, theirs = torch.empty_like(rows), torch.empty_like(rows)
+            all_to_all_into(ours, rows, group)
+            dist.all_to_all_single(theirs, rows, group=group)
+            outcomes[f"all_to_all {name} {dtype}"] = torch.equal(ours, theirs)
+            mine = rows[0]
+            ours, theirs = torch.empty(n, 37, dtype=dtype), torch.empty(n * 37, dtype=dtype)
+            all_gather_into(ours, mine, group)
+            dist.all_gather_into_tensor(theirs, mine, group=group)
+            outcomes[f"all_gather {name} {dtype}"] = torch.equal(ours.view(-1), theirs)
+    return outcomes
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cpu_point_to_point_exchanges_equal_gloo_collectives(world_size):
+    results = run_processes(_point_to_point_against_collectives, world_size)
+    for rank, outcomes in enumerate(results):
+        assert outcomes, f"rank {rank} compared nothing"
+        assert all(outcomes.values()), f"rank {rank}: {outcomes}"
+        assert len(outcomes) == (8 if rank % 2 else 4), f"rank {rank}: {sorted(outcomes)}"

@@ -12,7 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CommunicationCounter", "CommunicationGroups", "CounterTotals", "NodeLayout", "OrderedExecutor"]
+__all__ = [
+    "CommunicationCounter",
+    "CommunicationGroups",
+    "CounterTotals",
+    "NodeLayout",
+    "OrderedExecutor",
+    "all_gather_into",
+    "all_to_all_into",
+    "start_exchange",
+]
 
 log = logging.getLogger(__name__)
 
@@ -416,6 +425,51 @@ def all_reduce_hierarchically(
     return tensor
 
 
+def start_exchange(operations: list[dist.P2POp]) -> list[dist.Work]:
+    """Start point-to-point operations with every receive posted before any send, and return their works.
+
+    Gloo's TCP transport writes a send's payload only once the peer has announced the matching receive, and the
+    announcement travels on the same connection as the announcer's own payloads. A receive posted after a send
+    announces itself behind that send's payload: on a slow link the two directions of an exchange then take turns
+    instead of running together, which doubles its time. Posting receives first puts every announcement ahead of
+    every payload. NCCL starts a batch as one group, so the order costs it nothing.
+
+    Args:
+        operations: the sends and receives, in any order.
+
+    Returns:
+        One work per operation, receives first; wait on all of them.
+    """
+    receives = [operation for operation in operations if operation.op is dist.irecv]
+    sends = [operation for operation in operations if operation.op is not dist.irecv]
+    return dist.batch_isend_irecv(receives + sends) if operations else []
+
+
+def all_to_all_into(output: Tensor, tensor: Tensor, group: ProcessGroup | None) -> None:
+    """Send row ``j`` of ``tensor`` to rank ``j`` of ``group``; row ``i`` of ``output`` arrives from rank ``i``.
+
+    Blocks until done. On CPU the rows travel point to point through :func:`start_exchange`, since Gloo's
+    all-to-all posts its sends before its receives (see there); elsewhere it is the backend's all-to-all.
+
+    Args:
+        output: a tensor shaped like ``tensor``; row ``i`` receives rank ``i``'s row for this rank.
+        tensor: one row per rank of ``group``.
+        group: the process group.
+    """
+    if tensor.device.type != "cpu":
+        dist.all_to_all_single(output, tensor, group=group)
+        return
+    ranks, me = _group_ranks(group)
+    output[me].copy_(tensor[me])
+    operations = []
+    for index, peer in enumerate(ranks):
+        if index != me:
+            operations.append(dist.P2POp(dist.irecv, output[index], peer, group))
+            operations.append(dist.P2POp(dist.isend, tensor[index], peer, group))
+    for work in start_exchange(operations):
+        work.wait()
+
+
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); older releases have only the first.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -423,9 +477,33 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def all_gather_into(output: Tensor, tensor: Tensor, group: ProcessGroup | None) -> None:
     """Gather ``tensor`` from every rank of ``group`` into ``output`` (rank-major), blocking until done.
 
+    On CPU each rank sends its tensor to every other one point to point through :func:`start_exchange` (as many
+    bytes leave each rank as in Gloo's ring, without its send-before-receive stalls); elsewhere it is the
+    backend's all-gather.
+
     Args:
         output: a tensor of ``group size * tensor.numel()`` elements.
         tensor: this rank's contribution.
         group: the process group.
     """
-    _all_gather_single(output, tensor, group=group)
+    if tensor.device.type != "cpu":
+        _all_gather_single(output, tensor, group=group)
+        return
+    rows = output.view(-1, tensor.numel())
+    ranks, me = _group_ranks(group)
+    rows[me].copy_(tensor.reshape(-1))
+    flat = tensor.reshape(-1)
+    operations = []
+    for index, peer in enumerate(ranks):
+        if index != me:
+            operations.append(dist.P2POp(dist.irecv, rows[index], peer, group))
+            operations.append(dist.P2POp(dist.isend, flat, peer, group))
+    for work in start_exchange(operations):
+        work.wait()
+
+
+def _group_ranks(group: ProcessGroup | None) -> tuple[list[int], int]:
+    """Return the global ranks of ``group``'s members in group order, and this rank's index among them."""
+    if group is None:
+        return list(range(dist.get_world_size())), dist.get_rank()
+    return dist.get_process_group_ranks(group), dist.get_rank(group)

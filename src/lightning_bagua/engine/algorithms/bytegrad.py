@@ -22,6 +22,7 @@ from lightning_bagua.engine.communication import (
     OrderedExecutor,
     all_gather_into,
     all_reduce_hierarchically,
+    all_to_all_into,
 )
 
 __all__ = ["ByteGradAlgorithm", "ByteGradState", "bytegrad_hook", "compressed_scatter_gather_"]
@@ -177,7 +178,7 @@ def compressed_scatter_gather_(
     float_bytes = padded.element_size()
     # One row stays here, one arrives from each other rank; the rows encode the padded floats.
     counter.record("all_to_all", sent, received=sent[0].numel() * (n - 1), uncompressed=padded.numel() * float_bytes)
-    dist.all_to_all_single(received, sent, group=group)
+    all_to_all_into(received, sent, group)
     # Rows are sliced to the chunk length: the codec may store longer rows for alignment.
     reduced = codec.decompress_rows(received, dtype=torch.float32)[:, :chunk].sum(dim=0)
     if average:

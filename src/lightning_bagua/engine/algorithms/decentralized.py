@@ -26,6 +26,7 @@ from lightning_bagua.engine.communication import (
     CommunicationGroups,
     OrderedExecutor,
     all_reduce_hierarchically,
+    start_exchange,
 )
 
 __all__ = [
@@ -507,7 +508,7 @@ def _start_average_with_partner(
     ``partner`` is a global rank; ``received`` is scratch space for the partner's weights.
     """
     counter.record("send", weights)
-    works = dist.batch_isend_irecv(
+    works = start_exchange(
         [dist.P2POp(dist.isend, weights, partner, group), dist.P2POp(dist.irecv, received, partner, group)]
     )
 

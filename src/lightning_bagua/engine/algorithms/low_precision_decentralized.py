@@ -33,6 +33,7 @@ from lightning_bagua.engine.communication import (
     CommunicationCounter,
     CommunicationGroups,
     all_reduce_hierarchically,
+    start_exchange,
 )
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedImpl", "LowPrecisionDecentralizedState"]
@@ -361,7 +362,7 @@ def _ring_round(
         # Both neighbours are the one peer, and both would be sent the same code: one exchange carries it.
         peer = members[1 - position]
         state.counter.record("send", code, uncompressed=numel * x.element_size())
-        works = dist.batch_isend_irecv(
+        works = start_exchange(
             [
                 dist.P2POp(dist.isend, code, peer, group, _TOWARDS_RIGHT),
                 dist.P2POp(dist.irecv, copies.from_left, peer, group, _TOWARDS_RIGHT),
@@ -376,7 +377,7 @@ def _ring_round(
         uncompressed = numel * x.element_size()
         state.counter.record("send", code, uncompressed=uncompressed)
         state.counter.record("send", code, uncompressed=uncompressed)
-        works = dist.batch_isend_irecv(
+        works = start_exchange(
             [
                 dist.P2POp(dist.isend, code, left, group, _TOWARDS_LEFT),
                 dist.P2POp(dist.isend, code, right, group, _TOWARDS_RIGHT),
