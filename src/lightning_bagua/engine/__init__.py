@@ -22,6 +22,7 @@ from lightning_bagua.engine.algorithms import (
     register_algorithm,
 )
 from lightning_bagua.engine.autotune import BucketAutotuner
+from lightning_bagua.engine.bucket_layout import BucketLayout
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, NodeLayout
 from lightning_bagua.engine.data_parallel import DEFAULT_BUCKET_CAP_MB, BaguaDistributedDataParallel
@@ -35,6 +36,7 @@ __all__ = [
     "AsyncModelAverageAlgorithm",
     "BaguaDistributedDataParallel",
     "BucketAutotuner",
+    "BucketLayout",
     "ByteGradAlgorithm",
     "CommunicationCounter",
     "CommunicationGroups",

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from lightning_bagua.engine.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+from lightning_bagua.engine.bucket_layout import BucketLayout
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
@@ -154,6 +155,8 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             self._bagua_groups.close()
             raise
         state, hook = self._bagua_impl.communication_hook()
+        self._bagua_layout = BucketLayout(named_parameters)
+        hook = self._bagua_layout.wrap_hook(hook)
         self._bagua_telemetry: CommunicationTelemetry | None = None
         if telemetry:
             self._bagua_telemetry = CommunicationTelemetry(self.communication_counter, self._bagua_impl, device)
@@ -238,12 +241,18 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
     def bagua_state_dict(self) -> dict[str, Any]:
         """Return the algorithm's state on this rank (see :meth:`AlgorithmImpl.state_dict`), named for its kind.
 
-        Save it beside the model's and the optimizers' ``state_dict()`` to resume exactly.
+        Save it beside the model's and the optimizers' ``state_dict()`` to resume exactly. It also holds the
+        gradient buckets of the last step (parameter names per bucket), which a new wrapper replays on its first
+        step so that compressed algorithms round it as the uninterrupted run did (see :class:`BucketLayout`).
 
         Returns:
-            ``{"algorithm": <registered name>, "state": <the algorithm's state>}``.
+            ``{"algorithm": <registered name>, "state": <the algorithm's state>, "bucket_layout": <names per bucket>}``.
         """
-        return {"algorithm": self.bagua_algorithm.name, "state": self._bagua_impl.state_dict()}
+        return {
+            "algorithm": self.bagua_algorithm.name,
+            "state": self._bagua_impl.state_dict(),
+            "bucket_layout": self._bagua_layout.buckets,
+        }
 
     def load_bagua_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`bagua_state_dict` returned, after the module and optimizers have been restored.
@@ -252,7 +261,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             state: a dict from :meth:`bagua_state_dict`.
 
         Raises:
-            ValueError: if it was written by another algorithm.
+            ValueError: if it was written by another algorithm, or its bucket layout names other parameters.
         """
         if state.get("algorithm") != self.bagua_algorithm.name:
             raise ValueError(
@@ -260,6 +269,10 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
                 f" {self.bagua_algorithm.name!r}. Resume with the same algorithm, or load the weights alone"
                 " (without the algorithm state) to switch."
             )
+        # Checked first, so that a layout that does not fit leaves the algorithm state as it was. Checkpoints
+        # written before the layout was saved resume with torch's own first bucket.
+        if state.get("bucket_layout"):
+            self._bagua_layout.restore(state["bucket_layout"])
         self._bagua_impl.load_state_dict(state["state"])
 
     def bind_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
