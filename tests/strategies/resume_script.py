@@ -25,6 +25,8 @@ QADAM_WARMUP_STEPS = 4  # steps 1-3 warm up, so a resume after epoch 1 (step 2) 
 CASES: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     "gradient_allreduce": ("gradient_allreduce", {}, "sgd", False),
     "bytegrad": ("bytegrad", {}, "sgd", False),
+    # Several buckets: the resumed wrapper's all-in-one first bucket must be cut as the uninterrupted run's were.
+    "bytegrad_small_buckets": ("bytegrad", {"bucket_cap_mb": 0.004}, "sgd", False),
     "decentralized_all": ("decentralized", {"peer_selection_mode": "all"}, "sgd", False),
     # Every third pass exchanges, so the resumed run must know where in the interval it stopped.
     "decentralized_shift_one": (
