@@ -1,7 +1,7 @@
 """Keep a resumed run's gradient buckets equal to the uninterrupted run's, so compressed algorithms resume exactly."""
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -9,11 +9,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_bagua.engine.algorithms.base import CommunicationHook
+
 __all__ = ["BucketLayout"]
 
 log = logging.getLogger(__name__)
-
-CommunicationHook = Callable[[Any, Any], torch.futures.Future[Tensor]]
 
 
 class BucketLayout:
@@ -106,7 +106,7 @@ class BucketLayout:
             part = _BucketPart(
                 index, index == len(replay) - 1, [parameters[n] for n in members], [views[n] for n in members]
             )
-            futures.append((part, hook(state, part)))
+            futures.append((part, hook(state, part)))  # type: ignore[arg-type]  # a duck-typed GradBucket
         buffer = bucket.buffer()
 
         def write_back(_: Any) -> Tensor:
