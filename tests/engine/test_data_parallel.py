@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bagua.engine import BaguaDistributedDataParallel, GradientAllReduceAlgorithm
+from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, GradientAllReduceAlgorithm
 from tests.distributed import assert_ranks_identical, run_processes
 
 STEPS = 4
@@ -214,13 +214,13 @@ def test_bagua_attributes_users_relied_on():
     }
 
 
-def backward_without_a_peer(rank: int, world_size: int, hierarchical: bool) -> dict:
+def backward_without_a_peer(rank: int, world_size: int, algorithm: str, hierarchical: bool) -> dict:
     from datetime import timedelta
 
     model = make_model()
     ddp = BaguaDistributedDataParallel(
         model,
-        algorithm=GradientAllReduceAlgorithm(hierarchical=hierarchical),
+        algorithm=Algorithm.init(algorithm, hierarchical=hierarchical),
         ranks_per_node=2 if hierarchical else None,
         timeout=timedelta(seconds=3),
     )
@@ -238,9 +238,18 @@ def backward_without_a_peer(rank: int, world_size: int, hierarchical: bool) -> d
     return outcome
 
 
-@pytest.mark.parametrize(("world_size", "hierarchical"), [(2, False), (4, True)])
-def test_a_missing_peer_fails_the_backward_within_the_timeout(world_size, hierarchical):
-    results = run_processes(backward_without_a_peer, world_size, hierarchical)
+@pytest.mark.parametrize(
+    ("algorithm", "world_size", "hierarchical"),
+    [
+        ("gradient_allreduce", 2, False),
+        ("gradient_allreduce", 4, True),
+        # On CPU bytegrad exchanges point to point (receives posted first): those waits time out too.
+        ("bytegrad", 2, False),
+        ("bytegrad", 4, False),
+    ],
+)
+def test_a_missing_peer_fails_the_backward_within_the_timeout(algorithm, world_size, hierarchical):
+    results = run_processes(backward_without_a_peer, world_size, algorithm, hierarchical)
     # Hierarchical: rank 2 waits on rank 3 inside its node, rank 0 on rank 2 among leaders, rank 1 on rank 0.
     for rank, outcome in enumerate(results[:-1]):
         assert outcome["raised"] is not None, f"rank {rank}: the backward should fail, not hang"
