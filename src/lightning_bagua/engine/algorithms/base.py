@@ -21,8 +21,6 @@ __all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "available_algorith
 log = logging.getLogger(__name__)
 
 # Bagua's algorithm names that later releases of this package implement; asking for one is not a typo.
-_PLANNED_ALGORITHMS: tuple[str, ...] = ()
-
 _REGISTRY: dict[str, type["Algorithm"]] = {}
 
 _A = TypeVar("_A", bound="Algorithm")
@@ -168,7 +166,6 @@ class Algorithm(ABC):
 
         Raises:
             ValueError: ``name`` is not an algorithm.
-            NotImplementedError: ``name`` is a Bagua algorithm this release does not provide yet.
             TypeError: a keyword is unknown or its value has the wrong type.
         """
         algorithm_cls = algorithm_class(name)
@@ -241,11 +238,6 @@ def algorithm_class(name: str) -> type[Algorithm]:
         )
     if name in _REGISTRY:
         return _REGISTRY[name]
-    if name in _PLANNED_ALGORITHMS:
-        raise NotImplementedError(
-            f"Bagua's {name!r} algorithm is not available in this release of lightning-bagua yet."
-            f" Available algorithms: {', '.join(available_algorithms())}."
-        )
     raise ValueError(f"Unknown algorithm {name!r}. Available algorithms: {', '.join(available_algorithms())}.")
 
 
