@@ -33,16 +33,18 @@ class HeadFirst(nn.Module):
         return self.head(self.body(inputs))
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 * step + rank)
     inputs = torch.randn(8, 16, generator=generator)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    return inputs.to(device), inputs.sum(dim=1, keepdim=True).cos().to(device)
+    return inputs.to(_device()), inputs.sum(dim=1, keepdim=True).cos().to(_device())
 
 
 def _model() -> nn.Module:
-    model = HeadFirst()
-    return model.cuda() if dist.get_backend() == "nccl" else model
+    return HeadFirst().to(_device())
 
 
 def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -52,9 +54,8 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _wrap(algorithm: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> BaguaDistributedDataParallel:
-    kwargs = {"hierarchical": False}
     return BaguaDistributedDataParallel(
-        model, [optimizer], Algorithm.init(algorithm, **kwargs), bucket_cap_mb=BUCKET_CAP_MB
+        model, [optimizer], Algorithm.init(algorithm, hierarchical=False), bucket_cap_mb=BUCKET_CAP_MB
     )
 
 

@@ -33,7 +33,7 @@ class BucketLayout:
 
     def __init__(self, named_parameters: Sequence[tuple[str, Parameter]]) -> None:
         self._name_of = {id(parameter): name for name, parameter in named_parameters}
-        self._names = {name for name, _ in named_parameters}
+        self._names = set(self._name_of.values())
         self._current: dict[int, list[str]] = {}
         self._completed: list[list[str]] = []
         self._replay: list[list[str]] | None = None
@@ -76,12 +76,10 @@ class BucketLayout:
 
         def layout_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
             names = [self._name_of[id(parameter)] for parameter in bucket.parameters()]
-            replay = self._replay
+            replay, self._replay = self._replay, None
             # Only the all-in-one bucket is cut, and only where its order differs from the saved buckets'.
             if replay is not None and len(names) == len(self._names) and replay != [names]:
-                self._replay = None
                 return self._run_replayed(hook, state, bucket, names, replay)
-            self._replay = None
             self._current[bucket.index()] = names
             if bucket.is_last():
                 self._completed = [self._current[index] for index in sorted(self._current)]
@@ -114,7 +112,6 @@ class BucketLayout:
                 part.copy_result_to(future.value())
             return buffer
 
-        self._completed = [list(members) for members in replay]
         return torch.futures.collect_all([future for _, future in futures]).then(write_back)
 
 
@@ -127,11 +124,7 @@ class _BucketPart:
         self._parameters = parameters
         self._views = views
         self._buffer = torch.cat([view.reshape(-1) for view in views])
-        self._gradients: list[Tensor] = []
-        offset = 0
-        for view in views:
-            self._gradients.append(self._buffer[offset : offset + view.numel()].view_as(view))
-            offset += view.numel()
+        self._gradients = self._shaped_as_views(self._buffer)
 
     def index(self) -> int:
         return self._index
@@ -150,7 +143,10 @@ class _BucketPart:
 
     def copy_result_to(self, result: Tensor) -> None:
         """Write the hook's result for this part into the all-in-one bucket's gradient views."""
-        offset = 0
-        for view in self._views:
-            view.copy_(result[offset : offset + view.numel()].view_as(view))
-            offset += view.numel()
+        for view, value in zip(self._views, self._shaped_as_views(result), strict=True):
+            view.copy_(value)
+
+    def _shaped_as_views(self, flat: Tensor) -> list[Tensor]:
+        """Cut the flat ``flat`` into consecutive pieces shaped like this part's gradients."""
+        pieces = flat.split([view.numel() for view in self._views])
+        return [piece.view_as(view) for piece, view in zip(pieces, self._views, strict=True)]

@@ -459,15 +459,7 @@ def all_to_all_into(output: Tensor, tensor: Tensor, group: ProcessGroup | None) 
     if tensor.device.type != "cpu":
         dist.all_to_all_single(output, tensor, group=group)
         return
-    ranks, me = _group_ranks(group)
-    output[me].copy_(tensor[me])
-    operations = []
-    for index, peer in enumerate(ranks):
-        if index != me:
-            operations.append(dist.P2POp(dist.irecv, output[index], peer, group))
-            operations.append(dist.P2POp(dist.isend, tensor[index], peer, group))
-    for work in start_exchange(operations):
-        work.wait()
+    _exchange_with_every_peer(output, lambda index: tensor[index], group)
 
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); older releases have only the first.
@@ -489,21 +481,24 @@ def all_gather_into(output: Tensor, tensor: Tensor, group: ProcessGroup | None) 
     if tensor.device.type != "cpu":
         _all_gather_single(output, tensor, group=group)
         return
-    rows = output.view(-1, tensor.numel())
-    ranks, me = _group_ranks(group)
-    rows[me].copy_(tensor.reshape(-1))
     flat = tensor.reshape(-1)
+    _exchange_with_every_peer(output.view(-1, flat.numel()), lambda _: flat, group)
+
+
+def _exchange_with_every_peer(rows: Tensor, outgoing: Callable[[int], Tensor], group: ProcessGroup | None) -> None:
+    """Send ``outgoing(i)`` to rank ``i`` of ``group`` and receive row ``i`` of ``rows`` from it, for every other rank.
+
+    This rank's own row is ``outgoing(me)``, copied in place. Blocks until every exchange is done.
+    """
+    if group is None:
+        ranks, me = list(range(dist.get_world_size())), dist.get_rank()
+    else:
+        ranks, me = dist.get_process_group_ranks(group), dist.get_rank(group)
+    rows[me].copy_(outgoing(me))
     operations = []
     for index, peer in enumerate(ranks):
         if index != me:
             operations.append(dist.P2POp(dist.irecv, rows[index], peer, group))
-            operations.append(dist.P2POp(dist.isend, flat, peer, group))
+            operations.append(dist.P2POp(dist.isend, outgoing(index), peer, group))
     for work in start_exchange(operations):
         work.wait()
-
-
-def _group_ranks(group: ProcessGroup | None) -> tuple[list[int], int]:
-    """Return the global ranks of ``group``'s members in group order, and this rank's index among them."""
-    if group is None:
-        return list(range(dist.get_world_size())), dist.get_rank()
-    return dist.get_process_group_ranks(group), dist.get_rank(group)

@@ -20,7 +20,6 @@ __all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "available_algorith
 
 log = logging.getLogger(__name__)
 
-# Bagua's algorithm names that later releases of this package implement; asking for one is not a typo.
 _REGISTRY: dict[str, type["Algorithm"]] = {}
 
 _A = TypeVar("_A", bound="Algorithm")
