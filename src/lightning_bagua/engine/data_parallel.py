@@ -145,7 +145,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             if parameter.requires_grad and name not in self.parameters_to_ignore
         )
         context = AlgorithmContext(
-            self._bagua_groups, self.communication_counter, self._bagua_executor, device, named_parameters
+            self._bagua_groups, self.communication_counter, self._bagua_executor, device, named_parameters, timeout
         )
         try:
             self._bagua_impl: AlgorithmImpl = algorithm.reify(context)

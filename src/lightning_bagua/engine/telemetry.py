@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_bagua.engine._torch_compat import queue_backward_callback
 from lightning_bagua.engine.communication import CommunicationCounter, CounterTotals
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ class CommunicationTelemetry:
             if last:
                 # Queued after DDP's finalisation (queued at the first gradient) and after any callback the
                 # algorithm queued on an earlier bucket, so it runs when all of them are done.
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+                queue_backward_callback(self._backward_finished)
             return future
 
         return measured_hook

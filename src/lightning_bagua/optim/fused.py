@@ -43,6 +43,8 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
+from lightning_bagua.engine._torch_compat import mark_optimizer_stepped
+
 __all__ = ["fuse_optimizer"]
 
 log = logging.getLogger(__name__)
@@ -532,8 +534,7 @@ class _Fuser:
             self.stepping = False
             for run in fused:
                 run.absorb(state.pop(run.flat, None) or {}, state)
-        # What torch's LR schedulers read to tell that the optimizer stepped before them.
-        optimizer._opt_called = True  # type: ignore[attr-defined]
+        mark_optimizer_stepped(optimizer)
         return loss
 
     def _warn_once(self, run: _Run) -> None:

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_bagua.engine._torch_compat import queue_backward_callback
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -46,8 +46,9 @@ from lightning_bagua.engine.algorithms.base import (
     check_keyword_type,
     register_algorithm,
 )
-from lightning_bagua.engine.algorithms.decentralized import FlatWeights, group_by_dtype, local_gradient_hook
+from lightning_bagua.engine.algorithms.decentralized import local_gradient_hook
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceState, gradient_allreduce_hook
+from lightning_bagua.engine.algorithms.weights import FlatWeights, group_by_dtype, views_like
 
 __all__ = [
     "AsyncModelAverageAlgorithm",
@@ -69,85 +70,6 @@ _FAILURE_JOIN_SECONDS = 10.0
 
 THREAD_NAME = "bagua-async-averaging"
 """The name of the background thread, one per wrapped model while averaging runs."""
-
-
-@register_algorithm("async")
-class AsyncModelAverageAlgorithm(Algorithm):
-    """Average weights in the background, asynchronously, after a warm-up of gradient all-reduce.
-
-    Asynchronous model averaging is one of the algorithms of Bagua (Gan et al. 2021, https://arxiv.org/abs/2107.01499).
-    With ``n`` ranks:
-
-    1. The first ``warmup_steps`` training forward passes all-reduce (average) gradients, as
-       ``gradient_allreduce``.
-    2. From then on gradients stay local and each rank steps on its own. A background thread, on a communicator
-       of its own, repeatedly snapshots the weights ``s``, all-reduces (sums) them into ``a``, applies
-       ``x <- x + a/n - s`` (so the local steps taken meanwhile are kept), and sleeps ``sync_interval_ms``.
-
-    Ranks may take different numbers of steps between two averaging rounds; the update lands between steps,
-    never inside a forward, backward or optimizer step.
-
-    :meth:`abort` stops the background averaging and :meth:`resume` restarts it; the Lightning strategy resumes it
-    when fitting starts and aborts it when fitting ends. Both are idempotent.
-
-    Args:
-        peer_selection_mode: who averages with whom; ``"all"`` (every rank) is the only mode.
-        sync_interval_ms: pause between two averaging rounds, in milliseconds (``0``: back to back).
-        warmup_steps: training forward passes whose gradients are all-reduced before averaging starts.
-
-    Raises:
-        ValueError: ``peer_selection_mode`` is not ``"all"``, or a count is negative.
-        TypeError: a keyword has the wrong type.
-    """
-
-    def __init__(self, *, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0) -> None:
-        check_keyword_type(self.name, "peer_selection_mode", peer_selection_mode, str)
-        if peer_selection_mode not in PEER_SELECTION_MODES:
-            raise ValueError(
-                f"Algorithm {self.name!r}: `peer_selection_mode` must be one of"
-                f" {', '.join(map(repr, PEER_SELECTION_MODES))} (asynchronous averaging always averages over every"
-                f" rank), got {peer_selection_mode!r}."
-            )
-        for keyword, value in (("sync_interval_ms", sync_interval_ms), ("warmup_steps", warmup_steps)):
-            check_keyword_type(self.name, keyword, value, int)
-            if value < 0:
-                raise ValueError(f"Algorithm {self.name!r}: `{keyword}` must be at least 0, got {value}.")
-        self.peer_selection_mode = peer_selection_mode
-        self.sync_interval_ms = sync_interval_ms
-        self.warmup_steps = warmup_steps
-
-    def reify(self, context: AlgorithmContext) -> "AsyncModelAverageImpl":
-        """Bind the algorithm to one wrapped model, creating its averaging communicator.
-
-        Every rank must call this (the wrapper does, in its constructor), since it creates a process group.
-
-        Args:
-            context: the wrapper's groups, counter, executor, device and participating parameters.
-
-        Returns:
-            The bound implementation.
-        """
-        return AsyncModelAverageImpl(self, context)
-
-    def abort(self, bagua_ddp_module: Any) -> None:
-        """Stop the background averaging of ``bagua_ddp_module``; a no-op when it is not running.
-
-        Collective: every rank must call it. It returns once every rank has, with the replicas averaged a last time.
-
-        Args:
-            bagua_ddp_module: a :class:`~lightning_bagua.engine.BaguaDistributedDataParallel` using this algorithm.
-        """
-        _async_impl_of(bagua_ddp_module).abort()
-
-    def resume(self, bagua_ddp_module: Any) -> None:
-        """Restart the background averaging of ``bagua_ddp_module``; a no-op when it is running.
-
-        Every rank must call it. During the warm-up it only allows averaging to start once the warm-up is over.
-
-        Args:
-            bagua_ddp_module: a :class:`~lightning_bagua.engine.BaguaDistributedDataParallel` using this algorithm.
-        """
-        _async_impl_of(bagua_ddp_module).resume()
 
 
 def _async_impl_of(bagua_ddp_module: Any) -> "AsyncModelAverageImpl":
@@ -194,7 +116,7 @@ def async_model_average_hook(state: AsyncModelAverageState, bucket: dist.GradBuc
     if state.release_after_backward is not None and not state.release_queued:
         # Runs once this backward has finished, after DDP's own end-of-backward callback (queued earlier).
         state.release_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(state.release_after_backward)
+        queue_backward_callback(state.release_after_backward)
     if state.all_reduce_gradients:
         return gradient_allreduce_hook(state.warmup, bucket)
     return local_gradient_hook(state, bucket)
@@ -209,14 +131,12 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     Every rank must make the same calls in the same order, as for any collective.
     """
 
-    def __init__(self, algorithm: AsyncModelAverageAlgorithm, context: AlgorithmContext) -> None:
-        super().__init__(context)
+    def __init__(self, algorithm: "AsyncModelAverageAlgorithm", context: AlgorithmContext) -> None:
+        super().__init__(algorithm, context)
         self.warmup_steps = algorithm.warmup_steps
         self.sync_interval = algorithm.sync_interval_ms / 1000
         self.state = AsyncModelAverageState(
-            warmup=GradientAllReduceState(
-                groups=context.groups, counter=context.counter, executor=context.executor, average=True
-            ),
+            warmup=GradientAllReduceState.from_context(context, average=True),
             device=context.device,
         )
         self.forward_passes = 0
@@ -227,7 +147,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._world_size = context.groups.world_size
         # Made by every rank, right after the engine's own groups (the wrapper's constructor is collective).
         self._group: dist.ProcessGroup | None = dist.new_group(
-            ranks=context.groups.global_ranks, timeout=_timeout_of(context.groups.flat, context.device)
+            ranks=context.groups.global_ranks, timeout=context.timeout
         )
         self._cuda = context.device.type == "cuda"
         self._side_stream = torch.cuda.Stream(context.device) if self._cuda else None
@@ -315,6 +235,21 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._optimizers = list(optimizers)
         self._hook_handles = [optimizer.register_step_post_hook(self._release_after_step) for optimizer in optimizers]
         self.state.release_after_backward = None if self._optimizers else self._release_after_backward
+
+    def start(self) -> None:
+        """Start averaging in the background: :meth:`resume`."""
+        self.resume()
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop averaging: :meth:`abort` when ``wait`` (collective), :meth:`stop_on_failure` otherwise.
+
+        Args:
+            wait: whether every rank stops together, with a last exact average.
+        """
+        if wait:
+            self.abort()
+        else:
+            self.stop_on_failure()
 
     def resume(self) -> None:
         """Enable averaging and, past the warm-up, start the background thread; a no-op when it runs already."""
@@ -436,7 +371,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                     continue
                 delta = average.sub_(weights.buffer)
                 parameters: list[Tensor] = list(weights.parameters)
-                torch._foreach_add_(parameters, _views_like(delta, parameters))
+                torch._foreach_add_(parameters, views_like(delta, parameters))
         self.rounds += 1
 
     # ------------------------------------------------------------------------------------------------ the thread
@@ -538,6 +473,75 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._training_stream.wait_stream(self._side_stream)
 
 
+@register_algorithm("async")
+class AsyncModelAverageAlgorithm(Algorithm):
+    """Average weights in the background, asynchronously, after a warm-up of gradient all-reduce.
+
+    Asynchronous model averaging is one of the algorithms of Bagua (Gan et al. 2021, https://arxiv.org/abs/2107.01499).
+    With ``n`` ranks:
+
+    1. The first ``warmup_steps`` training forward passes all-reduce (average) gradients, as
+       ``gradient_allreduce``.
+    2. From then on gradients stay local and each rank steps on its own. A background thread, on a communicator
+       of its own, repeatedly snapshots the weights ``s``, all-reduces (sums) them into ``a``, applies
+       ``x <- x + a/n - s`` (so the local steps taken meanwhile are kept), and sleeps ``sync_interval_ms``.
+
+    Ranks may take different numbers of steps between two averaging rounds; the update lands between steps,
+    never inside a forward, backward or optimizer step.
+
+    :meth:`abort` stops the background averaging and :meth:`resume` restarts it; the Lightning strategy resumes it
+    when fitting starts and aborts it when fitting ends. Both are idempotent.
+
+    Args:
+        peer_selection_mode: who averages with whom; ``"all"`` (every rank) is the only mode.
+        sync_interval_ms: pause between two averaging rounds, in milliseconds (``0``: back to back).
+        warmup_steps: training forward passes whose gradients are all-reduced before averaging starts.
+
+    Raises:
+        ValueError: ``peer_selection_mode`` is not ``"all"``, or a count is negative.
+        TypeError: a keyword has the wrong type.
+    """
+
+    ranks_hold_different_weights = True
+    impl_class = AsyncModelAverageImpl
+
+    def __init__(self, *, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0) -> None:
+        check_keyword_type(self.name, "peer_selection_mode", peer_selection_mode, str)
+        if peer_selection_mode not in PEER_SELECTION_MODES:
+            raise ValueError(
+                f"Algorithm {self.name!r}: `peer_selection_mode` must be one of"
+                f" {', '.join(map(repr, PEER_SELECTION_MODES))} (asynchronous averaging always averages over every"
+                f" rank), got {peer_selection_mode!r}."
+            )
+        for keyword, value in (("sync_interval_ms", sync_interval_ms), ("warmup_steps", warmup_steps)):
+            check_keyword_type(self.name, keyword, value, int)
+            if value < 0:
+                raise ValueError(f"Algorithm {self.name!r}: `{keyword}` must be at least 0, got {value}.")
+        self.peer_selection_mode = peer_selection_mode
+        self.sync_interval_ms = sync_interval_ms
+        self.warmup_steps = warmup_steps
+
+    def abort(self, bagua_ddp_module: Any) -> None:
+        """Stop the background averaging of ``bagua_ddp_module``; a no-op when it is not running.
+
+        Collective: every rank must call it. It returns once every rank has, with the replicas averaged a last time.
+
+        Args:
+            bagua_ddp_module: a :class:`~lightning_bagua.engine.BaguaDistributedDataParallel` using this algorithm.
+        """
+        _async_impl_of(bagua_ddp_module).abort()
+
+    def resume(self, bagua_ddp_module: Any) -> None:
+        """Restart the background averaging of ``bagua_ddp_module``; a no-op when it is running.
+
+        Every rank must call it. During the warm-up it only allows averaging to start once the warm-up is over.
+
+        Args:
+            bagua_ddp_module: a :class:`~lightning_bagua.engine.BaguaDistributedDataParallel` using this algorithm.
+        """
+        _async_impl_of(bagua_ddp_module).resume()
+
+
 class _WeightsGate:
     """Who may touch the weights: the training thread during a step, or the averaging thread between steps.
 
@@ -579,19 +583,3 @@ class _WeightsGate:
             with self._condition:
                 self._averaging = False
                 self._condition.notify_all()
-
-
-def _views_like(flat: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
-    views = []
-    offset = 0
-    for tensor in tensors:
-        views.append(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
-    return views
-
-
-def _timeout_of(group: dist.ProcessGroup, device: torch.device) -> timedelta | None:
-    # Algorithms are not handed the wrapper's timeout, but the engine's own group was created with it.
-    backend = group._get_backend(device)
-    options = getattr(backend, "options", None)
-    return getattr(options, "_timeout", None)

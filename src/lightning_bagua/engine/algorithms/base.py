@@ -5,6 +5,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
@@ -16,13 +17,24 @@ from lightning_bagua.engine.communication import CommunicationCounter, Communica
 if TYPE_CHECKING:
     from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
-__all__ = ["Algorithm", "AlgorithmContext", "AlgorithmImpl", "available_algorithms", "register_algorithm"]
+__all__ = [
+    "Algorithm",
+    "AlgorithmContext",
+    "AlgorithmImpl",
+    "HookState",
+    "available_algorithms",
+    "check_keyword_type",
+    "check_positive_int",
+    "check_state_keys",
+    "register_algorithm",
+]
 
 log = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, type["Algorithm"]] = {}
 
 _A = TypeVar("_A", bound="Algorithm")
+_S = TypeVar("_S", bound="HookState")
 
 CommunicationHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -38,6 +50,8 @@ class AlgorithmContext:
         device: the device the model's gradients live on.
         named_parameters: the parameters the algorithm communicates, by name: those that require gradients and
             are not listed in ``_bagua_params_and_buffers_to_ignore`` / ``_ddp_params_and_buffers_to_ignore``.
+        timeout: how long a collective may wait before it fails (the wrapper's ``timeout``); ``None`` for torch's
+            default. An algorithm that creates communicators of its own creates them with it.
     """
 
     groups: CommunicationGroups
@@ -45,16 +59,53 @@ class AlgorithmContext:
     executor: OrderedExecutor
     device: torch.device
     named_parameters: tuple[tuple[str, torch.nn.Parameter], ...] = ()
+    timeout: timedelta | None = None
+
+
+@dataclass
+class HookState:
+    """What every communication hook needs: the communicators, the counter and the ordered executor.
+
+    An algorithm's hook state subclasses it with its own fields; :meth:`from_context` fills the shared ones.
+
+    Args:
+        groups: the engine's communicators; two-level when they were created hierarchical.
+        counter: records every collective the hook issues.
+        executor: runs multi-step communication jobs in bucket order, off the training thread.
+    """
+
+    groups: CommunicationGroups
+    counter: CommunicationCounter
+    executor: OrderedExecutor
+
+    @classmethod
+    def from_context(cls: type[_S], context: AlgorithmContext, **fields: Any) -> _S:
+        """Build the state from the wrapper's context and the algorithm's own ``fields``.
+
+        Args:
+            context: the context the algorithm was reified with.
+            **fields: the subclass's fields.
+
+        Returns:
+            The state.
+        """
+        return cls(groups=context.groups, counter=context.counter, executor=context.executor, **fields)
 
 
 class AlgorithmImpl(ABC):
-    """An algorithm bound to one wrapped model: its communication hook and its per-model state.
+    """An algorithm bound to one wrapped model: its communication hook, its per-model state and its life cycle.
+
+    The strategies drive every implementation through this interface alone: :meth:`start` when training with the
+    model begins, :meth:`stop` when it ends (``wait=False`` when it ends in an error), :meth:`state_dict` and
+    :meth:`load_state_dict` around checkpoints, :meth:`close` when the wrapper is closed.
 
     Args:
-        context: the wrapper's groups, counter, executor and device.
+        algorithm: the configuration this implementation was bound from.
+        context: the wrapper's groups, counter, executor, device, participating parameters and timeout.
     """
 
-    def __init__(self, context: AlgorithmContext) -> None:
+    def __init__(self, algorithm: "Algorithm", context: AlgorithmContext) -> None:
+        self.algorithm = algorithm
         self.context = context
         # Set by the wrapper when telemetry is on; an algorithm that blocks on communication outside backward
         # (after the optimizer step, say) times that wait with `telemetry.blocking()` only when it is set.
@@ -93,6 +144,21 @@ class AlgorithmImpl(ABC):
 
         Args:
             optimizers: the optimizers, in the order the user gave them.
+        """
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Start (or restart) the work the algorithm does between steps, such as a background thread; idempotent.
+
+        Every rank calls it at the same point (when training starts), so it may be collective.
+        """
+
+    def stop(self, wait: bool = True) -> None:  # noqa: B027 - optional hook
+        """Stop the work :meth:`start` began; idempotent, and a no-op when nothing runs.
+
+        Args:
+            wait: ``True`` when training ends normally: every rank calls it, so the stop may be collective (agree
+                with the peers, finish a last round). ``False`` on an error path: stop at once without waiting for
+                any peer, which may be dead, and let the peers' own work fail instead of hanging.
         """
 
     def state_dict(self) -> dict[str, Any]:
@@ -141,15 +207,34 @@ class Algorithm(ABC):
     communicates_gradient_buckets: ClassVar[bool] = True
     """Whether the algorithm communicates DDP's gradient buckets, so that the bucket size matters (autotuning)."""
 
-    @abstractmethod
+    ranks_hold_different_weights: ClassVar[bool] = False
+    """Whether the ranks' weights (and so their optimizer states) differ between steps, as with weight-averaging
+    algorithms; checkpoints then carry every rank's weights and optimizer state, not rank 0's alone."""
+
+    impl_class: ClassVar[type[AlgorithmImpl]]
+    """The implementation :meth:`reify` builds, as ``impl_class(algorithm, context)``."""
+
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
         """Bind this algorithm to one wrapped model.
 
         Args:
-            context: the wrapper's groups, counter, executor and device.
+            context: the wrapper's groups, counter, executor, device, participating parameters and timeout.
 
         Returns:
-            The bound implementation.
+            The bound implementation, ``impl_class(self, context)``; override to build it another way.
+        """
+        return self.impl_class(self, context)
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer], lr_schedulers: Sequence[Any]) -> None:  # noqa: B027
+        """Raise a ``ValueError`` unless the algorithm can train with these optimizers and LR schedulers.
+
+        The strategies call it before the model is wrapped where they can (Fabric), and before training starts
+        (the Trainer, which builds optimizers after wrapping), so that a wrong configuration fails before any
+        communication. Every configuration is accepted by default.
+
+        Args:
+            optimizers: the optimizers that will update the model.
+            lr_schedulers: the LR schedulers (or the Trainer's scheduler configurations) that go with them.
         """
 
     @classmethod
@@ -271,6 +356,30 @@ def check_positive_int(algorithm: str, keyword: str, value: Any) -> None:
     check_keyword_type(algorithm, keyword, value, int)
     if value < 1:
         raise ValueError(f"Algorithm {algorithm!r}: `{keyword}` must be at least 1, got {value}.")
+
+
+def check_state_keys(algorithm: str, state: Any, expected: dict[str, type | tuple[type, ...]]) -> None:
+    """Raise a ``ValueError`` unless ``state`` is a dict with exactly the ``expected`` keys, each of its type(s).
+
+    Args:
+        algorithm: the algorithm's registry name, for the message.
+        state: the saved state to check (for :meth:`AlgorithmImpl.load_state_dict`).
+        expected: the type (or types) each key must hold; ``bool`` does not pass for ``int``.
+    """
+    if not isinstance(state, dict) or set(state) != set(expected):
+        found = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"Algorithm {algorithm!r}: the saved state must have the keys {sorted(expected)}, got {found}. Was it"
+            " written by another version or another algorithm?"
+        )
+    for key, kinds in expected.items():
+        value = state[key]
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+            names = " or ".join(kind.__name__ for kind in kinds)
+            raise ValueError(
+                f"Algorithm {algorithm!r}: saved state {key!r} must be {names}, got {value!r} ({type(value).__name__})."
+            )
 
 
 def _describe_keywords(keywords: dict[str, Any]) -> str:

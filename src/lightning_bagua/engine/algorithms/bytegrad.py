@@ -12,20 +12,35 @@ from lightning_bagua.engine.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     CommunicationHook,
+    HookState,
     check_keyword_type,
     register_algorithm,
 )
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import (
     CommunicationCounter,
-    CommunicationGroups,
-    OrderedExecutor,
     all_gather_into,
     all_reduce_hierarchically,
     all_to_all_into,
 )
 
 __all__ = ["ByteGradAlgorithm", "ByteGradState", "bytegrad_hook", "compressed_scatter_gather_"]
+
+
+class ByteGradImpl(AlgorithmImpl):
+    """:class:`ByteGradAlgorithm` bound to one wrapped model."""
+
+    def __init__(self, algorithm: "ByteGradAlgorithm", context: AlgorithmContext) -> None:
+        super().__init__(algorithm, context)
+        self.state = ByteGradState.from_context(
+            context,
+            average=algorithm.average,
+            hierarchical=algorithm.hierarchical,
+        )
+
+    def communication_hook(self) -> tuple[Any, CommunicationHook]:
+        """Return the state and :func:`bytegrad_hook`."""
+        return self.state, bytegrad_hook
 
 
 @register_algorithm("bytegrad")
@@ -38,58 +53,27 @@ class ByteGradAlgorithm(Algorithm):
         average: divide the sum by the number of ranks; ``False`` keeps the sum.
     """
 
+    impl_class = ByteGradImpl
+
     def __init__(self, *, hierarchical: bool = True, average: bool = True) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_keyword_type(self.name, "average", average, bool)
         self.hierarchical = hierarchical
         self.average = average
 
-    def reify(self, context: AlgorithmContext) -> "ByteGradImpl":
-        """Bind the algorithm to one wrapped model.
-
-        Args:
-            context: the wrapper's groups, counter, executor and device.
-
-        Returns:
-            The bound implementation.
-        """
-        return ByteGradImpl(self, context)
-
-
-class ByteGradImpl(AlgorithmImpl):
-    """:class:`ByteGradAlgorithm` bound to one wrapped model."""
-
-    def __init__(self, algorithm: ByteGradAlgorithm, context: AlgorithmContext) -> None:
-        super().__init__(context)
-        self.state = ByteGradState(
-            groups=context.groups,
-            counter=context.counter,
-            executor=context.executor,
-            average=algorithm.average,
-            hierarchical=algorithm.hierarchical,
-        )
-
-    def communication_hook(self) -> tuple[Any, CommunicationHook]:
-        """Return the state and :func:`bytegrad_hook`."""
-        return self.state, bytegrad_hook
-
 
 @dataclass
-class ByteGradState:
+class ByteGradState(HookState):
     """State of :func:`bytegrad_hook`.
 
+    Beyond :class:`HookState`'s ``groups``, ``counter`` and ``executor``:
+
     Args:
-        groups: the engine's communicators; two-level when they were created hierarchical.
-        counter: records the collectives.
-        executor: runs each bucket's chain of collectives in bucket order.
         average: divide by the number of ranks.
         hierarchical: whether the user asked for two levels (with one node this means full precision).
         codec: the 8-bit codec.
     """
 
-    groups: CommunicationGroups
-    counter: CommunicationCounter
-    executor: OrderedExecutor
     average: bool = True
     hierarchical: bool = True
     codec: MinMaxUInt8Codec = field(default_factory=MinMaxUInt8Codec)

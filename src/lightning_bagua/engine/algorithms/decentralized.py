@@ -9,22 +9,24 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn import Parameter
 from torch.optim import Optimizer
 
+from lightning_bagua.engine._torch_compat import queue_backward_callback
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
     CommunicationHook,
+    HookState,
     check_keyword_type,
     check_positive_int,
+    check_state_keys,
     register_algorithm,
 )
+from lightning_bagua.engine.algorithms.weights import FlatWeights, check_optimizers_cover, group_by_dtype
 from lightning_bagua.engine.communication import (
     CommunicationCounter,
     CommunicationGroups,
-    OrderedExecutor,
     all_reduce_hierarchically,
     start_exchange,
 )
@@ -46,77 +48,6 @@ PEER_SELECTION_MODES = ("all", "shift_one")
 
 # A pending exchange: calling it waits for the communication and leaves the peer weights in the exchange buffers.
 _Finish = Callable[[], None]
-
-
-@register_algorithm("decentralized")
-class DecentralizedAlgorithm(Algorithm):
-    """Average weights with peers, never gradients: decentralized parallel SGD (D-PSGD).
-
-    D-PSGD is described by Lian et al. 2017, https://arxiv.org/abs/1705.09056. Each rank keeps its own replica
-    ``x_r``, trains on its own data without any gradient all-reduce, and mixes its weights with its peers'. With
-    ``t`` counting training forward passes from 0, on every ``t`` with ``t % communication_interval == 0``:
-
-    1. At the start of the forward pass, copy the weights ``x_r`` into a flat buffer and start exchanging it,
-       asynchronously, so that the exchange overlaps forward and backward:
-
-       - ``"all"``: the peer weight is the average over all ``n`` ranks, ``p_r = (1/n) sum_i x_i``;
-       - ``"shift_one"``: ranks pair off by :func:`shift_one_peer` (a different partner each communication round
-         ``k``) and the peer weight is ``p_r = (x_r + x_partner) / 2``. ``n`` must be even.
-
-    2. Forward and backward run at the old weights, giving the local gradient ``g_r(x_r)``; DDP's reducer is
-       handed the gradients back untouched.
-    3. Just before the optimizer step, wait for the exchange and copy ``p_r`` into the parameters. The optimizer
-       then applies the gradient taken at the old weights: ``x_r <- p_r - lr * g_r(x_r)``, i.e.
-       ``x_{t+1} = W x_t - lr * g(x_t)`` with ``W`` the mixing matrix of step 1.
-
-    On the other forward passes the step is local: ``x_r <- x_r - lr * g_r(x_r)``.
-
-    Args:
-        hierarchical: mix in two levels. Every rank's weights are first averaged inside its node (full
-            precision, on the node's leader); the leaders then run the exchange among nodes (``n`` counts nodes,
-            so ``"shift_one"`` pairs nodes), and each leader broadcasts the result inside its node. With one
-            node, or one rank per node, this is the flat algorithm over all ranks.
-        peer_selection_mode: ``"all"`` or ``"shift_one"``.
-        communication_interval: exchange weights on every ``communication_interval``-th forward pass.
-
-    Raises:
-        ValueError: ``peer_selection_mode`` is not one of :data:`PEER_SELECTION_MODES`, or
-            ``communication_interval`` is below 1.
-        TypeError: a keyword has the wrong type.
-    """
-
-    # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.
-    communicates_gradient_buckets = False
-
-    def __init__(
-        self, *, hierarchical: bool = True, peer_selection_mode: str = "all", communication_interval: int = 1
-    ) -> None:
-        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
-        check_keyword_type(self.name, "peer_selection_mode", peer_selection_mode, str)
-        check_keyword_type(self.name, "communication_interval", communication_interval, int)
-        if peer_selection_mode not in PEER_SELECTION_MODES:
-            raise ValueError(
-                f"Algorithm {self.name!r}: `peer_selection_mode` must be one of"
-                f" {', '.join(map(repr, PEER_SELECTION_MODES))}, got {peer_selection_mode!r}."
-            )
-        check_positive_int(self.name, "communication_interval", communication_interval)
-        self.hierarchical = hierarchical
-        self.peer_selection_mode = peer_selection_mode
-        self.communication_interval = communication_interval
-
-    def reify(self, context: AlgorithmContext) -> "DecentralizedImpl":
-        """Bind the algorithm to one wrapped model.
-
-        Args:
-            context: the wrapper's groups, counter, executor, device and participating parameters.
-
-        Returns:
-            The bound implementation.
-
-        Raises:
-            ValueError: ``"shift_one"`` over an odd number of participants (ranks, or nodes when hierarchical).
-        """
-        return DecentralizedImpl(self, context)
 
 
 def shift_one_peer(rank: int, round_index: int, size: int) -> int:
@@ -146,85 +77,13 @@ def shift_one_peer(rank: int, round_index: int, size: int) -> int:
     return (rank - half - round_index) % half
 
 
-class FlatWeights:
-    """Parameters of one dtype, and flat buffers to exchange them through.
-
-    Args:
-        parameters: parameters sharing a dtype and a device.
-        needs_receive_buffer: also allocate a buffer for a peer's weights (point-to-point exchanges).
-    """
-
-    def __init__(self, parameters: list[Parameter], needs_receive_buffer: bool) -> None:
-        self.parameters = parameters
-        first = parameters[0]
-        numel = sum(parameter.numel() for parameter in parameters)
-        self.buffer = torch.empty(numel, dtype=first.dtype, device=first.device)
-        self.received = torch.empty_like(self.buffer) if needs_receive_buffer else None
-
-    def gather(self) -> Tensor:
-        """Copy the parameters' current values into :attr:`buffer` and return it."""
-        with torch.no_grad():
-            torch.cat([parameter.detach().reshape(-1) for parameter in self.parameters], out=self.buffer)
-        return self.buffer
-
-    def scatter(self, flat: Tensor) -> None:
-        """Copy ``flat`` (laid out as :meth:`gather` lays the parameters out) into the parameters."""
-        offset = 0
-        with torch.no_grad():
-            for parameter in self.parameters:
-                numel = parameter.numel()
-                parameter.copy_(flat[offset : offset + numel].view_as(parameter))
-                offset += numel
-
-
-def group_by_dtype(parameters: Sequence[Parameter], needs_receive_buffer: bool = False) -> list[FlatWeights]:
-    """Split ``parameters`` into flat groups of one dtype each (a flat buffer holds one dtype), in first-seen order.
-
-    Args:
-        parameters: the participating parameters.
-        needs_receive_buffer: give each group a buffer for a peer's weights too.
-
-    Returns:
-        One group per dtype.
-    """
-    by_dtype: dict[torch.dtype, list[Parameter]] = {}
-    for parameter in parameters:
-        by_dtype.setdefault(parameter.dtype, []).append(parameter)
-    return [FlatWeights(group, needs_receive_buffer) for group in by_dtype.values()]
-
-
-def check_optimizers_cover(
-    algorithm: str, named_parameters: Sequence[tuple[str, Parameter]], optimizers: Sequence[Optimizer]
-) -> None:
-    """Raise a ``ValueError`` naming the participating parameters that no optimizer in ``optimizers`` updates.
-
-    Weight-exchanging algorithms overwrite every participating parameter around the optimizer step, so a
-    parameter that takes part but is never stepped would be silently averaged and never trained.
-
-    Args:
-        algorithm: the algorithm's registry name, for the message.
-        named_parameters: the participating parameters.
-        optimizers: the bound optimizers.
-    """
-    optimized = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-    missing = [name for name, parameter in named_parameters if id(parameter) not in optimized]
-    if missing:
-        raise ValueError(
-            f"Algorithm {algorithm!r} exchanges weights around the optimizer step, so every parameter that takes"
-            f" part must be updated by one of the bound optimizers, but none updates {', '.join(missing)}."
-            " Add them to an optimizer, freeze them (requires_grad=False), or list them in the module's"
-            " `_bagua_params_and_buffers_to_ignore`."
-        )
-
-
 @dataclass
-class DecentralizedState:
+class DecentralizedState(HookState):
     """State of :class:`DecentralizedImpl`: the groups, the counters and the exchange in flight.
 
+    Beyond :class:`HookState`'s ``groups``, ``counter`` and ``executor``:
+
     Args:
-        groups: the engine's communicators; two-level when they were created hierarchical.
-        counter: records the collectives.
-        executor: runs the blocking two-level exchange off the training thread.
         device: the device the parameters live on.
         peer_selection_mode: ``"all"`` or ``"shift_one"``.
         communication_interval: exchange on every ``communication_interval``-th forward pass.
@@ -237,9 +96,6 @@ class DecentralizedState:
         copy_peer_weights: waits for the exchange in flight and copies its result into the parameters.
     """
 
-    groups: CommunicationGroups
-    counter: CommunicationCounter
-    executor: OrderedExecutor
     device: torch.device
     peer_selection_mode: str
     communication_interval: int
@@ -276,12 +132,10 @@ class DecentralizedImpl(AlgorithmImpl):
     An exchange that no backward consumed is waited for and dropped when the next one starts.
     """
 
-    def __init__(self, algorithm: DecentralizedAlgorithm, context: AlgorithmContext) -> None:
-        super().__init__(context)
-        self.state = DecentralizedState(
-            groups=context.groups,
-            counter=context.counter,
-            executor=context.executor,
+    def __init__(self, algorithm: "DecentralizedAlgorithm", context: AlgorithmContext) -> None:
+        super().__init__(algorithm, context)
+        self.state = DecentralizedState.from_context(
+            context,
             device=context.device,
             peer_selection_mode=algorithm.peer_selection_mode,
             communication_interval=algorithm.communication_interval,
@@ -416,6 +270,66 @@ class DecentralizedImpl(AlgorithmImpl):
                 weights.scatter(weights.buffer)
 
 
+@register_algorithm("decentralized")
+class DecentralizedAlgorithm(Algorithm):
+    """Average weights with peers, never gradients: decentralized parallel SGD (D-PSGD).
+
+    D-PSGD is described by Lian et al. 2017, https://arxiv.org/abs/1705.09056. Each rank keeps its own replica
+    ``x_r``, trains on its own data without any gradient all-reduce, and mixes its weights with its peers'. With
+    ``t`` counting training forward passes from 0, on every ``t`` with ``t % communication_interval == 0``:
+
+    1. At the start of the forward pass, copy the weights ``x_r`` into a flat buffer and start exchanging it,
+       asynchronously, so that the exchange overlaps forward and backward:
+
+       - ``"all"``: the peer weight is the average over all ``n`` ranks, ``p_r = (1/n) sum_i x_i``;
+       - ``"shift_one"``: ranks pair off by :func:`shift_one_peer` (a different partner each communication round
+         ``k``) and the peer weight is ``p_r = (x_r + x_partner) / 2``. ``n`` must be even.
+
+    2. Forward and backward run at the old weights, giving the local gradient ``g_r(x_r)``; DDP's reducer is
+       handed the gradients back untouched.
+    3. Just before the optimizer step, wait for the exchange and copy ``p_r`` into the parameters. The optimizer
+       then applies the gradient taken at the old weights: ``x_r <- p_r - lr * g_r(x_r)``, i.e.
+       ``x_{t+1} = W x_t - lr * g(x_t)`` with ``W`` the mixing matrix of step 1.
+
+    On the other forward passes the step is local: ``x_r <- x_r - lr * g_r(x_r)``.
+
+    Args:
+        hierarchical: mix in two levels. Every rank's weights are first averaged inside its node (full
+            precision, on the node's leader); the leaders then run the exchange among nodes (``n`` counts nodes,
+            so ``"shift_one"`` pairs nodes), and each leader broadcasts the result inside its node. With one
+            node, or one rank per node, this is the flat algorithm over all ranks.
+        peer_selection_mode: ``"all"`` or ``"shift_one"``.
+        communication_interval: exchange weights on every ``communication_interval``-th forward pass.
+
+    Raises:
+        ValueError: ``peer_selection_mode`` is not one of :data:`PEER_SELECTION_MODES`, or
+            ``communication_interval`` is below 1.
+        TypeError: a keyword has the wrong type.
+    """
+
+    ranks_hold_different_weights = True
+    impl_class = DecentralizedImpl
+
+    # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.
+    communicates_gradient_buckets = False
+
+    def __init__(
+        self, *, hierarchical: bool = True, peer_selection_mode: str = "all", communication_interval: int = 1
+    ) -> None:
+        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
+        check_keyword_type(self.name, "peer_selection_mode", peer_selection_mode, str)
+        check_keyword_type(self.name, "communication_interval", communication_interval, int)
+        if peer_selection_mode not in PEER_SELECTION_MODES:
+            raise ValueError(
+                f"Algorithm {self.name!r}: `peer_selection_mode` must be one of"
+                f" {', '.join(map(repr, PEER_SELECTION_MODES))}, got {peer_selection_mode!r}."
+            )
+        check_positive_int(self.name, "communication_interval", communication_interval)
+        self.hierarchical = hierarchical
+        self.peer_selection_mode = peer_selection_mode
+        self.communication_interval = communication_interval
+
+
 class _OnDevice(Protocol):
     device: torch.device
 
@@ -454,7 +368,7 @@ def decentralized_hook(state: DecentralizedState, bucket: dist.GradBucket) -> to
     if state.pending is not None and not state.copy_queued and state.copy_peer_weights is not None:
         # Runs once this backward has finished, after DDP's own end-of-backward callback (queued earlier).
         state.copy_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(state.copy_peer_weights)
+        queue_backward_callback(state.copy_peer_weights)
     return local_gradient_hook(state, bucket)
 
 
@@ -519,30 +433,6 @@ def _start_average_with_partner(
         weights.add_(received).div_(2)
 
     return finish
-
-
-def check_state_keys(algorithm: str, state: Any, expected: dict[str, type | tuple[type, ...]]) -> None:
-    """Raise a ``ValueError`` unless ``state`` is a dict with exactly the ``expected`` keys, each of its type(s).
-
-    Args:
-        algorithm: the algorithm's registry name, for the message.
-        state: the saved state to check.
-        expected: the type (or types) each key must hold; ``bool`` does not pass for ``int``.
-    """
-    if not isinstance(state, dict) or set(state) != set(expected):
-        found = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(
-            f"Algorithm {algorithm!r}: the saved state must have the keys {sorted(expected)}, got {found}. Was it"
-            " written by another version or another algorithm?"
-        )
-    for key, kinds in expected.items():
-        value = state[key]
-        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
-            names = " or ".join(kind.__name__ for kind in kinds)
-            raise ValueError(
-                f"Algorithm {algorithm!r}: saved state {key!r} must be {names}, got {value!r} ({type(value).__name__})."
-            )
 
 
 def _odd_participants_message(groups: CommunicationGroups, participants: int) -> str:

@@ -12,17 +12,30 @@ from lightning_bagua.engine.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     CommunicationHook,
+    HookState,
     check_keyword_type,
     register_algorithm,
 )
 from lightning_bagua.engine.communication import (
-    CommunicationCounter,
-    CommunicationGroups,
-    OrderedExecutor,
     all_reduce_hierarchically,
 )
 
 __all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceState", "gradient_allreduce_hook"]
+
+
+class GradientAllReduceImpl(AlgorithmImpl):
+    """:class:`GradientAllReduceAlgorithm` bound to one wrapped model."""
+
+    def __init__(self, algorithm: "GradientAllReduceAlgorithm", context: AlgorithmContext) -> None:
+        super().__init__(algorithm, context)
+        self.state = GradientAllReduceState.from_context(
+            context,
+            average=algorithm.average,
+        )
+
+    def communication_hook(self) -> tuple[Any, CommunicationHook]:
+        """Return the state and :func:`gradient_allreduce_hook`."""
+        return self.state, gradient_allreduce_hook
 
 
 @register_algorithm("gradient_allreduce")
@@ -35,55 +48,25 @@ class GradientAllReduceAlgorithm(Algorithm):
         average: divide the sum by the number of ranks; ``False`` keeps the sum.
     """
 
+    impl_class = GradientAllReduceImpl
+
     def __init__(self, *, hierarchical: bool = False, average: bool = True) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_keyword_type(self.name, "average", average, bool)
         self.hierarchical = hierarchical
         self.average = average
 
-    def reify(self, context: AlgorithmContext) -> "GradientAllReduceImpl":
-        """Bind the algorithm to one wrapped model.
-
-        Args:
-            context: the wrapper's groups, counter, executor and device.
-
-        Returns:
-            The bound implementation.
-        """
-        return GradientAllReduceImpl(self, context)
-
-
-class GradientAllReduceImpl(AlgorithmImpl):
-    """:class:`GradientAllReduceAlgorithm` bound to one wrapped model."""
-
-    def __init__(self, algorithm: GradientAllReduceAlgorithm, context: AlgorithmContext) -> None:
-        super().__init__(context)
-        self.state = GradientAllReduceState(
-            groups=context.groups,
-            counter=context.counter,
-            executor=context.executor,
-            average=algorithm.average,
-        )
-
-    def communication_hook(self) -> tuple[Any, CommunicationHook]:
-        """Return the state and :func:`gradient_allreduce_hook`."""
-        return self.state, gradient_allreduce_hook
-
 
 @dataclass
-class GradientAllReduceState:
+class GradientAllReduceState(HookState):
     """State of :func:`gradient_allreduce_hook`.
 
+    Beyond :class:`HookState`'s ``groups``, ``counter`` and ``executor``:
+
     Args:
-        groups: the engine's communicators; two-level when they were created hierarchical.
-        counter: records the collectives.
-        executor: runs the two-level job in bucket order.
         average: divide by the number of ranks.
     """
 
-    groups: CommunicationGroups
-    counter: CommunicationCounter
-    executor: OrderedExecutor
     average: bool = True
 
 

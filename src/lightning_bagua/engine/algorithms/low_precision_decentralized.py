@@ -17,21 +17,16 @@ from lightning_bagua.engine.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     CommunicationHook,
+    HookState,
     check_keyword_type,
     check_positive_int,
+    check_state_keys,
     register_algorithm,
 )
-from lightning_bagua.engine.algorithms.decentralized import (
-    FlatWeights,
-    check_optimizers_cover,
-    check_state_keys,
-    group_by_dtype,
-    local_gradient_hook,
-)
+from lightning_bagua.engine.algorithms.decentralized import local_gradient_hook
+from lightning_bagua.engine.algorithms.weights import FlatWeights, check_optimizers_cover, group_by_dtype
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import (
-    CommunicationCounter,
-    CommunicationGroups,
     all_reduce_hierarchically,
     start_exchange,
 )
@@ -44,60 +39,6 @@ log = logging.getLogger(__name__)
 # each receive still matches the intended send. Both carry the same bytes, so any matching would be correct too.
 _TOWARDS_LEFT = 0
 _TOWARDS_RIGHT = 1
-
-
-@register_algorithm("low_precision_decentralized")
-class LowPrecisionDecentralizedAlgorithm(Algorithm):
-    """Gossip 8-bit compressed weight differences around a ring: DCD-PSGD.
-
-    DCD-PSGD is described by Tang et al. 2018, https://arxiv.org/abs/1803.06443. Every rank ``r`` of the ``n``
-    on the ring trains with its own gradients (no gradient all-reduce) and keeps three flat copies of the
-    weights, all set to the (identical) starting weights at the first training forward pass: ``w``, the weight
-    it last communicated, and ``L`` and ``R``, its estimates of its left ``(r - 1) mod n`` and right
-    ``(r + 1) mod n`` neighbours' ``w``. With ``t`` counting training forward passes from 0, after the optimizer
-    step of every step that ran a pass with ``t % communication_interval == 0``:
-
-    1. Take the change to communicate, ``d = x + L/3 + R/3 - 5 w/3`` with ``x`` the parameters after the local
-       step. It reads ``d = (x - w) + ((w + L + R)/3 - w)``: the local progress since the last round, plus the
-       move of ``w`` to the average of the three neighbouring ``w`` (the ring's mixing weights of 1/3 each).
-    2. Compress it to 8 bits with the MinMaxUInt8 codec, as one chunk: ``c = compress(d)``.
-    3. Send ``c`` to both neighbours; receive ``cL`` from the left one and ``cR`` from the right one. On a ring
-       of two, the one peer is both neighbours: ``c`` is sent once and ``cL = cR``.
-    4. Update the copies with what every side decodes, so that ``L`` and ``R`` stay exactly equal to the
-       neighbours' own ``w``: ``L += decompress(cL)``, ``R += decompress(cR)``, ``w += decompress(c)``.
-    5. Continue from the communicated weight: ``x = w``.
-
-    Args:
-        hierarchical: first average the weights inside each node (full precision, on the node's leader); the
-            leaders alone form the ring (``n`` counts nodes) and keep ``w``, ``L`` and ``R``; each leader then
-            broadcasts its new ``w`` inside its node. With one node, or one rank per node, this is the flat
-            ring over all ranks.
-        communication_interval: communicate after the steps of every ``communication_interval``-th forward pass.
-
-    Raises:
-        ValueError: ``communication_interval`` is below 1.
-        TypeError: a keyword has the wrong type.
-    """
-
-    # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.
-    communicates_gradient_buckets = False
-
-    def __init__(self, *, hierarchical: bool = True, communication_interval: int = 1) -> None:
-        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
-        check_positive_int(self.name, "communication_interval", communication_interval)
-        self.hierarchical = hierarchical
-        self.communication_interval = communication_interval
-
-    def reify(self, context: AlgorithmContext) -> "LowPrecisionDecentralizedImpl":
-        """Bind the algorithm to one wrapped model.
-
-        Args:
-            context: the wrapper's groups, counter, executor, device and participating parameters.
-
-        Returns:
-            The bound implementation.
-        """
-        return LowPrecisionDecentralizedImpl(self, context)
 
 
 class _RingCopies:
@@ -119,12 +60,12 @@ class _RingCopies:
 
 
 @dataclass
-class LowPrecisionDecentralizedState:
+class LowPrecisionDecentralizedState(HookState):
     """State of :class:`LowPrecisionDecentralizedImpl`.
 
+    Beyond :class:`HookState`'s ``groups``, ``counter`` and ``executor``:
+
     Args:
-        groups: the engine's communicators; two-level when they were created hierarchical.
-        counter: records the collectives.
         device: the device the parameters live on.
         communication_interval: communicate on the steps of every ``communication_interval``-th forward pass.
         codec: compresses the differences.
@@ -135,8 +76,6 @@ class LowPrecisionDecentralizedState:
         armed: a synchronizing pass ran with ``due`` set; the ring round follows that step.
     """
 
-    groups: CommunicationGroups
-    counter: CommunicationCounter
     device: torch.device
     communication_interval: int
     codec: MinMaxUInt8Codec = field(default_factory=MinMaxUInt8Codec)
@@ -164,11 +103,10 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
     optimizers did, so the ring's point-to-point messages always match.
     """
 
-    def __init__(self, algorithm: LowPrecisionDecentralizedAlgorithm, context: AlgorithmContext) -> None:
-        super().__init__(context)
-        self.state = LowPrecisionDecentralizedState(
-            groups=context.groups,
-            counter=context.counter,
+    def __init__(self, algorithm: "LowPrecisionDecentralizedAlgorithm", context: AlgorithmContext) -> None:
+        super().__init__(algorithm, context)
+        self.state = LowPrecisionDecentralizedState.from_context(
+            context,
             device=context.device,
             communication_interval=algorithm.communication_interval,
             weights=group_by_dtype([parameter for _, parameter in context.named_parameters]),
@@ -329,6 +267,52 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+
+
+@register_algorithm("low_precision_decentralized")
+class LowPrecisionDecentralizedAlgorithm(Algorithm):
+    """Gossip 8-bit compressed weight differences around a ring: DCD-PSGD.
+
+    DCD-PSGD is described by Tang et al. 2018, https://arxiv.org/abs/1803.06443. Every rank ``r`` of the ``n``
+    on the ring trains with its own gradients (no gradient all-reduce) and keeps three flat copies of the
+    weights, all set to the (identical) starting weights at the first training forward pass: ``w``, the weight
+    it last communicated, and ``L`` and ``R``, its estimates of its left ``(r - 1) mod n`` and right
+    ``(r + 1) mod n`` neighbours' ``w``. With ``t`` counting training forward passes from 0, after the optimizer
+    step of every step that ran a pass with ``t % communication_interval == 0``:
+
+    1. Take the change to communicate, ``d = x + L/3 + R/3 - 5 w/3`` with ``x`` the parameters after the local
+       step. It reads ``d = (x - w) + ((w + L + R)/3 - w)``: the local progress since the last round, plus the
+       move of ``w`` to the average of the three neighbouring ``w`` (the ring's mixing weights of 1/3 each).
+    2. Compress it to 8 bits with the MinMaxUInt8 codec, as one chunk: ``c = compress(d)``.
+    3. Send ``c`` to both neighbours; receive ``cL`` from the left one and ``cR`` from the right one. On a ring
+       of two, the one peer is both neighbours: ``c`` is sent once and ``cL = cR``.
+    4. Update the copies with what every side decodes, so that ``L`` and ``R`` stay exactly equal to the
+       neighbours' own ``w``: ``L += decompress(cL)``, ``R += decompress(cR)``, ``w += decompress(c)``.
+    5. Continue from the communicated weight: ``x = w``.
+
+    Args:
+        hierarchical: first average the weights inside each node (full precision, on the node's leader); the
+            leaders alone form the ring (``n`` counts nodes) and keep ``w``, ``L`` and ``R``; each leader then
+            broadcasts its new ``w`` inside its node. With one node, or one rank per node, this is the flat
+            ring over all ranks.
+        communication_interval: communicate after the steps of every ``communication_interval``-th forward pass.
+
+    Raises:
+        ValueError: ``communication_interval`` is below 1.
+        TypeError: a keyword has the wrong type.
+    """
+
+    ranks_hold_different_weights = True
+    impl_class = LowPrecisionDecentralizedImpl
+
+    # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.
+    communicates_gradient_buckets = False
+
+    def __init__(self, *, hierarchical: bool = True, communication_interval: int = 1) -> None:
+        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
+        check_positive_int(self.name, "communication_interval", communication_interval)
+        self.hierarchical = hierarchical
+        self.communication_interval = communication_interval
 
 
 def _leader_round(state: LowPrecisionDecentralizedState, copies: _RingCopies | None, node_sum: Tensor) -> None:

@@ -215,37 +215,6 @@ class QAdamOptimizer(Optimizer):
         return loss
 
 
-@register_algorithm("qadam")
-class QAdamAlgorithm(Algorithm):
-    """Full-precision gradient all-reduce during warm-up, then 8-bit momentum averaging (see the module docstring).
-
-    Args:
-        q_adam_optimizer: the model's :class:`QAdamOptimizer`. ``None`` when it is bound later through
-            ``bind_optimizers`` (as the Lightning strategy does).
-        hierarchical: in the compressed phase, average inside each node at full precision first and run the
-            8-bit scatter-gather among node leaders only (with one node this is a full-precision all-reduce).
-            The warm-up all-reduce is two-level too when the groups are.
-    """
-
-    def __init__(self, *, q_adam_optimizer: QAdamOptimizer | None = None, hierarchical: bool = True) -> None:
-        if q_adam_optimizer is not None:
-            check_keyword_type(self.name, "q_adam_optimizer", q_adam_optimizer, QAdamOptimizer)
-        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
-        self.q_adam_optimizer = q_adam_optimizer
-        self.hierarchical = hierarchical
-
-    def reify(self, context: AlgorithmContext) -> "QAdamImpl":
-        """Bind the algorithm to one wrapped model.
-
-        Args:
-            context: the wrapper's groups, counter, executor and device.
-
-        Returns:
-            The bound implementation.
-        """
-        return QAdamImpl(self, context)
-
-
 @dataclass
 class QAdamState:
     """State of :func:`qadam_hook`.
@@ -277,17 +246,13 @@ class QAdamState:
 class QAdamImpl(AlgorithmImpl):
     """:class:`QAdamAlgorithm` bound to one wrapped model."""
 
-    def __init__(self, algorithm: QAdamAlgorithm, context: AlgorithmContext) -> None:
-        super().__init__(context)
+    def __init__(self, algorithm: "QAdamAlgorithm", context: AlgorithmContext) -> None:
+        super().__init__(algorithm, context)
         self._given = algorithm.q_adam_optimizer
         self.state = QAdamState(
-            full_precision=GradientAllReduceState(
-                groups=context.groups, counter=context.counter, executor=context.executor, average=True
-            ),
-            compressed=ByteGradState(
-                groups=context.groups,
-                counter=context.counter,
-                executor=context.executor,
+            full_precision=GradientAllReduceState.from_context(context, average=True),
+            compressed=ByteGradState.from_context(
+                context,
                 average=True,
                 hierarchical=algorithm.hierarchical,
                 codec=MinMaxUInt8Codec(),
@@ -335,6 +300,41 @@ class QAdamImpl(AlgorithmImpl):
         if self._given is not None and found[0] is not self._given:
             raise ValueError("Algorithm 'qadam': the bound QAdamOptimizer is not the `q_adam_optimizer` it was given.")
         self._set_optimizer(found[0])
+
+
+@register_algorithm("qadam")
+class QAdamAlgorithm(Algorithm):
+    """Full-precision gradient all-reduce during warm-up, then 8-bit momentum averaging (see the module docstring).
+
+    Args:
+        q_adam_optimizer: the model's :class:`QAdamOptimizer`. ``None`` when it is bound later through
+            ``bind_optimizers`` (as the Lightning strategy does).
+        hierarchical: in the compressed phase, average inside each node at full precision first and run the
+            8-bit scatter-gather among node leaders only (with one node this is a full-precision all-reduce).
+            The warm-up all-reduce is two-level too when the groups are.
+    """
+
+    impl_class = QAdamImpl
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer], lr_schedulers: Sequence[Any]) -> None:
+        """Require exactly one :class:`QAdamOptimizer` and at most one LR scheduler (Bagua's rule).
+
+        Args:
+            optimizers: the optimizers that will update the model.
+            lr_schedulers: the LR schedulers (or scheduler configurations) that go with them.
+
+        Raises:
+            ValueError: the rule does not hold; the message starts with "Bagua QAdam can only accept one
+                QAdamOptimizer and one LR Scheduler" and says how to set the model up.
+        """
+        check_qadam_configuration(optimizers, lr_schedulers)
+
+    def __init__(self, *, q_adam_optimizer: QAdamOptimizer | None = None, hierarchical: bool = True) -> None:
+        if q_adam_optimizer is not None:
+            check_keyword_type(self.name, "q_adam_optimizer", q_adam_optimizer, QAdamOptimizer)
+        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
+        self.q_adam_optimizer = q_adam_optimizer
+        self.hierarchical = hierarchical
 
 
 def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -388,5 +388,7 @@ def check_qadam_configuration(optimizers: Sequence[Optimizer], lr_scheduler_conf
     if len(optimizers) != 1 or not isinstance(optimizers[0], QAdamOptimizer) or len(lr_scheduler_configs) > 1:
         raise ValueError(
             f"{QADAM_CONFIGURATION_ERROR}, got optimizers {[type(o).__name__ for o in optimizers]} and"
-            f" {len(lr_scheduler_configs)} LR scheduler(s)."
+            f" {len(lr_scheduler_configs)} LR scheduler(s). Give the model a single lightning_bagua.QAdamOptimizer"
+            " over all its parameters: return it from `configure_optimizers` (Trainer), or"
+            " `fabric.setup(model, QAdamOptimizer(model.parameters()))` (Fabric)."
         )

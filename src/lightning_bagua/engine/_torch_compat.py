@@ -1,0 +1,55 @@
+"""The torch private APIs the project relies on, in one place, each with why it is needed and what was checked.
+
+Everything else in the package uses torch's public API. Each function here was checked on torch 2.4 (the declared
+floor) through 2.14; when torch changes one of them, only this module changes.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+__all__ = ["default_store", "mark_optimizer_stepped", "queue_backward_callback"]
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward pass running now has finished, after the callbacks queued before it.
+
+    DDP's reducer finalises a backward (waits for every bucket's future, writes the gradients) from a callback of
+    the autograd engine queued at the first gradient; the algorithms that act once all buckets are reduced
+    (decentralized's weight copy, async's weight release) and telemetry's end-of-backward mark queue theirs after
+    it. torch exposes no public way to run code at the end of a backward: ``Variable._execution_engine`` is the
+    engine DDP itself uses (``torch/nn/parallel/distributed.py``), present from torch 1.x through 2.14.
+
+    Args:
+        callback: called with no arguments on the thread that runs the backward.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def default_store() -> dist.Store:
+    """Return the rendezvous store of the default process group.
+
+    Failure diagnosis writes each failing rank's report there and reads the others', so that a surviving rank
+    can name the ranks that went silent. torch keeps the store private (``distributed_c10d._get_default_store``,
+    unchanged from torch 1.8 through 2.14); opening a second store would need the rendezvous address and a port
+    that a launcher may not give.
+
+    Returns:
+        The store.
+    """
+    return dist.distributed_c10d._get_default_store()
+
+
+def mark_optimizer_stepped(optimizer: Optimizer) -> None:
+    """Tell torch's LR schedulers that ``optimizer`` stepped, for a step made without calling ``optimizer.step``.
+
+    A scheduler warns ("lr_scheduler.step() before optimizer.step()") unless the optimizer's ``_opt_called`` flag
+    is set, which only the wrapped ``optimizer.step`` sets; the fused optimizer steps through the class's method
+    instead. The flag is read by ``torch.optim.lr_scheduler`` from torch 1.1 through 2.14.
+
+    Args:
+        optimizer: the optimizer that just stepped.
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]
