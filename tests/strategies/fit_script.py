@@ -180,9 +180,12 @@ def main() -> None:
     if args.strategy != "ddp":  # Lightning's DDPStrategy.reduce does not take every op BaguaStrategy takes
         value = torch.tensor([float(rank + 1)], device=strategy_obj.root_device)
         result["reduce"] = {
-            str(op): strategy_obj.reduce(value, reduce_op=op).item()
+            str(op): strategy_obj.reduce(value.clone(), reduce_op=op).item()
             for op in [None, "mean", "avg", "sum", "max", "min", "product"]
         }
+        # lightning-bagua 0.1.0 reduced in place: the tensor passed in holds the result and is what comes back.
+        in_place = value.clone()
+        result["reduce_in_place"] = strategy_obj.reduce(in_place, reduce_op="sum") is in_place and in_place.item()
         result["reduce_unchanged_non_tensor"] = strategy_obj.reduce("text") == "text"
         result["broadcast"] = strategy_obj.broadcast({"from": rank}, src=trainer.world_size - 1)
         strategy_obj.barrier()

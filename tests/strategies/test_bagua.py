@@ -160,6 +160,7 @@ def test_fit_on_two_processes_started_by_lightning(tmp_path):
         assert result["reduce"] == {
             "None": 1.5, "mean": 1.5, "avg": 1.5, "sum": 3.0, "max": 2.0, "min": 1.0, "product": 2.0,
         }  # fmt: skip
+        assert result["reduce_in_place"] == 3.0
         assert result["reduce_unchanged_non_tensor"]
         assert result["broadcast"] == {"from": 1}, f"rank {rank}"
 

@@ -14,7 +14,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning_bagua import QAdamOptimizer
 from lightning_bagua.engine import GradientAllReduceAlgorithm
 from lightning_bagua.engine.autotune import DEFAULT_BUCKET_SIZES_MB
-from lightning_bagua.strategies.fabric import ALGORITHM_STATE_KEY, BaguaStrategy
+from lightning_bagua.strategies.fabric import BaguaStrategy
 from tests.distributed import assert_ranks_identical, free_port
 from tests.engine.test_telemetry import scatter_gather_step
 from tests.strategies.fit_script import make_network
@@ -241,8 +241,15 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_algorithm_state(li
         torch.testing.assert_close(qadam["resumed"], qadam["continued"], **EXACT, msg=f"qadam, rank {rank}")
 
     on_disk = torch.load(out / "counting.ckpt", weights_only=False)
-    assert set(on_disk) == {"model", "optimizer", "step", ALGORITHM_STATE_KEY}
-    saved_states = on_disk[ALGORITHM_STATE_KEY]["model"]
+    assert set(on_disk) == {"model", "optimizer", "step", "bagua"}
+    # The Trainer strategy's versioned format; gradient_allreduce's ranks hold equal weights, so none per rank.
+    assert on_disk["bagua"]["version"] == 2
+    assert on_disk["bagua"]["world_size"] == 2
+    entry = on_disk["bagua"]["modules"]["model"]
+    assert entry["algorithm"] == "gradient_allreduce"
+    assert entry["ranks"] is None
+    assert entry["averaged"] is False
+    saved_states = entry["algorithm_states"]
     assert [{k: v for k, v in state.items() if k != "bucket_layout"} for state in saved_states] == [
         {"algorithm": "gradient_allreduce", "state": {"forwards": 2, "rank": 0}},
         {"algorithm": "gradient_allreduce", "state": {"forwards": 2, "rank": 1}},

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bagua.strategies.bagua import _average_state_dicts, _read_rank_state
+from lightning_bagua.strategies._core.checkpoint import average_state_dicts, module_entries, rank_resume
 from tests.distributed import free_port
 from tests.strategies.resume_script import BATCHES_PER_EPOCH, CASES, EPOCHS
 
@@ -70,9 +70,10 @@ def test_decentralized_ranks_differ_so_each_resumes_its_own_weights(runs):
 def test_checkpoint_contents(runs, case):
     algorithm, _, _, averaged = CASES[case]
     checkpoint = torch.load(runs / case / "epoch=0.ckpt", weights_only=False)
-    saved = checkpoint["bagua"]
+    assert checkpoint["bagua"]["version"] == 2
+    assert checkpoint["bagua"]["world_size"] == WORLD_SIZE
+    saved = checkpoint["bagua"]["modules"]["model"]
     assert saved["algorithm"] == algorithm
-    assert saved["world_size"] == WORLD_SIZE
     assert len(saved["algorithm_states"]) == WORLD_SIZE
     per_rank = algorithm in ("decentralized", "low_precision_decentralized")
     if not per_rank:
@@ -81,7 +82,7 @@ def test_checkpoint_contents(runs, case):
         return
     assert len(saved["ranks"]) == WORLD_SIZE
     rank_states = [rank["state_dict"] for rank in saved["ranks"]]
-    expected = _average_state_dicts(rank_states) if averaged else rank_states[0]
+    expected = average_state_dicts(rank_states) if averaged else rank_states[0]
     torch.testing.assert_close(checkpoint["state_dict"], expected, **EXACT)
     assert saved["averaged"] is averaged
     if averaged:
@@ -96,26 +97,68 @@ def test_checkpoint_contents(runs, case):
             assert {"w", "left", "right"} == set(rank_state["state"]["copies"][0])
 
 
-def _saved(algorithm: str = "decentralized", world_size: int = 2) -> dict:
+def _version_1(algorithm: str = "decentralized", world_size: int = 2, per_rank: bool = True) -> dict:
+    """A Trainer checkpoint's "bagua" entry as releases before checkpoint version 2 wrote it."""
+    ranks = [{"state_dict": {"w": torch.full((1,), float(r))}, "optimizer_states": [r]} for r in range(world_size)]
     return {
         "version": 1,
         "algorithm": algorithm,
         "world_size": world_size,
-        "algorithm_states": [{"algorithm": algorithm, "state": {}}] * world_size,
-        "ranks": None,
+        "algorithm_states": [{"algorithm": algorithm, "state": {"rank": r}} for r in range(world_size)],
+        "ranks": ranks if per_rank else None,
         "averaged": False,
     }
+
+
+def _resume(saved: dict, algorithm: str = "decentralized", world_size: int = 2, rank: int = 0):
+    _, modules = module_entries({"bagua": saved}, "model")
+    return rank_resume(modules["model"], "model", algorithm, world_size, rank)
 
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("saved", "message"),
     [
-        (_saved(world_size=4), "holds the algorithm state of 4 processes, but this run has 2. Resume with 4"),
-        (_saved(algorithm="bytegrad"), "written while training with the 'bytegrad' algorithm, but this strategy"),
-        ({**_saved(), "version": 7}, "has version 7; this release reads version 1"),
+        (_version_1(world_size=4), "state of 'model' for 4 processes, but this run has 2. Resume with 4"),
+        (_version_1(algorithm="bytegrad"), "training 'model' with the 'bytegrad' algorithm, but this strategy"),
+        ({**_version_1(), "version": 7}, "has version 7; this release reads versions 1 and 2"),
     ],
 )
 def test_a_checkpoint_that_cannot_resume_this_run_is_refused(saved, message):
     with pytest.raises(ValueError, match=message):
-        _read_rank_state(saved, "decentralized", 2, 0)
+        _resume(saved)
+
+
+@pytest.mark.timeout(10)
+def test_a_version_1_checkpoint_resumes_each_rank_from_its_own_part():
+    for rank in range(2):
+        resume = _resume(_version_1(), rank=rank)
+        assert resume.algorithm_state == {"algorithm": "decentralized", "state": {"rank": rank}}
+        torch.testing.assert_close(resume.state_dict["w"], torch.full((1,), float(rank)), **EXACT)
+        assert resume.optimizer_states == [rank]
+
+
+@pytest.mark.timeout(10)
+def test_a_stateless_checkpoint_resumes_on_another_number_of_processes():
+    # Nothing per rank to lose: every rank takes rank 0's entry (its bucket layout names parameters only).
+    saved = _version_1(algorithm="gradient_allreduce", world_size=4, per_rank=False)
+    for state in saved["algorithm_states"]:
+        state["state"] = {}
+    resume = _resume(saved, algorithm="gradient_allreduce", rank=1)
+    assert resume.algorithm_state == saved["algorithm_states"][0]
+    assert resume.state_dict is None
+
+
+@pytest.mark.timeout(10)
+def test_fabric_checkpoints_before_version_2_still_load():
+    legacy = {"model": [{"algorithm": "bytegrad", "state": {}, "bucket_layout": [["w"]]}] * 2}
+    checkpoint = {"model": {}, "bagua_algorithm_state": legacy}
+    world_size, modules = module_entries(checkpoint, "model")
+    assert "bagua_algorithm_state" not in checkpoint  # taken out, so that Fabric does not hand it back
+    assert world_size == 2
+    assert modules["model"] == {
+        "algorithm": "bytegrad",
+        "algorithm_states": legacy["model"],
+        "ranks": None,
+        "averaged": False,
+    }

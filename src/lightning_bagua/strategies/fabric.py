@@ -6,150 +6,83 @@ another::
     from lightning.fabric import Fabric
     from lightning_bagua.strategies.fabric import BaguaStrategy
 
-    fabric = Fabric(strategy=BaguaStrategy(algorithm="bytegrad", hierarchical=False), devices=4)
+    fabric = Fabric(strategy=BaguaStrategy(algorithm=..., **algorithm_keywords), devices=4)
 
 The class for the standalone ``lightning_fabric`` package is :class:`lightning_bagua.lightning_fabric.BaguaStrategy`.
+This module holds Fabric's hooks only; what both strategies share is
+:class:`~lightning_bagua.strategies._core.strategy.BaguaStrategyCore`.
 """
 
 import atexit
 import logging
-import weakref
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.nn import Module
-from torch.nn.modules.module import register_module_module_registration_hook
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter
-from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, check_qadam_configuration
+from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
 from lightning_bagua.engine.autotune import BucketAutotuner
-from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
-from lightning_bagua.strategies.bagua import (
-    _check_engine_arguments,
-    _check_telemetry_and_autotune,
-    _destroy_process_group_at_exit,
-    _fill_load_balancing_samplers,
-    _reduce_over_all_processes,
-    _telemetry_metrics,
+from lightning_bagua.strategies._core import checkpoint as bagua_checkpoint
+from lightning_bagua.strategies._core.arguments import (
+    reduce_over_all_processes,
+    telemetry_metrics,
 )
+from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
+from lightning_bagua.strategies._core.faults import install_failure_hook
+from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
 
-if TYPE_CHECKING:
-    # The logic is written once and mixed into one class per Fabric package; type-check it as the `lightning`
-    # package's DDPStrategy subclass it is there.
-    _StrategyLogicBase = DDPStrategy
-else:
-    _StrategyLogicBase = object
-
-__all__ = ["ALGORITHM_STATE_KEY", "BaguaStrategy"]
+__all__ = ["BaguaStrategy"]
 
 log = logging.getLogger(__name__)
 
-ALGORITHM_STATE_KEY = "bagua_algorithm_state"
-"""The checkpoint entry that holds every process's algorithm state, by the name its module was saved under."""
+if TYPE_CHECKING:  # the hooks, mixed into one class per Fabric package, type-check as `lightning`'s DDPStrategy
+    _FabricBase = DDPStrategy
+else:
+    _FabricBase = object
 
 
-class _FabricBaguaStrategyLogic(_StrategyLogicBase):
-    """The body of the Fabric :class:`BaguaStrategy`, shared by the classes for both Fabric packages.
+class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
+    """Fabric's hooks of the Fabric :class:`BaguaStrategy`, shared by the classes for both Fabric packages.
 
     Each concrete class mixes it in before its package's ``DDPStrategy`` and names its package's
     :class:`~lightning_bagua.environments.bagua.BaguaEnvironment` in ``_bagua_environment_cls``.
     """
 
-    strategy_name = "bagua"
-    _bagua_environment_cls: ClassVar[type[ClusterEnvironment]]
-    # Each Fabric package raises its own MisconfigurationException for a configuration it cannot train.
-    _configuration_error: ClassVar[type[Exception]]
+    _precision_keyword = "precision"
 
     def __init__(
         self,
         algorithm: str | Algorithm = "gradient_allreduce",
         flatten: bool = True,
-        accelerator: Accelerator | None = None,
+        accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        *,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        bucket_cap_mb: float | None = None,
-        find_unused_parameters: bool = False,
-        telemetry: bool = False,
-        autotune: bool | None = None,
-        **bagua_kwargs: Any,
+        cluster_environment: Any | None = None,
+        checkpoint_io: Any | None = None,
+        precision: Any | None = None,
+        **kwargs: Any,
     ) -> None:
-        self._algorithm = _check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
-        self._telemetry, self._autotune = _check_telemetry_and_autotune(telemetry, autotune)
-        if cluster_environment is None and self._bagua_environment_cls.detect():
-            cluster_environment = self._bagua_environment_cls()
+        # Fabric's DDPStrategy calls the precision plugin `precision`; everything else is the core's.
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            algorithm, flatten, accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, **kwargs
         )
-        self._flatten = flatten
-        self._bagua_kwargs = dict(bagua_kwargs)
-        self._bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
-        self._find_unused_parameters = find_unused_parameters
-        self._communication_counter: CommunicationCounter | None = None
         # Every module wrapped and every optimizer set up so far: Fabric may set them up in either order, together
         # or apart, so each module is (re)bound to the optimizers over its parameters whenever either side arrives.
         self._bagua_modules: list[BaguaDistributedDataParallel] = []
         self._bagua_optimizers: list[Optimizer] = []
         self._closes_at_exit = False
-        # With autotuning: each wrapped module's tuner (by the wrapper's id), and, while any is still tuning, the
-        # modules that hold a tuning wrapper as a child (Fabric's `_FabricModule`), so that a rebuilt wrapper takes
-        # the old one's place where the user's loop calls it.
-        self._autotuners: dict[int, BucketAutotuner] = {}
-        self._wrapper_holders: dict[int, list[tuple[weakref.ref[Module], str]]] = {}
-        self._holder_hook: RemovableHandle | None = None
-
-    @property
-    def algorithm(self) -> Algorithm:
-        """The configured algorithm."""
-        return self._algorithm
-
-    @property
-    def flatten(self) -> bool:
-        """Whether gradients are views into the communication buckets."""
-        return self._flatten
-
-    @property
-    def bagua_kwargs(self) -> dict[str, Any]:
-        """The keywords given for the algorithm."""
-        return dict(self._bagua_kwargs)
-
-    @property
-    def bucket_cap_mb(self) -> float:
-        """The bucket size in MiB (``BAGUA_DEFAULT_BUCKET_SIZE`` or Bagua's 10 MiB unless given)."""
-        return default_bucket_cap_mb() if self._bucket_cap_mb is None else self._bucket_cap_mb
-
-    @property
-    def communication_counter(self) -> CommunicationCounter | None:
-        """What the engine of the most recently set-up module communicated; ``None`` before the first setup."""
-        return self._communication_counter
+        self._remove_failure_hook: Callable[[], None] | None = None
+        self._autotuning = FabricAutotuning(on_replace=self._replace_wrapper)
 
     @property
     def bagua_modules(self) -> list[BaguaDistributedDataParallel]:
@@ -174,19 +107,30 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
         telemetry = self.telemetry
         if telemetry is None or telemetry.last_step is None:
             return {}
-        return _telemetry_metrics(telemetry.last_step)
+        return telemetry_metrics(telemetry.last_step)
 
     @property
     def autotuner(self) -> BucketAutotuner | None:
         """The bucket autotuner of the most recently set-up module when autotuning is on; ``None`` otherwise."""
         if not self._bagua_modules:
             return None
-        return self._autotuners.get(id(self._bagua_modules[-1]))
+        return self._autotuning.tuner_of(self._bagua_modules[-1])
 
     @override
     def setup_environment(self) -> None:
+        """Join the process group (bounded by the timeout, safe across restarts) and watch for a failing script.
+
+        An exception that ends the script stops the algorithms without waiting for the peers and, after a failed
+        collective, is printed with a note naming the ranks that died or raised, as under the Trainer.
+        """
         super().setup_environment()
-        _destroy_process_group_at_exit()
+        self._failure_scope += 1
+        if self._remove_failure_hook is None:
+            self._remove_failure_hook = install_failure_hook(self._handle_failure)
+
+    @override
+    def _setup_distributed(self) -> None:
+        self._join_process_group(self._set_world_ranks, super()._setup_distributed)
 
     @override
     def setup_module_and_optimizers(
@@ -202,12 +146,11 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
         Returns:
             The wrapped module, the optimizers and the scheduler.
         """
-        if isinstance(self._algorithm, QAdamAlgorithm):
-            # Checked before wrapping, so that a wrong optimizer fails before the engine creates communicators.
-            self._check_qadam(optimizers, [] if scheduler is None else [scheduler])
+        # Checked before wrapping, so that a wrong optimizer fails before the engine creates communicators.
+        self._check_optimizers(optimizers, [] if scheduler is None else [scheduler])
         wrapped = self._wrap(module)
         optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
-        _start_algorithm(wrapped)
+        wrapped.bagua_algorithm_impl.start()
         return wrapped, optimizers, scheduler
 
     @override
@@ -224,7 +167,7 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
             The wrapped module.
         """
         wrapped = self._wrap(module)
-        _start_algorithm(wrapped)
+        wrapped.bagua_algorithm_impl.start()
         return wrapped
 
     @override
@@ -263,26 +206,12 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
             if wrapped.telemetry is not None:
                 # The step is complete here, the algorithm's post-step communication included (as under the Trainer).
                 wrapped.telemetry.end_step()
-            tuner = self._autotuners.get(id(wrapped))
+            tuner = self._autotuning.tuner_of(wrapped)
             # One tuning step per training step: counted at the steps of the module's first optimizer, so that
             # several optimizers over one module do not count one step twice (the Trainer counts global steps).
             if tuner is not None and not tuner.finished and bound[0] is optimizer:
-                self._advance_autotuner(wrapped, tuner)
+                self._autotuning.advance(wrapped)
         return output
-
-    @override
-    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
-        """Give the dataloader's load-balancing samplers this process's place, where they were built without one.
-
-        Args:
-            dataloader: the dataloader Fabric prepared.
-
-        Returns:
-            The same dataloader.
-        """
-        dataloader = super().process_dataloader(dataloader)
-        _fill_load_balancing_samplers(dataloader, self.world_size, self.global_rank)
-        return dataloader
 
     @override
     def all_reduce(
@@ -301,10 +230,7 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
             The reduced value, on every process: written into ``tensor`` itself, as Fabric documents, unless the
             result has another dtype (the mean of an integer tensor), which comes back as a new tensor.
         """
-        result = _reduce_over_all_processes(tensor, group, reduce_op, f"{type(self).__name__}.all_reduce")
-        if isinstance(tensor, Tensor) and result is not tensor and result.dtype == tensor.dtype:
-            return tensor.copy_(result)
-        return result
+        return reduce_over_all_processes(tensor, group, reduce_op, f"{type(self).__name__}.all_reduce")
 
     @override
     def save_checkpoint(
@@ -314,12 +240,13 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
         storage_options: Any | None = None,
         filter: dict[str, Any] | None = None,
     ) -> None:
-        """Save the state like Fabric's DDP strategy, plus every process's algorithm state for the wrapped modules.
+        """Save the state like Fabric's DDP strategy, plus every process's Bagua state for the wrapped modules.
 
-        Process 0 writes the file, so each wrapped module's
-        :meth:`~lightning_bagua.engine.BaguaDistributedDataParallel.bagua_state_dict` is gathered from all
-        processes first and stored, one entry per process, under ``"bagua_algorithm_state"``. Every process must
-        call this (as ``fabric.save`` does).
+        Process 0 writes the file, so each wrapped module's state is gathered from all processes first and stored
+        under ``"bagua"``, in the Trainer strategy's format (see the fault tolerance page of the docs): each
+        process's :meth:`~lightning_bagua.engine.BaguaDistributedDataParallel.bagua_state_dict` and, for
+        algorithms whose ranks hold different weights, each process's module weights and the states of the
+        optimizers in ``state`` that update the module. Every process must call this (as ``fabric.save`` does).
 
         Args:
             path: where to write the checkpoint.
@@ -327,18 +254,24 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
             storage_options: passed to the checkpoint plugin.
             filter: per-key filters, as for ``fabric.save``.
         """
-        if ALGORITHM_STATE_KEY in state:
-            raise ValueError(
-                f"The state to save has a key {ALGORITHM_STATE_KEY!r}, which {type(self).__name__} uses for the"
-                " algorithm's state. Save your object under another name."
-            )
-        algorithm_state = {
-            key: self._gather_algorithm_state(obj)
-            for key, obj in state.items()
-            if isinstance(obj, BaguaDistributedDataParallel)
-        }
-        if algorithm_state:
-            state = {**state, ALGORITHM_STATE_KEY: algorithm_state}
+        for reserved in (bagua_checkpoint.CHECKPOINT_KEY, bagua_checkpoint.LEGACY_FABRIC_KEY):
+            if reserved in state:
+                raise ValueError(
+                    f"The state to save has a key {reserved!r}, which {type(self).__name__} uses for the algorithm's"
+                    " state. Save your object under another name."
+                )
+        entries = {}
+        for key, obj in state.items():
+            if isinstance(obj, BaguaDistributedDataParallel):
+                entry = self._gather_module_entry(obj, partial(self._rank_weights, obj, state))
+                if entry is not None:
+                    entries[key] = entry
+        if entries:
+            state = {**state, bagua_checkpoint.CHECKPOINT_KEY: bagua_checkpoint.make_entry(entries, self.world_size)}
+            for key, entry in entries.items():
+                averaged = bagua_checkpoint.averaged_weights(entry)
+                if averaged is not None:
+                    state[key] = averaged
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -349,10 +282,12 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint like Fabric's DDP strategy, then restore each wrapped module's algorithm state.
+        """Load a checkpoint like Fabric's DDP strategy, then restore each wrapped module's Bagua state.
 
-        The algorithm state is restored after the modules and optimizers, from this process's own entry, and is
-        not part of what comes back.
+        Where the module's ranks hold different weights, this process's own weights and optimizer states replace
+        the shared ones; then the algorithm state is restored, from this process's own entry. None of it is part
+        of what comes back. Checkpoints written by the Fabric strategy before checkpoint version 2
+        (``"bagua_algorithm_state"``) load too.
 
         Args:
             path: the checkpoint to read.
@@ -366,40 +301,33 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
         remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         if not isinstance(state, dict) or not state:
             return remainder
-        saved = remainder.pop(ALGORITHM_STATE_KEY, {})
+        saved = bagua_checkpoint.module_entries(remainder, default_name="model")
+        remainder.pop(bagua_checkpoint.CHECKPOINT_KEY, None)
+        modules = {} if saved is None else saved[1]
         for key, obj in state.items():
-            if isinstance(obj, BaguaDistributedDataParallel) and key in saved:
-                self._load_algorithm_state(obj, key, saved[key])
+            if isinstance(obj, BaguaDistributedDataParallel) and key in modules:
+                name = obj.bagua_algorithm.name
+                resume = bagua_checkpoint.rank_resume(modules[key], key, name, self.world_size, self.global_rank)
+                self._restore_rank_weights(obj, resume, state, strict)
+                obj.load_bagua_state_dict(resume.algorithm_state)
         return remainder
 
     @override
     def teardown(self) -> None:
         """Stop each wrapped module's algorithm and close its engine; the modules themselves stay usable."""
         self._close_engines()
+        if self._remove_failure_hook is not None:
+            self._remove_failure_hook()
+            self._remove_failure_hook = None
         super().teardown()
 
-    @classmethod
     @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "bagua" not in strategy_registry:
-            strategy_registry.register("bagua", cls, description="Bagua's communication algorithms")
+    def _bagua_wrapped_modules(self) -> list[BaguaDistributedDataParallel]:
+        return list(self._bagua_modules)
 
     def _wrap(self, module: Module) -> BaguaDistributedDataParallel:
-        log.debug(f"{type(self).__name__}: wrapping {type(module).__name__} with {self._algorithm!r}")
-        # Wrapped on the current stream, the one forward and backward run on (see the Trainer strategy).
-        wrapped = BaguaDistributedDataParallel(
-            module,
-            algorithm=self._algorithm,
-            device_ids=self._determine_ddp_device_ids(),
-            gradient_as_bucket_view=self._flatten,
-            find_unused_parameters=self._find_unused_parameters,
-            bucket_cap_mb=self._bucket_cap_mb,
-            ranks_per_node=self.num_processes,
-            timeout=self._timeout,
-            telemetry=self._telemetry,
-        )
+        wrapped = self._wrap_module(module, self._determine_ddp_device_ids())
         self._bagua_modules.append(wrapped)
-        self._communication_counter = wrapped.communication_counter
         if not self._closes_at_exit:
             # Fabric has no end of run at which it tears its strategy down; engines still open when the script
             # ends are closed before the process group goes (atexit runs this before the earlier-registered
@@ -409,97 +337,49 @@ class _FabricBaguaStrategyLogic(_StrategyLogicBase):
         if any(_updates(optimizer, wrapped) for optimizer in self._bagua_optimizers):
             self._bind(wrapped)
         if self._autotune:
-            tuner = BucketAutotuner()
-            self._autotuners[id(wrapped)] = tuner
-            if self._holder_hook is None:
-                self._holder_hook = register_module_module_registration_hook(self._note_holder)
-            # The tuner's call before the first step's forward (the Trainer makes it at the first batch's start);
-            # every later call follows an optimizer step, i.e. comes before the next step's forward.
-            self._advance_autotuner(wrapped, tuner)
+            self._autotuning.add(wrapped)
         return wrapped
 
-    def _note_holder(self, holder: Module, name: str, child: Module) -> None:
-        # Called for every child module registered anywhere while a module is tuning: remember who holds ours.
-        if any(child is wrapped for wrapped in self._bagua_modules) and id(child) in self._autotuners:
-            self._wrapper_holders.setdefault(id(child), []).append((weakref.ref(holder), name))
+    def _rank_weights(self, wrapped: BaguaDistributedDataParallel, state: dict[str, Any]) -> dict[str, Any]:
+        # This rank's weights, and the states of the saved optimizers that update them, keyed as in `state`.
+        optimizers = {
+            key: self.get_optimizer_state(obj)
+            for key, obj in state.items()
+            if isinstance(obj, Optimizer) and any(obj is bound for bound in wrapped.bagua_optimizers)
+        }
+        return {"state_dict": self.get_module_state_dict(wrapped), "optimizer_states": optimizers}
 
-    def _advance_autotuner(self, wrapped: BaguaDistributedDataParallel, tuner: BucketAutotuner) -> None:
-        tuned = tuner.step(wrapped)
-        if tuned is not wrapped:
-            self._replace_wrapper(wrapped, tuned)
-        if all(tuner.finished for tuner in self._autotuners.values()):
-            self._stop_noting_holders()
+    def _restore_rank_weights(
+        self, wrapped: BaguaDistributedDataParallel, resume: bagua_checkpoint.RankResume, state: dict, strict: bool
+    ) -> None:
+        if resume.state_dict is not None:
+            self.load_module_state_dict(wrapped, resume.state_dict, strict=strict)
+        for key, optimizer_state in (resume.optimizer_states or {}).items():
+            optimizer = state.get(key)
+            if isinstance(optimizer, Optimizer):
+                optimizer.load_state_dict(optimizer_state)
 
     def _replace_wrapper(self, old: BaguaDistributedDataParallel, new: BaguaDistributedDataParallel) -> None:
-        # `rewrapped` closed the old wrapper; every reference the strategy and Fabric keep moves to the new one.
+        # `rewrapped` closed the old wrapper; the strategy's references move to the new one (Fabric's moved already).
         self._bagua_modules = [new if wrapped is old else wrapped for wrapped in self._bagua_modules]
         if old.telemetry is not None and new.telemetry is not None:
             # One record stream per module: the step that ended with the rebuild stays readable (the loop logs it
             # after this optimizer step), and step indices go on counting instead of restarting at 0.
             new.telemetry.last_step = old.telemetry.last_step
             new.telemetry._step = old.telemetry._step
-        self._autotuners[id(new)] = self._autotuners.pop(id(old))
-        holders = self._wrapper_holders.pop(id(old), [])
-        for reference, name in holders:
-            holder = reference()
-            # Set in the children's table itself: `_FabricModule.__setattr__` would forward the name to the user's
-            # module, and registering anew would record the holder twice.
-            if holder is not None and holder._modules.get(name) is old:
-                holder._modules[name] = new
-        self._wrapper_holders[id(new)] = holders
-
-    def _stop_noting_holders(self) -> None:
-        if self._holder_hook is not None:
-            self._holder_hook.remove()
-            self._holder_hook = None
-        self._wrapper_holders = {}
 
     def _bind(self, wrapped: BaguaDistributedDataParallel) -> None:
         optimizers = [optimizer for optimizer in self._bagua_optimizers if _updates(optimizer, wrapped)]
-        if isinstance(self._algorithm, QAdamAlgorithm):
-            self._check_qadam(optimizers, [])
+        self._check_optimizers(optimizers, [])
         wrapped.bind_optimizers(optimizers)
-
-    def _check_qadam(self, optimizers: list[Optimizer], schedulers: list[Any]) -> None:
-        try:
-            check_qadam_configuration(optimizers, schedulers)
-        except ValueError as error:
-            raise self._configuration_error(
-                f"{error} Set up the model with a single lightning_bagua.QAdamOptimizer over its parameters,"
-                " e.g. `fabric.setup(model, QAdamOptimizer(model.parameters()))`."
-            ) from None
-
-    def _gather_algorithm_state(self, wrapped: BaguaDistributedDataParallel) -> list[dict[str, Any]]:
-        # On the CPU, so that process 0 can hold (and unpickle) every process's tensors whatever their device.
-        local = move_data_to_device(wrapped.bagua_state_dict(), torch.device("cpu"))
-        if not (dist.is_available() and dist.is_initialized()):
-            return [local]
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        return gathered
-
-    def _load_algorithm_state(self, wrapped: BaguaDistributedDataParallel, key: str, saved: list[Any]) -> None:
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if world_size > 1 else 0
-        if len(saved) != world_size:
-            if any(entry.get("state") for entry in saved):
-                raise ValueError(
-                    f"The checkpoint holds the algorithm state of {key!r} for {len(saved)} processes, but this run has"
-                    f" {world_size}. Resume with {len(saved)} processes, or delete the checkpoint's"
-                    f" {ALGORITHM_STATE_KEY!r} entry (torch.load, del, torch.save) to start the algorithm afresh."
-                )
-            # Stateless algorithms resume on any number of processes; the entry still names the algorithm.
-            rank = 0
-        wrapped.load_bagua_state_dict(saved[rank])
 
     def _close_engines(self) -> None:
         modules, self._bagua_modules = self._bagua_modules, []
         for wrapped in modules:
-            _stop_algorithm(wrapped)
+            wrapped.bagua_algorithm_impl.stop()
             wrapped.close()
         self._bagua_optimizers = []
-        self._autotuners = {}
-        self._stop_noting_holders()
+        self._autotuning.clear()
 
 
 class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
@@ -507,7 +387,7 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
 
     ``Fabric(strategy="bagua")`` selects it with the default algorithm; pass an instance to choose another::
 
-        fabric = Fabric(strategy=BaguaStrategy(algorithm="decentralized", peer_selection_mode="shift_one"))
+        fabric = Fabric(strategy=BaguaStrategy(algorithm=name, **algorithm_keywords))
 
     ``fabric.setup(model, optimizer)`` (or ``fabric.setup_module`` and ``fabric.setup_optimizers``, in either
     order) wraps the model in :class:`~lightning_bagua.engine.BaguaDistributedDataParallel` and binds the optimizers
@@ -543,6 +423,9 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
             on communication, the algorithm's phase); a step's record closes when an optimizer over the module
             steps, and :attr:`telemetry_metrics` holds the last one under the Trainer strategy's metric names. Off
             by default, and then nothing is measured.
+        average_before_save: with an algorithm whose ranks hold different weights, save the average of the
+            processes' weights as the module's weights (what a plain ``fabric.load`` or ``torch.load`` reads)
+            instead of rank 0's; resuming with this strategy still restores each process's own weights.
         autotune: try bucket sizes (and hierarchical communication on several nodes) during the first optimizer
             steps and keep the fastest, the same on every rank, as the Trainer strategy does; ``None`` reads
             ``BAGUA_AUTOTUNE`` (``1``: on; the launcher's ``--autotune_level 1`` sets it), off when unset. Rank
@@ -558,16 +441,3 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
 def _updates(optimizer: Optimizer, module: Module) -> bool:
     parameters = {id(parameter) for parameter in module.parameters()}
     return any(id(parameter) in parameters for group in optimizer.param_groups for parameter in group["params"])
-
-
-def _start_algorithm(wrapped: BaguaDistributedDataParallel) -> None:
-    # Algorithms that run on their own between steps (Bagua's async) start and stop with the run.
-    resume = getattr(wrapped.bagua_algorithm, "resume", None)
-    if callable(resume):
-        resume(wrapped)
-
-
-def _stop_algorithm(wrapped: BaguaDistributedDataParallel) -> None:
-    abort = getattr(wrapped.bagua_algorithm, "abort", None)
-    if callable(abort):
-        abort(wrapped)

@@ -1,0 +1,231 @@
+"""The strategies' arguments, checked before any process starts, and the reduction both strategies offer."""
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ReduceOp
+
+from lightning_bagua.engine import Algorithm
+from lightning_bagua.engine.autotune import AutotuneSetting, autotune_from_environment
+
+__all__ = [
+    "autotune_metrics",
+    "check_engine_arguments",
+    "check_flag",
+    "check_telemetry_and_autotune",
+    "check_timeout",
+    "fill_load_balancing_samplers",
+    "reduce_over_all_processes",
+    "telemetry_metrics",
+]
+
+# The accepted `reduce_op` spellings. Gloo has no AVG, so "mean" is always a sum followed by a division.
+_REDUCE_OPS: dict[Any, str] = {
+    None: "mean",
+    "mean": "mean",
+    "avg": "mean",
+    "sum": "sum",
+    "max": "max",
+    "min": "min",
+    "product": "product",
+    ReduceOp.AVG: "mean",
+    ReduceOp.SUM: "sum",
+    ReduceOp.MAX: "max",
+    ReduceOp.MIN: "min",
+    ReduceOp.PRODUCT: "product",
+}
+_TORCH_OPS = {
+    "sum": ReduceOp.SUM,
+    "mean": ReduceOp.SUM,
+    "max": ReduceOp.MAX,
+    "min": ReduceOp.MIN,
+    "product": ReduceOp.PRODUCT,
+}
+
+
+def check_engine_arguments(
+    algorithm: str | Algorithm, flatten: bool, bucket_cap_mb: float | None, bagua_kwargs: dict[str, Any]
+) -> Algorithm:
+    """Check the engine's arguments and build the algorithm from them.
+
+    Args:
+        algorithm: a registered name or an :class:`~lightning_bagua.engine.Algorithm` instance.
+        flatten: whether gradients are views into the buckets.
+        bucket_cap_mb: the bucket size in MiB, or ``None`` for the default.
+        bagua_kwargs: the algorithm's keywords (only with a name).
+
+    Returns:
+        The configured algorithm.
+    """
+    if not isinstance(flatten, bool):
+        raise TypeError(
+            f"`flatten` must be a bool, got {flatten!r} ({type(flatten).__name__}). Pass True to let gradients"
+            " live in the communication buckets (no copies), or False to keep them separate."
+        )
+    built = _build_algorithm(algorithm, bagua_kwargs)
+    if bucket_cap_mb is not None and (
+        not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0
+    ):
+        raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
+    return built
+
+
+def check_timeout(timeout: Any) -> None:
+    """Raise a ``TypeError`` unless ``timeout`` is a ``timedelta`` or ``None``.
+
+    Args:
+        timeout: the strategy's ``timeout`` argument.
+    """
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__})."
+            " Pass e.g. timeout=timedelta(seconds=60)."
+        )
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a ``bool``; raise a ``TypeError`` naming the argument otherwise.
+
+    Args:
+        name: the argument's name, for the message.
+        value: the value given.
+
+    Returns:
+        The value.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def check_telemetry_and_autotune(telemetry: Any, autotune: Any) -> tuple[bool, bool]:
+    """Check the two measurement flags; ``autotune=None`` follows ``BAGUA_AUTOTUNE``.
+
+    Args:
+        telemetry: the strategy's ``telemetry`` argument.
+        autotune: the strategy's ``autotune`` argument.
+
+    Returns:
+        ``(telemetry, autotune)`` as bools.
+    """
+    if not isinstance(telemetry, bool):
+        raise TypeError(
+            f"`telemetry` must be a bool, got {telemetry!r} ({type(telemetry).__name__}). Pass True to measure and"
+            " log each step's communication."
+        )
+    if autotune is None:
+        autotune = autotune_from_environment()
+    elif not isinstance(autotune, bool):
+        raise TypeError(
+            f"`autotune` must be a bool or None, got {autotune!r} ({type(autotune).__name__}). Pass True to tune the"
+            " bucket size during the first steps, or None to follow BAGUA_AUTOTUNE."
+        )
+    return telemetry, autotune
+
+
+def reduce_over_all_processes(
+    tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOp | str | None, caller: str
+) -> Tensor | Any:
+    """Reduce ``tensor`` in place over the default process group; anything that is not a tensor comes back as it is.
+
+    Args:
+        tensor: the value to reduce.
+        group: ``None`` or the default group; any other group is refused.
+        reduce_op: ``"mean"``/``"avg"``/``None``, ``"sum"``, ``"max"``, ``"min"``, ``"product"`` or the matching
+            ``ReduceOp`` member.
+        caller: the method's name, for messages.
+
+    Returns:
+        ``tensor`` itself holding the result, as lightning-bagua 0.1.0 and Fabric reduce; a new tensor only when
+        the result has another dtype (the mean of an integer tensor).
+    """
+    if not isinstance(tensor, Tensor):
+        return tensor
+    # Fabric names the default group explicitly where the Trainer passes None.
+    if group is not None and group is not getattr(dist.group, "WORLD", None):
+        raise ValueError(
+            f"{caller} reduces over all processes and takes no `group`, got {group!r}."
+            " Call torch.distributed.all_reduce yourself to reduce over a subgroup."
+        )
+    op = _REDUCE_OPS.get(reduce_op) if _is_hashable(reduce_op) else None
+    if op is None and reduce_op is not None:
+        raise ValueError(
+            f"Unsupported `reduce_op` {reduce_op!r}. Use one of 'mean' (or 'avg', None), 'sum', 'max', 'min',"
+            " 'product', or the matching torch.distributed.ReduceOp member."
+        )
+    op = op or "mean"
+    result = tensor
+    if op == "mean" and not tensor.is_floating_point():
+        result = tensor.to(torch.get_default_dtype())
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(result, op=_TORCH_OPS[op])
+        if op == "mean":
+            result.div_(dist.get_world_size())
+    return result
+
+
+def telemetry_metrics(record: Mapping[str, float]) -> dict[str, float]:
+    """Name a telemetry record's values as both strategies publish them: ``bagua/<key>``, the step index left out.
+
+    Args:
+        record: a record of :class:`~lightning_bagua.engine.CommunicationTelemetry`.
+
+    Returns:
+        Metric name to value.
+    """
+    return {f"bagua/{key}": value for key, value in record.items() if key != "step"}
+
+
+def autotune_metrics(decision: AutotuneSetting) -> dict[str, float]:
+    """Name the autotuner's choice as both strategies publish it.
+
+    Args:
+        decision: the chosen setting.
+
+    Returns:
+        Metric name to value.
+    """
+    return {
+        "bagua/autotune/bucket_cap_mb": decision.bucket_cap_mb,
+        "bagua/autotune/hierarchical": float(decision.hierarchical),
+    }
+
+
+def fill_load_balancing_samplers(dataloader: object, world_size: int, global_rank: int) -> None:
+    """Give the dataloader's load-balancing samplers this process's place, where they were built without one.
+
+    Args:
+        dataloader: a dataloader the framework prepared.
+        world_size: the number of processes.
+        global_rank: this process's rank.
+    """
+    # Imported here: the strategies should not load the data utilities unless a dataloader comes by.
+    from lightning_bagua.data.samplers import LoadBalancingDistributedSampler
+
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(sampler, LoadBalancingDistributedSampler):
+            sampler._fill_distributed(world_size, global_rank)
+
+
+def _build_algorithm(algorithm: str | Algorithm, bagua_kwargs: dict[str, Any]) -> Algorithm:
+    if isinstance(algorithm, Algorithm):
+        if bagua_kwargs:
+            raise TypeError(
+                f"Algorithm keywords {sorted(bagua_kwargs)} were given with an Algorithm instance ({algorithm!r})."
+                " Pass them to the algorithm's constructor, or give the algorithm by name."
+            )
+        return algorithm
+    return Algorithm.init(algorithm, **bagua_kwargs)
+
+
+def _is_hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,239 @@
+"""The checkpoint format both strategies write and read: one versioned ``"bagua"`` entry.
+
+Version 2, written by the Trainer and Fabric strategies alike::
+
+    checkpoint["bagua"] = {
+        "version": 2,
+        "world_size": n,
+        "modules": {
+            "<name>": {                       # "model" under the Trainer; the key given to fabric.save under Fabric
+                "algorithm": "decentralized",
+                "algorithm_states": [...],    # each rank's BaguaDistributedDataParallel.bagua_state_dict()
+                "ranks": [...] or None,       # each rank's {"state_dict", "optimizer_states"} where ranks differ
+                "averaged": bool,             # the top-level weights are the ranks' average (average_before_save)
+            },
+        },
+    }
+
+Per-rank weights are saved exactly when the algorithm's class says its ranks hold different weights
+(:attr:`~lightning_bagua.engine.Algorithm.ranks_hold_different_weights`), so a registered third-party algorithm
+gets them too. Older entries still load: the Trainer's version 1 (one module, the fields above at the top level)
+and Fabric's unversioned ``"bagua_algorithm_state"`` (each module's per-rank algorithm states only).
+"""
+
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_bagua.engine import BaguaDistributedDataParallel
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "CHECKPOINT_VERSION",
+    "LEGACY_FABRIC_KEY",
+    "ModuleEntry",
+    "RankResume",
+    "average_state_dicts",
+    "averaged_weights",
+    "gather_module_entry",
+    "make_entry",
+    "module_entries",
+    "rank_resume",
+]
+
+CHECKPOINT_KEY = "bagua"
+CHECKPOINT_VERSION = 2
+LEGACY_FABRIC_KEY = "bagua_algorithm_state"
+"""Where Fabric strategies before checkpoint version 2 saved the per-rank algorithm states."""
+
+
+class ModuleEntry(TypedDict):
+    """One wrapped module's part of the ``"bagua"`` entry (see the module docstring)."""
+
+    algorithm: str
+    algorithm_states: list[dict[str, Any]]
+    ranks: list[dict[str, Any]] | None
+    averaged: bool
+
+
+class RankResume:
+    """What one rank resumes a module from: its algorithm state and, where ranks' weights differ, its weights.
+
+    Args:
+        algorithm_state: this rank's ``bagua_state_dict()``.
+        state_dict: this rank's module weights, or ``None`` where every rank resumes from the shared ones.
+        optimizer_states: this rank's optimizer states, in the framework's own layout, or ``None``.
+    """
+
+    def __init__(self, algorithm_state: dict[str, Any], state_dict: Any | None, optimizer_states: Any | None) -> None:
+        self.algorithm_state = algorithm_state
+        self.state_dict = state_dict
+        self.optimizer_states = optimizer_states
+
+
+def gather_module_entry(
+    wrapped: BaguaDistributedDataParallel, weights: Mapping[str, Any] | None, average: bool, world_size: int
+) -> ModuleEntry | None:
+    """Gather every rank's state of one wrapped module to rank 0 (collective: every rank calls it).
+
+    Args:
+        wrapped: the module.
+        weights: this rank's ``{"state_dict": ..., "optimizer_states": ...}`` when the algorithm's ranks hold
+            different weights, else ``None``.
+        average: write the ranks' average as the top-level weights (only with per-rank weights).
+        world_size: the number of processes.
+
+    Returns:
+        The module's entry on rank 0, ``None`` on the other ranks.
+    """
+    own: dict[str, Any] = {"algorithm_state": wrapped.bagua_state_dict()}
+    if weights is not None:
+        own.update(weights)
+    # Pickled to rank 0 through the default group; CPU copies travel on any backend and load on any device.
+    own = apply_to_collection(own, Tensor, lambda tensor: tensor.detach().cpu())
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+    else:
+        gathered = [own]
+    if gathered is None:
+        return None
+    per_rank = weights is not None
+    return {
+        "algorithm": wrapped.bagua_algorithm.name,
+        "algorithm_states": [rank_state["algorithm_state"] for rank_state in gathered],
+        "ranks": (
+            [{"state_dict": rank["state_dict"], "optimizer_states": rank["optimizer_states"]} for rank in gathered]
+            if per_rank
+            else None
+        ),
+        "averaged": per_rank and average,
+    }
+
+
+def make_entry(modules: Mapping[str, ModuleEntry], world_size: int) -> dict[str, Any]:
+    """Return the ``"bagua"`` checkpoint entry for these modules.
+
+    Args:
+        modules: each module's entry, by name.
+        world_size: the number of processes.
+
+    Returns:
+        The entry.
+    """
+    return {"version": CHECKPOINT_VERSION, "world_size": world_size, "modules": dict(modules)}
+
+
+def averaged_weights(entry: ModuleEntry) -> dict[str, Any] | None:
+    """Return the ranks' averaged weights when the entry was written with ``average_before_save``, else ``None``.
+
+    Args:
+        entry: a module's entry.
+
+    Returns:
+        The average of the ranks' ``state_dict``, or ``None``.
+    """
+    if not entry["averaged"] or entry["ranks"] is None:
+        return None
+    return average_state_dicts([rank["state_dict"] for rank in entry["ranks"]])
+
+
+def module_entries(checkpoint: dict[str, Any], default_name: str) -> tuple[int, dict[str, ModuleEntry]] | None:
+    """Read the ``"bagua"`` entry of a checkpoint of any version, taking Fabric's older entry out of ``checkpoint``.
+
+    Args:
+        checkpoint: the loaded checkpoint (or, under Fabric, what is left of it after restoring the objects).
+        default_name: the module name of a version 1 entry, which held one module.
+
+    Returns:
+        ``(world_size, modules)``, or ``None`` when the checkpoint holds no Bagua state.
+
+    Raises:
+        ValueError: the entry has a version this release cannot read.
+    """
+    legacy = checkpoint.pop(LEGACY_FABRIC_KEY, None)
+    saved = checkpoint.get(CHECKPOINT_KEY)
+    if saved is None and legacy is not None:
+        # Fabric's entry before version 2: per module, the list of every rank's bagua_state_dict().
+        modules: dict[str, ModuleEntry] = {
+            name: {"algorithm": states[0]["algorithm"], "algorithm_states": states, "ranks": None, "averaged": False}
+            for name, states in legacy.items()
+        }
+        return max((len(states) for states in legacy.values()), default=1), modules
+    if saved is None:
+        return None
+    version = saved.get("version") if isinstance(saved, dict) else type(saved).__name__
+    if version == 1:
+        entry: ModuleEntry = {
+            "algorithm": saved["algorithm"],
+            "algorithm_states": saved["algorithm_states"],
+            "ranks": saved["ranks"],
+            "averaged": saved["averaged"],
+        }
+        return saved["world_size"], {default_name: entry}
+    if version != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"The checkpoint's {CHECKPOINT_KEY!r} entry has version {version!r}; this release reads versions 1 and"
+            f" {CHECKPOINT_VERSION}. Resume with the release that wrote it, or delete the entry to load the weights"
+            " alone."
+        )
+    return saved["world_size"], saved["modules"]
+
+
+def rank_resume(entry: ModuleEntry, name: str, algorithm: str, world_size: int, rank: int) -> RankResume:
+    """Check that a module's entry can resume this run, and return this rank's part of it.
+
+    A run may change its number of processes only when the entry holds no per-rank state at all (no algorithm
+    state, no per-rank weights): then every rank takes rank 0's entry, whose bucket layout names parameters only.
+
+    Args:
+        entry: the module's entry.
+        name: the module's name, for messages.
+        algorithm: the algorithm this run trains the module with.
+        world_size: this run's number of processes.
+        rank: this process's rank.
+
+    Returns:
+        This rank's part.
+
+    Raises:
+        ValueError: another algorithm wrote it, or another number of processes with per-rank state.
+    """
+    if entry["algorithm"] != algorithm:
+        raise ValueError(
+            f"The checkpoint was written while training {name!r} with the {entry['algorithm']!r} algorithm, but"
+            f" this strategy uses {algorithm!r}. Resume with the same algorithm, or load the weights alone"
+            " (LightningModule.load_from_checkpoint, or delete the checkpoint's 'bagua' entry) to switch."
+        )
+    saved_world_size = len(entry["algorithm_states"])
+    if saved_world_size != world_size:
+        if entry["ranks"] is not None or any(state.get("state") for state in entry["algorithm_states"]):
+            raise ValueError(
+                f"The checkpoint holds the algorithm state of {name!r} for {saved_world_size} processes, but this run"
+                f" has {world_size}. Resume with {saved_world_size} processes, or load the weights alone"
+                " (LightningModule.load_from_checkpoint, or delete the checkpoint's 'bagua' entry) to start the"
+                " algorithm afresh."
+            )
+        rank = 0
+    own = entry["ranks"][rank] if entry["ranks"] is not None else {"state_dict": None, "optimizer_states": None}
+    return RankResume(entry["algorithm_states"][rank], own["state_dict"], own["optimizer_states"])
+
+
+def average_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Average the ranks' floating-point tensors; everything else (counters such as BatchNorm's) stays rank 0's.
+
+    Args:
+        state_dicts: one ``state_dict`` per rank, with the same keys.
+
+    Returns:
+        The averaged ``state_dict``.
+    """
+    averaged = dict(state_dicts[0])
+    for key, value in state_dicts[0].items():
+        if isinstance(value, Tensor) and value.is_floating_point():
+            averaged[key] = torch.stack([state_dict[key] for state_dict in state_dicts]).mean(dim=0)
+    return averaged

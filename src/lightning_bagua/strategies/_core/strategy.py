@@ -1,0 +1,274 @@
+"""``BaguaStrategyCore``: what the Trainer's and Fabric's Bagua strategies share, mixed in before each one's DDP.
+
+It holds the constructor and its read-only properties, wrapping a module, checking the optimizers against the
+algorithm, joining the process group without long hangs, checkpoint entries, and failure handling. It knows no
+algorithm by name or class: what differs between algorithms is asked of the algorithm
+(:attr:`~lightning_bagua.engine.Algorithm.ranks_hold_different_weights`,
+:meth:`~lightning_bagua.engine.Algorithm.check_optimizers`, :meth:`~lightning_bagua.engine.AlgorithmImpl.start`,
+:meth:`~lightning_bagua.engine.AlgorithmImpl.stop`).
+"""
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter
+from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
+from lightning_bagua.strategies._core import faults
+from lightning_bagua.strategies._core.arguments import (
+    check_engine_arguments,
+    check_flag,
+    check_telemetry_and_autotune,
+    check_timeout,
+    fill_load_balancing_samplers,
+)
+from lightning_bagua.strategies._core.checkpoint import ModuleEntry, gather_module_entry
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import ClusterEnvironment
+
+    class _StrategyAttributes:
+        """What the core uses of Lightning's and Fabric's ``DDPStrategy``, which it is mixed in before."""
+
+        cluster_environment: ClusterEnvironment | None
+        _timeout: timedelta | None
+        _process_group_backend: str | None
+
+        def __init__(self, **kwargs: Any) -> None: ...
+
+        @property
+        def global_rank(self) -> int: ...
+
+        @property
+        def world_size(self) -> int: ...
+
+        @property
+        def num_processes(self) -> int: ...
+
+        @property
+        def root_device(self) -> torch.device: ...
+
+        @property
+        def launcher(self) -> Any: ...
+
+        def _get_process_group_backend(self) -> str: ...
+
+        def process_dataloader(self, dataloader: Any) -> Any: ...
+
+    _CoreBase = _StrategyAttributes
+else:
+    _CoreBase = object
+
+__all__ = ["BaguaStrategyCore"]
+
+log = logging.getLogger(__name__)
+
+
+class BaguaStrategyCore(_CoreBase):
+    """The body of both Bagua strategies (see the module docstring); its arguments are documented on each.
+
+    A concrete class mixes it in before its package's ``DDPStrategy``, names its package's cluster environment
+    and configuration error, and the keyword its ``DDPStrategy`` takes the precision plugin under.
+    """
+
+    strategy_name = "bagua"
+    _bagua_environment_cls: ClassVar[type["ClusterEnvironment"]]
+    # Each Lightning package raises its own MisconfigurationException for a configuration it cannot train.
+    _configuration_error: ClassVar[type[Exception]]
+    _precision_keyword: ClassVar[str] = "precision_plugin"
+
+    def __init__(
+        self,
+        algorithm: str | Algorithm = "gradient_allreduce",
+        flatten: bool = True,
+        accelerator: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: "ClusterEnvironment | None" = None,
+        checkpoint_io: Any | None = None,
+        precision_plugin: Any | None = None,
+        *,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        telemetry: bool = False,
+        autotune: bool | None = None,
+        average_before_save: bool = False,
+        **bagua_kwargs: Any,
+    ) -> None:
+        check_timeout(timeout)
+        self._average_before_save = check_flag("average_before_save", average_before_save)
+        self._algorithm = check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
+        self._telemetry, self._autotune = check_telemetry_and_autotune(telemetry, autotune)
+        if cluster_environment is None and self._bagua_environment_cls.detect():
+            cluster_environment = self._bagua_environment_cls()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **{self._precision_keyword: precision_plugin},
+        )
+        self._flatten = flatten
+        self._bagua_kwargs = dict(bagua_kwargs)
+        self._bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
+        self._find_unused_parameters = find_unused_parameters
+        self._communication_counter: CommunicationCounter | None = None
+        # Tells one run's failure reports in the store from an earlier run's (fits under the Trainer).
+        self._failure_scope = 0
+
+    @property
+    def algorithm(self) -> Algorithm:
+        """The configured algorithm."""
+        return self._algorithm
+
+    @property
+    def flatten(self) -> bool:
+        """Whether gradients are views into the communication buckets."""
+        return self._flatten
+
+    @property
+    def bagua_kwargs(self) -> dict[str, Any]:
+        """The keywords given for the algorithm."""
+        return dict(self._bagua_kwargs)
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The bucket size in MiB (``BAGUA_DEFAULT_BUCKET_SIZE`` or Bagua's 10 MiB unless given)."""
+        return default_bucket_cap_mb() if self._bucket_cap_mb is None else self._bucket_cap_mb
+
+    @property
+    def average_before_save(self) -> bool:
+        """Whether a checkpoint's weights are the average of the ranks' instead of rank 0's, where ranks differ."""
+        return self._average_before_save
+
+    @property
+    def communication_counter(self) -> CommunicationCounter | None:
+        """What the engine of the most recently wrapped module communicated; ``None`` before the first wrap."""
+        return self._communication_counter
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the strategy as ``"bagua"`` (once).
+
+        Args:
+            strategy_registry: the framework's strategy registry.
+        """
+        if "bagua" not in strategy_registry:
+            strategy_registry.register("bagua", cls, description="Bagua's communication algorithms")
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Give the dataloader's load-balancing samplers this process's place, where they were built without one.
+
+        Lightning and Fabric keep a :class:`~lightning_bagua.LoadBalancingDistributedSampler` (it is a
+        ``DistributedSampler``) instead of putting their own in, so the sampler's ``num_replicas`` and ``rank``,
+        when left out, come from here.
+
+        Args:
+            dataloader: the dataloader the framework prepared.
+
+        Returns:
+            The same dataloader.
+        """
+        dataloader = super().process_dataloader(dataloader)
+        fill_load_balancing_samplers(dataloader, self.world_size, self.global_rank)
+        return dataloader
+
+    def _bagua_wrapped_modules(self) -> Sequence[BaguaDistributedDataParallel]:
+        """Return the modules wrapped now, for failure handling (each strategy knows where it keeps them)."""
+        raise NotImplementedError
+
+    def _join_process_group(self, set_world_ranks: Callable[[], None], join: Callable[[], None]) -> None:
+        """Run the framework's ``join`` of the default group, bounded by the timeout and safe across restarts.
+
+        Args:
+            set_world_ranks: the framework's method that sets this process's rank and the world size.
+            join: the framework's method that initialises the default process group.
+        """
+        backend = self._process_group_backend
+        if backend is not None and "nccl" in backend and self.root_device.type != "cuda":
+            raise self._configuration_error(
+                f"process_group_backend={backend!r} needs CUDA devices, but this run trains on"
+                f" {self.root_device.type!r}. Pass process_group_backend='gloo' (or leave it out to choose from the"
+                " device), or train on GPUs with accelerator='gpu'."
+            )
+        assert self.cluster_environment is not None
+        address = (self.cluster_environment.main_address, self.cluster_environment.main_port)
+        try:
+            if dist.is_available() and not dist.is_initialized():
+                set_world_ranks()
+                hosts_store = self.global_rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
+                faults.wait_for_store(address, hosts_store, self._timeout)
+                if faults.restart_count() > 0:
+                    backend = self._get_process_group_backend()
+                    faults.init_restarted_process_group(
+                        address, backend, self.global_rank, self.world_size, self._timeout
+                    )
+            join()
+        except dist.DistNetworkError as error:
+            message = faults.join_failed_message(self.global_rank, self.world_size, address, self._timeout, error)
+            raise dist.DistNetworkError(message) from error
+        faults.destroy_process_group_at_exit()
+
+    def _wrap_module(self, module: Module, device_ids: list[int] | None) -> BaguaDistributedDataParallel:
+        log.debug(f"{type(self).__name__}: wrapping {type(module).__name__} with {self._algorithm!r}")
+        # Wrapped on the current stream, the one forward and backward run on: DDP keeps references to the
+        # gradient accumulators it sees at construction, and torch warns (and synchronises) when those were
+        # created on another stream.
+        wrapped = BaguaDistributedDataParallel(
+            module,
+            algorithm=self._algorithm,
+            device_ids=device_ids,
+            gradient_as_bucket_view=self._flatten,
+            find_unused_parameters=self._find_unused_parameters,
+            bucket_cap_mb=self._bucket_cap_mb,
+            ranks_per_node=self.num_processes,
+            timeout=self._timeout,
+            telemetry=self._telemetry,
+        )
+        self._communication_counter = wrapped.communication_counter
+        return wrapped
+
+    def _check_optimizers(self, optimizers: Sequence[Optimizer], lr_schedulers: Sequence[Any]) -> None:
+        try:
+            self._algorithm.check_optimizers(optimizers, lr_schedulers)
+        except ValueError as error:
+            raise self._configuration_error(str(error)) from None
+
+    def _gather_module_entry(
+        self, wrapped: BaguaDistributedDataParallel, weights: Callable[[], Mapping[str, Any]]
+    ) -> ModuleEntry | None:
+        """Gather a module's checkpoint entry to rank 0, with every rank's ``weights()`` where the ranks differ."""
+        per_rank = wrapped.bagua_algorithm.ranks_hold_different_weights
+        return gather_module_entry(wrapped, weights() if per_rank else None, self._average_before_save, self.world_size)
+
+    def _handle_failure(self, exception: BaseException) -> None:
+        """Stop the algorithms without waiting for peers, name the ranks at fault, end the children launched here.
+
+        Args:
+            exception: what interrupted the run.
+        """
+        # First: background work (async averaging) learns of the failure at its next round and stops on the peers
+        # too, instead of waiting in a collective for this rank.
+        for wrapped in self._bagua_wrapped_modules():
+            wrapped.bagua_algorithm_impl.stop(wait=False)
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            window = faults.DIAGNOSIS_WINDOW_S
+            if self._timeout is not None:
+                window = min(window, self._timeout.total_seconds())
+            note = faults.diagnose_failure(exception, self.global_rank, self.world_size, self._failure_scope, window)
+            if note is not None:
+                log.error(note)
+                if hasattr(exception, "add_note"):
+                    exception.add_note(note)
+        faults.end_launched_children(self.launcher)
