@@ -352,9 +352,9 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
             ``--autotune_level 1`` sets it), off when unset.
         average_before_save: with an algorithm whose ranks hold different weights (the weight-averaging ones,
             :attr:`~lightning_bagua.engine.Algorithm.ranks_hold_different_weights`), write the average of the
-            ranks' weights as the checkpoint's ``state_dict`` (what ``load_from_checkpoint`` and evaluation read) instead of rank 0's. Training is
-            unaffected, and resuming still restores each rank's own weights. With other algorithms the ranks'
-            weights are equal, so rank 0's are their average.
+            ranks' weights as the checkpoint's ``state_dict`` (what ``load_from_checkpoint`` and evaluation read)
+            instead of rank 0's. Training is unaffected, and resuming still restores each rank's own weights. With
+            other algorithms the ranks' weights are equal, so rank 0's are their average.
         **bagua_kwargs: the algorithm's keywords, e.g. ``hierarchical=True``; checked here, so that a typo
             fails before any process starts.
     """
