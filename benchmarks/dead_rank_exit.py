@@ -91,16 +91,20 @@ def run_job(
     max_restarts: int = 0,
     extra_args: tuple[str, ...] = (),
     timeout_s: float = 240.0,
+    script: Path = SCRIPT,
+    training_args: tuple[str, ...] = tuple(TRAINING_ARGS),
 ) -> JobResult:
     """Run the job under ``launcher`` in ``workdir``; rank 1 kills itself once at step 8 when ``kill``.
 
     The marker file rank 1 writes before dying keeps a restarted rank 1 alive, so ``max_restarts=1`` finishes.
+    ``script`` may be another job taking the same ``--out``, ``--devices`` and ``--kill-*`` options (the Fabric
+    job of the tests), with its own ``training_args``.
     """
     port = free_port()
     marker = workdir / "death.json"
     job_id = uuid.uuid4().hex
-    command = [*launcher_command(launcher, port, max_restarts), str(SCRIPT), "--out", str(workdir / "out"),
-               "--devices", "2", *TRAINING_ARGS, *extra_args]  # fmt: skip
+    command = [*launcher_command(launcher, port, max_restarts), str(script), "--out", str(workdir / "out"),
+               "--devices", "2", *training_args, *extra_args]  # fmt: skip
     if kill:
         command += ["--kill-rank", str(KILLED_RANK), "--kill-at-step", str(KILL_AT_STEP), "--kill-marker", str(marker)]
     env = {

@@ -250,12 +250,19 @@ def install_failure_hook(on_failure: Callable[[BaseException], None]) -> Callabl
 
 
 def _looks_like_failed_collective(exception: BaseException) -> bool:
-    if isinstance(exception, getattr(dist, "DistError", ())):
-        return True
-    text = str(exception).lower()
-    return isinstance(exception, RuntimeError) and any(
-        marker in text for marker in ("gloo", "nccl", "connection", "timed out", "timeout", "peer")
-    )
+    # The error or one of its causes: background work (async averaging) re-raises its collective's failure from a
+    # RuntimeError of its own.
+    seen: BaseException | None = exception
+    while seen is not None:
+        if isinstance(seen, getattr(dist, "DistError", ())):
+            return True
+        text = str(seen).lower()
+        if isinstance(seen, RuntimeError) and any(
+            marker in text for marker in ("gloo", "nccl", "connection", "timed out", "timeout", "peer")
+        ):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def _destroy_default_process_group() -> None:

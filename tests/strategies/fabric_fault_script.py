@@ -1,0 +1,57 @@
+"""A Fabric job of 12 optimizer steps on 2 Gloo processes, for the dead-rank tests (``test_fabric_faults.py``).
+
+Takes ``benchmarks/dead_rank_exit.py``'s job options: ``--out``, ``--devices``, and ``--kill-rank``,
+``--kill-at-step`` and ``--kill-marker`` (that rank writes the time to the marker, then SIGKILLs itself before the
+step). Without a launcher (``--no-launcher``), the environment gives the rank and world size, as torchrun would.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_bagua.strategies.fabric import BaguaStrategy
+
+STEPS = 12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--algorithm", default="gradient_allreduce")
+    parser.add_argument("--kill-rank", type=int)
+    parser.add_argument("--kill-at-step", type=int)
+    parser.add_argument("--kill-marker", type=Path)
+    args = parser.parse_args()
+
+    kwargs = {"sync_interval_ms": 5} if args.algorithm == "async" else {}
+    strategy = BaguaStrategy(algorithm=args.algorithm, **kwargs)
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    generator = torch.Generator().manual_seed(fabric.global_rank)
+    for step in range(STEPS):
+        if fabric.global_rank == args.kill_rank and step == args.kill_at_step:
+            args.kill_marker.write_text(json.dumps({"time": time.time()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = model(torch.randn(32, 8, generator=generator)).pow(2).mean()
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(0.05)  # async: leave the averaging thread rounds to run between the steps
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save({"rank": fabric.global_rank}, args.out / f"rank{fabric.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
