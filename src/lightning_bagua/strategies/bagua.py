@@ -479,6 +479,7 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             checkpoint["state_dict"] = self._bagua_resume.state_dict
             if self._bagua_resume.optimizer_states is not None:
                 checkpoint["optimizer_states"] = self._bagua_resume.optimizer_states
+            checkpoint.update(self._bagua_resume.extra)
         return checkpoint
 
     @override
@@ -488,7 +489,8 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         if resume is not None and wrapped is not None and resume.state_dict is not None:
             # Wrapping broadcast rank 0's weights to every rank; this rank continues from its own.
             assert self.lightning_module is not None
-            self.lightning_module.load_state_dict(resume.state_dict, strict=self.lightning_module.strict_loading)
+            own = resume.extra.get("current_model_state", resume.state_dict)  # WeightAveraging saves the average
+            self.lightning_module.load_state_dict(own, strict=self.lightning_module.strict_loading)
         super().load_optimizer_state_dict(checkpoint)
         if resume is not None and wrapped is not None:
             wrapped.load_bagua_state_dict(resume.algorithm_state)
@@ -524,6 +526,8 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
         if per_rank:
             own["state_dict"] = checkpoint["state_dict"]
             own["optimizer_states"] = checkpoint.get("optimizer_states")
+            # Callbacks keep per-rank weights too: WeightAveraging's current model, SWA's averaged one.
+            own["extra"] = {key: checkpoint[key] for key in ("current_model_state", "callbacks") if key in checkpoint}
         # Pickled to rank 0 through the default group; CPU copies travel on any backend.
         own = apply_to_collection(own, Tensor, lambda tensor: tensor.detach().cpu())
         gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
@@ -538,7 +542,11 @@ class _BaguaStrategyLogic(_StrategyLogicBase):
             "algorithm_states": [rank_state["algorithm_state"] for rank_state in gathered],
             "ranks": (
                 [
-                    {"state_dict": rank_state["state_dict"], "optimizer_states": rank_state["optimizer_states"]}
+                    {
+                        "state_dict": rank_state["state_dict"],
+                        "optimizer_states": rank_state["optimizer_states"],
+                        "extra": rank_state["extra"],
+                    }
                     for rank_state in gathered
                 ]
                 if per_rank
@@ -703,11 +711,16 @@ class _RankResume:
     """What one rank resumes from: its algorithm state and, where ranks' weights differ, its weights and optimizers."""
 
     def __init__(
-        self, algorithm_state: dict[str, Any], state_dict: dict[str, Any] | None, optimizer_states: list[Any] | None
+        self,
+        algorithm_state: dict[str, Any],
+        state_dict: dict[str, Any] | None,
+        optimizer_states: list[Any] | None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.algorithm_state = algorithm_state
         self.state_dict = state_dict
         self.optimizer_states = optimizer_states
+        self.extra: dict[str, Any] = extra or {}
 
 
 def _read_rank_state(saved: Any, algorithm: str, world_size: int, rank: int) -> _RankResume:
@@ -732,7 +745,7 @@ def _read_rank_state(saved: Any, algorithm: str, world_size: int, rank: int) -> 
         )
     ranks = saved["ranks"]
     own = ranks[rank] if ranks is not None else {"state_dict": None, "optimizer_states": None}
-    return _RankResume(saved["algorithm_states"][rank], own["state_dict"], own["optimizer_states"])
+    return _RankResume(saved["algorithm_states"][rank], own["state_dict"], own["optimizer_states"], own.get("extra"))
 
 
 def _average_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
