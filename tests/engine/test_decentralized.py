@@ -116,6 +116,7 @@ def train(
     steps: int = STEPS,
     cuda: bool = False,
     closure: bool = False,
+    reads: str = "",
 ) -> dict:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     model = make_model().to(device)
@@ -141,11 +142,23 @@ def train(
             optimizer.step(forward_backward)
             states.append(snapshot(model))
             continue
+        if reads == "forward_only":
+            # A training-mode pass that no backward follows (SWA's batch-norm pass), then a checkpoint-style read
+            # while its exchange is in flight: the exchange is waited for and dropped, the weights stay as they are.
+            ddp(batch_for(rank, 1000 + step)[0].to(device))
+            saved_before = snapshot(model)
+            ddp.bagua_state_dict()
+            torch.testing.assert_close(snapshot(model), saved_before, rtol=0, atol=0)
         optimizer.zero_grad()
         for micro in range(accumulate):
             inputs, targets = (t.to(device) for t in batch_for(rank, step * accumulate + micro))
             with ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
-                (nn.functional.mse_loss(ddp(inputs), targets) / accumulate).backward()
+                loss = nn.functional.mse_loss(ddp(inputs), targets) / accumulate
+                if reads == "mid_step":
+                    # Read between forward and backward: waits for the exchange, which backward still applies.
+                    ddp.bagua_state_dict()
+                    model.state_dict()
+                loss.backward()
         optimizer.step()
         states.append(snapshot(model))
     with torch.no_grad():  # evaluation passes neither count nor communicate
@@ -359,6 +372,20 @@ def test_parameters_no_optimizer_drives_are_named_with_the_hint():
 def test_optimizer_step_with_a_closure_matches_the_simulation(mode):
     """The mixing lands at the end of backward, so it is right however the step is driven."""
     results = run_processes(train, 2, {"peer_selection_mode": mode, "hierarchical": False}, None, 1, STEPS, False, True)
+    assert_matches(results, simulate(2, mode))
+
+
+@pytest.mark.parametrize("mode", ["all", "shift_one"])
+@pytest.mark.parametrize("reads", ["mid_step", "forward_only"])
+def test_state_reads_while_an_exchange_is_in_flight_wait_for_it_and_change_nothing(mode, reads):
+    """A read mid-step (a callback, a checkpoint) or after a forward-only pass sees a consistent state.
+
+    Mid-step, the waited-for exchange is still copied in at the end of backward; after a forward-only pass it is
+    dropped, as the next exchange would drop it. Either way training matches the simulation without the reads.
+    """
+    kwargs = {"peer_selection_mode": mode, "hierarchical": False}
+    results = run_processes(train, 2, kwargs, None, 1, STEPS, False, False, reads)
+    # shift_one pairs the two ranks whatever the round, so the dropped rounds do not change the partner.
     assert_matches(results, simulate(2, mode))
 
 

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # The Trainer checkpoints one module, under this name in the "bagua" entry.
 _MODULE_NAME = "model"
+# Checkpoint entries besides the weights and optimizer states that differ between ranks whose weights differ.
+_PER_RANK_ENTRIES = ("current_model_state", "callbacks")
 
 
 class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
@@ -208,6 +210,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
                 lambda: {
                     "state_dict": checkpoint["state_dict"],
                     "optimizer_states": checkpoint.get("optimizer_states"),
+                    # Callbacks keep per-rank weights too: WeightAveraging's current model, SWA's averaged one.
+                    "extra": {key: checkpoint[key] for key in _PER_RANK_ENTRIES if key in checkpoint},
                 },
             )
             if entry is not None:
@@ -259,6 +263,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
             checkpoint["state_dict"] = resume.state_dict
             if resume.optimizer_states is not None:
                 checkpoint["optimizer_states"] = resume.optimizer_states
+            checkpoint.update(resume.extra)
         return checkpoint
 
     @override
@@ -266,9 +271,11 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         resume, self._bagua_resume = self._bagua_resume, None
         wrapped = self.model if isinstance(self.model, BaguaDistributedDataParallel) else None
         if resume is not None and wrapped is not None and resume.state_dict is not None:
-            # Wrapping broadcast rank 0's weights to every rank; this rank continues from its own.
+            # Wrapping broadcast rank 0's weights to every rank; this rank continues from its own (the current ones:
+            # with WeightAveraging, `state_dict` holds the average).
             assert self.lightning_module is not None
-            self.lightning_module.load_state_dict(resume.state_dict, strict=self.lightning_module.strict_loading)
+            own = resume.extra.get("current_model_state", resume.state_dict)
+            self.lightning_module.load_state_dict(own, strict=self.lightning_module.strict_loading)
         super().load_optimizer_state_dict(checkpoint)
         if resume is not None and wrapped is not None:
             wrapped.load_bagua_state_dict(resume.algorithm_state)

@@ -199,6 +199,10 @@ def life_cycle(rank: int, world_size: int) -> dict:
     while impl.rounds < 3 and time.monotonic() < deadline:
         index += 1
         step(ddp, optimizer, rank, index + rank)  # different data per rank keeps the replicas apart
+    # Between steps, what a callback or a checkpoint reads must not move under it: rounds wait for the next step.
+    idle_before, rounds_before = flat(model), impl.rounds
+    time.sleep(40 * INTERVAL_MS / 1000)  # many intervals, in which a round would otherwise land
+    idle = {"unchanged": torch.equal(flat(model), idle_before), "rounds": impl.rounds - rounds_before}
     algorithm.abort(ddp)
     seen["aborted"] = async_threads()
     averaged = flat(model)
@@ -212,7 +216,7 @@ def life_cycle(rank: int, world_size: int) -> dict:
     step(ddp, optimizer, rank, 200 + rank)
     ddp.close()  # aborts (averages once more) and ends the thread
     seen["closed"] = async_threads()
-    return {"seen": seen, "averaged": averaged, "final": flat(model), "rounds": impl.rounds}
+    return {"seen": seen, "averaged": averaged, "final": flat(model), "rounds": impl.rounds, "idle": idle}
 
 
 def test_abort_and_resume_are_idempotent_and_close_ends_the_thread(processes):
@@ -229,6 +233,7 @@ def test_abort_and_resume_are_idempotent_and_close_ends_the_thread(processes):
             "closed": 0,
         }
         assert result["rounds"] >= 5  # three in the loop at least, and the final round of each abort
+        assert result["idle"] == {"unchanged": True, "rounds": 0}
     # abort ends with a plain average, so the replicas agree bit for bit.
     assert torch.equal(results[0]["averaged"], results[1]["averaged"])
     assert torch.equal(results[0]["final"], results[1]["final"])
@@ -270,15 +275,16 @@ def failing_peer(rank: int, world_size: int) -> dict:
     impl = ddp.bagua_algorithm_impl
     for index in range(2):  # DDP's second forward pass rebuilds its buckets, a collective: both ranks take it
         step(ddp, optimizer, rank, index)
-    while impl.rounds < 2:
-        time.sleep(0.01)
+    index = 2
+    while impl.rounds < 2:  # rounds copy weights at step boundaries, so they advance as the ranks step
+        step(ddp, optimizer, rank, index)
+        index += 1
     outcome = "trained"
     if rank == 1:
         impl.stop_on_failure()  # what the strategy does on an exception: no barrier, peers are told
         outcome = "stopped"
     else:
         deadline = time.monotonic() + 60  # only a bound for a broken implementation: the error comes in a round
-        index = 2
         try:
             while time.monotonic() < deadline:
                 step(ddp, optimizer, rank, index)

@@ -9,10 +9,14 @@ Design:
   of its own, repeats *rounds*: snapshot the weights ``s``, all-reduce (sum) the snapshot into ``a``, apply
   ``x += a/n - s``, sleep ``sync_interval_ms``. The training loop never waits on that group, so a slow rank does
   not slow a fast one; the fast one's steps simply land between more of its own rounds.
-* A gate (a lock that lets a waiting averaging thread go first) keeps the thread's snapshot and update between
-  steps: the training thread holds it from the start of a training forward pass until a bound optimizer's
-  ``step()`` returns (or the backward pass ends, when no optimizer is bound). The thread holds it only to copy
-  weights, never while it communicates.
+* A gate (a lock that lets a waiting averaging thread go first) keeps the thread's snapshot and update at step
+  boundaries: while averaging runs, the training thread holds it all the time except for a moment each time a
+  bound optimizer's ``step()`` returns (or the backward pass ends, when no optimizer is bound), in which a
+  waiting thread takes its copy. So whatever the training thread does between steps (a callback that copies or
+  averages the weights, a checkpoint that reads and serialises them, validation) sees weights no round is
+  halfway through changing, and that do not change under it. The thread holds the gate only to copy weights,
+  never while it communicates, so the training thread waits for a local copy at most. While averaging does not
+  run (warm-up, aborted), the gate is held from a training forward pass to the end of its step only.
 * Every round starts with an all-reduce (max) of a stop code, so that every rank leaves the loop after the same
   round: :meth:`AsyncModelAverageImpl.abort` raises this rank's code and waits for its thread, then averages the
   weights once more (plain ``x = a/n``) with every other rank, which makes abort a synchronisation point and leaves
@@ -129,6 +133,10 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     without further calls); the thread starts at the first training forward pass after the warm-up, or at
     :meth:`resume` when the warm-up is over. :meth:`abort` stops it and disables averaging until :meth:`resume`.
     Every rank must make the same calls in the same order, as for any collective.
+
+    The thread copies weights at this rank's step boundaries only, so while the training thread pauses between
+    steps without aborting, this rank's rounds (and, through the collectives, its peers') pause with it; abort
+    before a long pause, as the Lightning strategy does around validation.
     """
 
     def __init__(self, algorithm: "AsyncModelAverageAlgorithm", context: AlgorithmContext) -> None:
@@ -153,7 +161,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._side_stream = torch.cuda.Stream(context.device) if self._cuda else None
         self._training_stream = torch.cuda.current_stream(context.device) if self._cuda else None
         self._stop_code = torch.zeros(1, dtype=torch.int32, device=context.device)
-        # The training side holds the weights from a forward pass to the end of its step.
+        # The training side holds the weights from a forward pass to the end of its step, and between steps too
+        # while averaging runs (see the module docstring).
         self._gate = _WeightsGate()
         self._held = False
         self._enabled = True
@@ -212,11 +221,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             synchronizing: unused; an accumulating pass counts like any other.
         """
         self._raise_if_failed()
-        if not self._held:
-            self._gate.enter_step()
-            self._held = True
-            if self._cuda:
-                self._training_stream = torch.cuda.current_stream(self.context.device)
+        self._hold()
         self.state.all_reduce_gradients = self.in_warmup
         self._step_all_reduced = self.state.all_reduce_gradients  # for telemetry, which asks after the step
         self.state.release_queued = False
@@ -382,6 +387,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._error = None
         self._failure_reported = False
         self._wake.clear()
+        # From now on the training thread lets the weights go at step boundaries only; it may be between steps now.
+        self._hold()
         self._active = True
         self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -441,17 +448,33 @@ class AsyncModelAverageImpl(AlgorithmImpl):
 
     # --------------------------------------------------------------------------------- the gate and the streams
 
+    def _hold(self) -> None:
+        if not self._held:
+            self._gate.enter_step()
+            self._held = True
+            if self._cuda:
+                self._training_stream = torch.cuda.current_stream(self.context.device)
+
     def _release(self) -> None:
         if self._held:
             self._held = False
             self._gate.leave_step()
 
-    def _release_after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    def _step_boundary(self) -> None:
+        if not self._active:
+            self._release()  # nothing averages in the background: the weights are free until the next forward pass
+            return
+        # Let a waiting averaging thread take its copy now, then keep the weights until the next step ends, so
+        # that nothing run between steps can read them halfway through a round's update.
         self._release()
+        self._hold()
+
+    def _release_after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._step_boundary()
 
     def _release_after_backward(self) -> None:
         self.state.release_queued = False
-        self._release()
+        self._step_boundary()
 
     @contextmanager
     def _on_side_stream(self) -> Iterator[None]:
@@ -544,6 +567,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
 class _WeightsGate:
     """Who may touch the weights: the training thread during a step, or the averaging thread between steps.
+
+    The training thread may also hold it between steps (the implementation does while averaging runs), leaving it
+    only for a moment at each step boundary: a waiting averaging thread copies then.
 
     A plain lock would starve the averaging thread: the training thread gives the weights back at the end of a step
     and takes them again at the next forward pass, before a waiting thread gets scheduled. Here a waiting averaging

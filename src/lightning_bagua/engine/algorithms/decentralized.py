@@ -193,21 +193,32 @@ class DecentralizedImpl(AlgorithmImpl):
         parameters (saved with the model) are all of the weight state. What differs between ranks is the weights
         and the optimizer state, which the caller saves per rank.
 
+        An exchange still in flight (a training forward pass ran and its backward has not, or never will: a
+        callback such as Lightning's ``StochasticWeightAveraging`` runs forward-only passes in training mode) is
+        waited for first, so nothing is half done while the caller reads; its result stays for that backward's
+        copy, if one comes. The parameters are never touched by an exchange before that copy, so they too are a
+        consistent state to save at any time.
+
         Returns:
             ``{"forward_passes": int, "rounds": int, "due": bool}``.
-
-        Raises:
-            RuntimeError: an exchange is in flight (between a training forward pass and its backward), which
-                cannot be saved; save between optimizer steps.
         """
+        self.settle()
         state = self.state
-        if state.pending is not None:
-            raise RuntimeError(
-                f"Algorithm {DecentralizedAlgorithm.name!r} cannot save its state while a weight exchange is in"
-                " flight (between a training forward pass and the end of its backward). Save between optimizer"
-                " steps, as Lightning's checkpointing does."
-            )
         return {"forward_passes": state.forward_passes, "rounds": state.rounds, "due": state.due}
+
+    def settle(self) -> None:
+        """Wait for the exchange in flight, if any, keeping its result for the end of the backward that consumes it.
+
+        Idempotent, and free when nothing is in flight. After it, nothing runs in the background until the next
+        training forward pass starts an exchange.
+        """
+        pending = self.state.pending
+        if pending is None:
+            return
+        pending()
+        # The peer weights now sit in the exchange buffers; the copy at the end of backward (or the next exchange,
+        # which drops an unconsumed one) must not wait, or divide, a second time.
+        self.state.pending = _settled
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters :meth:`state_dict` returned.
@@ -332,6 +343,10 @@ class DecentralizedAlgorithm(Algorithm):
 
 class _OnDevice(Protocol):
     device: torch.device
+
+
+def _settled() -> None:
+    """The pending call of an exchange that :meth:`DecentralizedImpl.settle` has already finished."""
 
 
 def local_gradient_hook(state: _OnDevice, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

@@ -9,7 +9,8 @@ Version 2, written by the Trainer and Fabric strategies alike::
             "<name>": {                       # "model" under the Trainer; the key given to fabric.save under Fabric
                 "algorithm": "decentralized",
                 "algorithm_states": [...],    # each rank's BaguaDistributedDataParallel.bagua_state_dict()
-                "ranks": [...] or None,       # each rank's {"state_dict", "optimizer_states"} where ranks differ
+                "ranks": [...] or None,       # each rank's {"state_dict", "optimizer_states", "extra"} where ranks
+                                              # differ ("extra": the framework's other per-rank entries)
                 "averaged": bool,             # the top-level weights are the ranks' average (average_before_save)
             },
         },
@@ -67,12 +68,21 @@ class RankResume:
         algorithm_state: this rank's ``bagua_state_dict()``.
         state_dict: this rank's module weights, or ``None`` where every rank resumes from the shared ones.
         optimizer_states: this rank's optimizer states, in the framework's own layout, or ``None``.
+        extra: this rank's other checkpoint entries that differ between ranks (under the Trainer, the callbacks'
+            state and ``WeightAveraging``'s current weights); empty where none were saved.
     """
 
-    def __init__(self, algorithm_state: dict[str, Any], state_dict: Any | None, optimizer_states: Any | None) -> None:
+    def __init__(
+        self,
+        algorithm_state: dict[str, Any],
+        state_dict: Any | None,
+        optimizer_states: Any | None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.algorithm_state = algorithm_state
         self.state_dict = state_dict
         self.optimizer_states = optimizer_states
+        self.extra = extra or {}
 
 
 def gather_module_entry(
@@ -82,8 +92,8 @@ def gather_module_entry(
 
     Args:
         wrapped: the module.
-        weights: this rank's ``{"state_dict": ..., "optimizer_states": ...}`` when the algorithm's ranks hold
-            different weights, else ``None``.
+        weights: this rank's ``{"state_dict": ..., "optimizer_states": ..., "extra": {...}}`` when the algorithm's
+            ranks hold different weights, else ``None``.
         average: write the ranks' average as the top-level weights (only with per-rank weights).
         world_size: the number of processes.
 
@@ -107,7 +117,7 @@ def gather_module_entry(
         "algorithm": wrapped.bagua_algorithm.name,
         "algorithm_states": [rank_state["algorithm_state"] for rank_state in gathered],
         "ranks": (
-            [{"state_dict": rank["state_dict"], "optimizer_states": rank["optimizer_states"]} for rank in gathered]
+            [{key: value for key, value in rank.items() if key != "algorithm_state"} for rank in gathered]
             if per_rank
             else None
         ),
@@ -220,7 +230,8 @@ def rank_resume(entry: ModuleEntry, name: str, algorithm: str, world_size: int, 
             )
         rank = 0
     own = entry["ranks"][rank] if entry["ranks"] is not None else {"state_dict": None, "optimizer_states": None}
-    return RankResume(entry["algorithm_states"][rank], own["state_dict"], own["optimizer_states"])
+    # Entries written before the per-rank "extra" was saved hold weights and optimizer states only.
+    return RankResume(entry["algorithm_states"][rank], own["state_dict"], own["optimizer_states"], own.get("extra"))
 
 
 def average_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
