@@ -4,21 +4,37 @@ import io
 import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> None:
+    """Run ``script`` with ``args`` under torchrun on ``nproc`` local processes, from the repository root.
+
+    Raises an ``AssertionError`` with the end of the job's output unless every process exits with 0.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), str(script), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
 
 
 def _child(

@@ -5,15 +5,12 @@ save in new processes. Resumed runs of the deterministic algorithms (all but ``a
 its background thread gets to them) end bit for bit where the uninterrupted runs end: ``rtol=0, atol=0``.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import run_torchrun
 from tests.strategies.callbacks_script import (
     ALGORITHMS,
     BATCHES_PER_EPOCH,
@@ -23,7 +20,6 @@ from tests.strategies.callbacks_script import (
     RESUME_FROM,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("callbacks_script.py")
 EXACT = {"rtol": 0, "atol": 0}
 WORLD_SIZE = 2
@@ -42,13 +38,7 @@ ALGORITHM_OPS = {
 
 
 def _run_phase(out: Path, phase: str) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
-        "--master-port", str(free_port()), str(SCRIPT), "--out", str(out), "--phase", phase,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    run_torchrun(SCRIPT, "--out", str(out), "--phase", phase, nproc=WORLD_SIZE, timeout=240)
 
 
 @pytest.fixture(scope="module")

@@ -6,32 +6,22 @@ ranks sum in a fixed order, the 8-bit codec rounds deterministically), so weight
 bit for bit: ``rtol=0, atol=0``.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_bagua.strategies._core.checkpoint import average_state_dicts, module_entries, rank_resume
-from tests.distributed import free_port
+from tests.distributed import run_torchrun
 from tests.strategies.resume_script import BATCHES_PER_EPOCH, CASES, EPOCHS
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("resume_script.py")
 EXACT = {"rtol": 0, "atol": 0}
 WORLD_SIZE = 2
 
 
 def _run_phase(out: Path, phase: str) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
-        "--master-port", str(free_port()), str(SCRIPT), "--out", str(out), "--phase", phase,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=150)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    run_torchrun(SCRIPT, "--out", str(out), "--phase", phase, nproc=WORLD_SIZE, timeout=150)
 
 
 @pytest.fixture(scope="module")

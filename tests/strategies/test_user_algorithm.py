@@ -5,30 +5,20 @@ The strategies know it only through the algorithm interface: its ``ranks_hold_di
 rank's weights and optimizer state part of the checkpoint, so each rank resumes its own.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import run_torchrun
 from tests.strategies.user_algorithm_script import CHECKPOINT_STEP, PERIOD, STEPS
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("user_algorithm_script.py")
 EXACT = {"rtol": 0, "atol": 0}
 
 
 def _run(out: Path, framework: str, phase: str) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        str(SCRIPT), "--out", str(out), "--framework", framework, "--phase", phase,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    run_torchrun(SCRIPT, "--out", str(out), "--framework", framework, "--phase", phase, timeout=200)
 
 
 @pytest.mark.timeout(480)
