@@ -358,7 +358,7 @@ def telemetry_run(algorithm: str, steps: int, loggers=None, **kwargs: Any) -> di
         "decision": None if tuner is None else tuner.decision,
         "measurements": None if tuner is None else tuner.measurements,
         "steps_needed": None if tuner is None else tuner.steps_needed,
-        "stopped_noting_holders": strategy._holder_hook is None,
+        "stopped_noting_holders": strategy._autotuning._hook is None,
     }
     for logger in fabric.loggers:
         logger.finalize("success")
