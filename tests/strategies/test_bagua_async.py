@@ -7,9 +7,15 @@ from tests.strategies.test_bagua import load_ranks, param_bytes, run_script
 
 WARMUP_STEPS = 2
 STEPS = 6
-# Validation after training batches 3 and 6: the first pauses averaging mid-fit, then training resumes.
+# Validation after training batches 3 and 6; with pause_for_validation=True the first pauses averaging mid-fit,
+# then training resumes.
 ARGS = (
-    *("--algorithm", "async", "--kwargs", f'{{"sync_interval_ms": 1, "warmup_steps": {WARMUP_STEPS}}}'),
+    *(
+        "--algorithm",
+        "async",
+        "--kwargs",
+        f'{{"sync_interval_ms": 1, "warmup_steps": {WARMUP_STEPS}, "pause_for_validation": true}}',
+    ),
     *("--max-steps", str(STEPS), "--val-check-interval", "3"),
 )
 

@@ -147,11 +147,11 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
 
     @override
     def on_validation_start(self) -> None:
-        # Background work (weight averaging in a thread) stops while validation runs inside fit, so that every rank
-        # validates the same weights; it starts again after.
+        # Only when asked: stopping background work (async averaging) is a collective with a sync of its own, which
+        # Bagua never made here; its rounds wait for the next training step anyway, so validation reads whole ones.
         super().on_validation_start()
         impl = self._algorithm_impl()
-        if impl is not None:
+        if impl is not None and self._pause_for_validation:
             impl.stop()
             self._paused_for_validation = True
 

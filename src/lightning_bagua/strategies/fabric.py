@@ -72,6 +72,12 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         precision: Any | None = None,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("pause_for_validation"):
+            raise ValueError(
+                "`pause_for_validation=True` applies to the Trainer's validation inside fit; Fabric runs your own loop."
+                " Call `module.bagua_algorithm_impl.stop()` and `.start()` on `strategy.bagua_modules` around your"
+                " validation instead, on every process."
+            )
         # Fabric's DDPStrategy calls the precision plugin `precision`; everything else is the core's.
         super().__init__(
             algorithm, flatten, accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, **kwargs

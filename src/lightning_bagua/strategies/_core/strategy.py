@@ -102,10 +102,12 @@ class BaguaStrategyCore(_CoreBase):
         telemetry: bool = False,
         autotune: bool | None = None,
         average_before_save: bool = False,
+        pause_for_validation: bool = False,
         **bagua_kwargs: Any,
     ) -> None:
         check_timeout(timeout)
         self._average_before_save = check_flag("average_before_save", average_before_save)
+        self._pause_for_validation = check_flag("pause_for_validation", pause_for_validation)
         self._algorithm = check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
         self._telemetry, self._autotune = check_telemetry_and_autotune(telemetry, autotune)
         if cluster_environment is None and self._bagua_environment_cls.detect():
@@ -151,6 +153,11 @@ class BaguaStrategyCore(_CoreBase):
     def average_before_save(self) -> bool:
         """Whether a checkpoint's weights are the average of the ranks' instead of rank 0's, where ranks differ."""
         return self._average_before_save
+
+    @property
+    def pause_for_validation(self) -> bool:
+        """Whether background work (async averaging) stops, and starts again, around validation inside fit."""
+        return self._pause_for_validation
 
     @property
     def communication_counter(self) -> CommunicationCounter | None:
