@@ -272,11 +272,12 @@ def test_hierarchical_two_nodes_of_two_matches_the_simulation(mode):
         assert result["bytes_by_op"] == expected, f"rank {rank}"
 
 
-def test_hierarchical_on_one_node_is_the_flat_algorithm():
-    results = run_processes(train, 2, {"peer_selection_mode": "shift_one", "hierarchical": True})
+def test_hierarchical_all_on_one_node_averages_the_node():
+    # Bagua's rule: the node average among one leader is the average of all ranks.
+    results = run_processes(train, 2, {"peer_selection_mode": "all", "hierarchical": True})
     assert not results[0]["hierarchical"]
-    assert_matches(results, simulate(2, "shift_one"))
-    assert results[0]["bytes_by_op"] == {"send": STEPS * param_bytes()}
+    assert_matches(results, simulate(2, "all"))
+    assert results[0]["bytes_by_op"] == {"all_reduce": STEPS * param_bytes()}
 
 
 @pytest.mark.gpu(count=2)
@@ -356,6 +357,14 @@ def test_odd_number_of_nodes_with_shift_one_names_nodes_and_the_fix():
         algorithm.reify(fake_context(6, 2))
     # The same 6 ranks flat are an even number: no error.
     DecentralizedAlgorithm(peer_selection_mode="shift_one", hierarchical=False).reify(fake_context(6, 2, None, False))
+
+
+def test_hierarchical_shift_one_on_one_node_is_refused_as_in_bagua():
+    # Bagua pairs nodes, and one node cannot pair; pairing its ranks instead would be another algorithm.
+    algorithm = DecentralizedAlgorithm(peer_selection_mode="shift_one", hierarchical=True)
+    with pytest.raises(ValueError, match=r"pairs nodes, but all 2 ranks are on one node\. Pass hierarchical=False"):
+        algorithm.reify(fake_context(2, 2))
+    DecentralizedAlgorithm(peer_selection_mode="shift_one", hierarchical=False).reify(fake_context(2, 2, None, False))
 
 
 def test_parameters_no_optimizer_drives_are_named_with_the_hint():

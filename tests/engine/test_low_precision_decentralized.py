@@ -37,7 +37,12 @@ def numel() -> int:
 class Simulation:
     """``n`` replicas in one process; the ring members are ranks, or nodes of ``ranks_per_node`` ranks."""
 
-    def __init__(self, world_size: int, ranks_per_node: int = 1, quantise: bool = True) -> None:
+    def __init__(
+        self, world_size: int, ranks_per_node: int = 1, quantise: bool = True, chunk_bytes: int | None = None
+    ) -> None:
+        # chunk_bytes: Bagua quantises each bucket on its own; the flat difference is cut into pieces of at most
+        # this many bytes, each with its own min/max (None: one piece).
+        self.chunk_bytes = chunk_bytes
         self.replicas = [make_model() for _ in range(world_size)]
         self.optimizers = [torch.optim.SGD(replica.parameters(), lr=LR) for replica in self.replicas]
         self.names = [name for name, _ in self.replicas[0].named_parameters()]
@@ -61,7 +66,16 @@ class Simulation:
         self.optimizers[rank].step()
 
     def round_trip(self, d: torch.Tensor) -> torch.Tensor:
-        return CODEC.decompress(CODEC.compress(d), d.numel(), d.dtype) if self.quantise else d
+        if not self.quantise:
+            return d
+        pieces = 1 if self.chunk_bytes is None else -(-d.numel() * d.element_size() // self.chunk_bytes)
+        return CODEC.decompress(CODEC.compress(d, num_chunks=pieces), d.numel(), d.dtype)
+
+    def node_average(self) -> None:
+        # Bagua's hierarchical rule on a single node: the node's ranks average at full precision, no ring.
+        average = sum(self.flat(rank) for rank in range(len(self.replicas))) / len(self.replicas)
+        for replica in self.replicas:
+            torch.nn.utils.vector_to_parameters(average.clone(), replica.parameters())
 
     def ring_round(self) -> None:
         k, members = self.ranks_per_node, len(self.w)
@@ -88,9 +102,11 @@ def simulate(
     steps: int = STEPS,
     skipped: tuple[tuple[int, int], ...] = (),
     quantise: bool = True,
+    chunk_bytes: int | None = None,
+    one_node: bool = False,
 ) -> list[list[dict[str, torch.Tensor]]]:
     """Return every replica's parameters after each step (local SGD step, then the ring round when due)."""
-    simulation = Simulation(world_size, ranks_per_node, quantise)
+    simulation = Simulation(world_size, ranks_per_node, quantise, chunk_bytes)
     history = []
     for step in range(steps):
         passes = range(step * accumulate, (step + 1) * accumulate)
@@ -98,7 +114,7 @@ def simulate(
             if (rank, step) not in skipped:
                 simulation.local_step(rank, passes, accumulate)
         if any(forward_pass % interval == 0 for forward_pass in passes):
-            simulation.ring_round()
+            simulation.node_average() if one_node else simulation.ring_round()
         history.append(simulation.states())
     return history
 
@@ -127,6 +143,7 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
         LowPrecisionDecentralizedAlgorithm(**algorithm_kwargs),
         ranks_per_node=options.get("ranks_per_node"),
         device_ids=[rank] if cuda else None,
+        bucket_cap_mb=options.get("bucket_cap_mb"),
     )
     states = []
     for step in range(steps):
@@ -177,6 +194,31 @@ def test_flat_ring_matches_the_simulation_step_by_step(world_size):
     assert_ring_consistent(results)
 
 
+def test_each_bucket_sized_piece_of_the_difference_is_quantised_on_its_own():
+    # Bagua compresses per bucket: with 64-byte buckets the model's difference is cut into several pieces, each
+    # scaled by its own range, which one global min/max would quantise differently.
+    chunk_bytes = 64
+    assert numel() * 4 > 2 * chunk_bytes
+    results = run_processes(train, 2, {"hierarchical": False}, {"bucket_cap_mb": chunk_bytes / 1024**2})
+    assert_matches(results, simulate(2, chunk_bytes=chunk_bytes))
+    with pytest.raises(AssertionError):
+        assert_matches(results, simulate(2))
+    pieces = -(-numel() * 4 // chunk_bytes)
+    piece = -(-numel() // pieces)
+    assert results[0]["bytes_by_op"] == {"send": STEPS * pieces * (HEADER_BYTES + piece)}
+    assert_ring_consistent(results)
+
+
+def test_hierarchical_on_one_node_averages_the_node_at_full_precision_as_bagua():
+    results = run_processes(train, 2, {"hierarchical": True}, {"ranks_per_node": 2})
+    assert_matches(results, simulate(2, one_node=True))
+    # The node's ranks keep identical weights, and nothing is compressed.
+    for step in range(STEPS):
+        torch.testing.assert_close(results[0]["states"][step], results[1]["states"][step], rtol=0, atol=0)
+    assert results[0]["bytes_by_op"] == {"all_reduce": STEPS * numel() * 4}
+    assert results[0]["copies"] is None
+
+
 def assert_ring_consistent(results: list[dict]) -> None:
     # DCD-PSGD's invariant: every rank's L and R are its neighbours' w, bit for bit, and its parameters are its w.
     n = len(results)
@@ -203,13 +245,15 @@ def test_hierarchical_two_nodes_of_two_runs_the_ring_among_leaders():
 
 def test_communication_interval_and_accumulation_count_forward_passes():
     # accumulate=2 runs passes (0,1) (2,3) (4,5) (6,7) (8,9); interval 3 is due at 0, 3, 6, 9 -> steps 0, 1, 3, 4.
-    results = run_processes(train, 2, {"communication_interval": 3}, {"accumulate": 2, "steps": 5})
+    results = run_processes(
+        train, 2, {"communication_interval": 3, "hierarchical": False}, {"accumulate": 2, "steps": 5}
+    )
     assert_matches(results, simulate(2, interval=3, accumulate=2, steps=5))
     assert results[0]["bytes_by_op"] == {"send": 4 * ring_bytes(2)}
 
 
 def test_several_optimizers_communicate_once_after_the_last_of_them():
-    results = run_processes(train, 2, {}, {"steps": 3, "split_optimizers": True})
+    results = run_processes(train, 2, {"hierarchical": False}, {"steps": 3, "split_optimizers": True})
     assert_matches(results, simulate(2, steps=3))
     assert results[0]["bytes_by_op"] == {"send": 3 * ring_bytes(2)}
 

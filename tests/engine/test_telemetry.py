@@ -231,7 +231,7 @@ def test_step_without_communication_has_no_ratio():
 def train_async_with_telemetry(rank: int, world_size: int) -> list[dict | None]:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    algorithm = Algorithm.init("async", warmup_steps=2, sync_interval_ms=0)
+    algorithm = Algorithm.init("async", warmup_steps=2, sync_interval_ms=1)
     ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, telemetry=True)
     records = []
     for step in range(5):
@@ -253,4 +253,7 @@ def test_async_reports_its_warmup_and_averaging_rate():
         assert [warmup for warmup, _ in phases[:2]] == [1.0, 1.0], records
         assert all(warmup == 0.0 for warmup, _ in phases[2:]), records
         assert phases[2:], "no record after the warm-up"
-        assert phases[-1][1] > 0, f"no averaging rounds counted after the warm-up: {records}"
+        # Rounds copy the weights at step boundaries, so a step's record may close before its round lands: some
+        # record after the warm-up counts rounds, none during it.
+        assert any(rate > 0 for _, rate in phases[2:]), f"no averaging rounds counted after the warm-up: {records}"
+        assert all(rate == 0 for _, rate in phases[:2]), records

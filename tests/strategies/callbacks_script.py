@@ -32,6 +32,9 @@ EPOCHS = 3
 BATCHES_PER_EPOCH = 2
 QADAM_WARMUP_STEPS = 3
 ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async")
+# One node: low_precision_decentralized's default hierarchical=True would average the node at full precision, as
+# Bagua does; flat, it runs its compressed ring.
+KEYWORDS: dict[str, dict] = {"async": {"sync_interval_ms": 5}, "low_precision_decentralized": {"hierarchical": False}}
 CALLBACK_SETS = ("swa", "ema", "pruning")
 # The checkpoint each resumable set resumes from: SWA's after its first averaging epoch, so that its averaged
 # model (per rank where the ranks' weights differ) is part of what resumes.
@@ -124,7 +127,7 @@ def main() -> None:
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
-            strategy=BaguaStrategy(algorithm=algorithm, **({"sync_interval_ms": 5} if algorithm == "async" else {})),
+            strategy=BaguaStrategy(algorithm=algorithm, **KEYWORDS.get(algorithm, {})),
             max_epochs=EPOCHS,
             limit_train_batches=BATCHES_PER_EPOCH,
             limit_val_batches=1,

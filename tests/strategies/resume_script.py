@@ -31,12 +31,13 @@ CASES: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     # Every third pass exchanges, so the resumed run must know where in the interval it stopped.
     "decentralized_shift_one": (
         "decentralized",
-        {"peer_selection_mode": "shift_one", "communication_interval": 3},
+        {"peer_selection_mode": "shift_one", "communication_interval": 3, "hierarchical": False},
         "sgd",
         False,
     ),
     "decentralized_averaged": ("decentralized", {}, "sgd", True),
-    "low_precision_decentralized": ("low_precision_decentralized", {}, "sgd", False),
+    # One node: hierarchical=True would average the node at full precision (as Bagua does); the ring runs flat.
+    "low_precision_decentralized": ("low_precision_decentralized", {"hierarchical": False}, "sgd", False),
     "qadam": ("qadam", {}, "qadam", False),
 }
 

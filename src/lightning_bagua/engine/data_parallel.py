@@ -145,7 +145,13 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             if parameter.requires_grad and name not in self.parameters_to_ignore
         )
         context = AlgorithmContext(
-            self._bagua_groups, self.communication_counter, self._bagua_executor, device, named_parameters, timeout
+            self._bagua_groups,
+            self.communication_counter,
+            self._bagua_executor,
+            device,
+            named_parameters,
+            timeout,
+            default_bucket_cap_mb() if bucket_cap_mb is None else float(bucket_cap_mb),
         )
         try:
             self._bagua_impl: AlgorithmImpl = algorithm.reify(context)

@@ -71,6 +71,7 @@ def test_registered_with_bagua_defaults():
         ({"warmup_steps": True}, TypeError, r"`warmup_steps` must be a int, got True"),
         ({"sync_interval_ms": 0.5}, TypeError, r"`sync_interval_ms` must be a int, got 0.5"),
         ({"hierarchical": True}, TypeError, r"Unknown keyword argument\(s\) 'hierarchical'"),
+        ({"average_on_abort": 1}, TypeError, r"`average_on_abort` must be a bool, got 1"),
     ],
 )
 def test_bad_keywords_fail_at_construction(kwargs, error, message):
@@ -354,6 +355,49 @@ def test_checkpoint_state_resumes_the_warmup_counter(processes):
 # Every scenario above runs in one pair of processes (starting processes is what costs time here); each builds and
 # closes its own wrapper, so they are independent. The failing-peer scenario leaves no collective behind: last.
 
+
+def bagua_edges(rank: int, world_size: int) -> dict:
+    """Bagua's rules at two edges: sync_interval_ms=0 never averages; abort just stops when asked to."""
+    outcome: dict = {}
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    ddp = wrap(model, optimizer, sync_interval_ms=0)
+    for index in range(4):
+        step(ddp, optimizer, rank, index)
+    time.sleep(0.1)
+    outcome["never"] = {"rounds": ddp.bagua_algorithm_impl.rounds, "threads": async_threads()}
+    outcome["never_weights"] = flat(model)
+    ddp.bagua_algorithm.abort(ddp)
+    ddp.close()
+    for average_on_abort in (False, True):
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        ddp = wrap(model, optimizer, sync_interval_ms=10_000, average_on_abort=average_on_abort)
+        for index in range(3):  # the first round lands at the first step boundary; the next would wait 10 s
+            step(ddp, optimizer, rank, index)
+        before = flat(model)
+        ddp.bagua_algorithm.abort(ddp)
+        outcome[f"abort_{average_on_abort}"] = {"before": before, "after": flat(model)}
+        ddp.close()
+    return outcome
+
+
+def test_bagua_edges_sync_interval_zero_never_averages_and_abort_can_just_stop(processes):
+    results = processes["bagua_edges"]
+    # sync_interval_ms=0: no thread, no round; the ranks trained on their own data and differ, as in Bagua.
+    for result in results:
+        assert result["never"] == {"rounds": 0, "threads": 0}
+    assert not torch.equal(results[0]["never_weights"], results[1]["never_weights"])
+    # average_on_abort=False: abort stops and leaves each rank's weights as they were (Bagua's abort).
+    for result in results:
+        torch.testing.assert_close(result["abort_False"]["after"], result["abort_False"]["before"], rtol=0, atol=0)
+    assert not torch.equal(results[0]["abort_False"]["after"], results[1]["abort_False"]["after"])
+    # The default averages once more: every rank ends with the mean of the ranks' weights.
+    mean = (results[0]["abort_True"]["before"] + results[1]["abort_True"]["before"]) / 2
+    for result in results:
+        torch.testing.assert_close(result["abort_True"]["after"], mean, **TOLERANCE)
+
+
 SCENARIOS = {
     "warmup": warmups,
     "round": one_round_by_hand,
@@ -361,6 +405,7 @@ SCENARIOS = {
     "checkpoint": save_and_resume,
     "slow_and_fast": slow_and_fast,
     "failing_peer": failing_peer,
+    "bagua_edges": bagua_edges,
 }
 
 

@@ -143,6 +143,13 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         super().__init__(algorithm, context)
         self.warmup_steps = algorithm.warmup_steps
         self.sync_interval = algorithm.sync_interval_ms / 1000
+        self.average_on_abort = algorithm.average_on_abort
+        if algorithm.sync_interval_ms == 0 and context.groups.rank == 0:
+            log.warning(
+                "Algorithm 'async' with sync_interval_ms=0 never averages the weights, as in Bagua: after %d warm-up"
+                " steps every rank trains on its own. Pass sync_interval_ms=1 (or more) to average in the background.",
+                algorithm.warmup_steps,
+            )
         self.state = AsyncModelAverageState(
             warmup=GradientAllReduceState.from_context(context, average=True),
             device=context.device,
@@ -226,7 +233,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._step_all_reduced = self.state.all_reduce_gradients  # for telemetry, which asks after the step
         self.state.release_queued = False
         self.forward_passes += 1
-        if not self.state.all_reduce_gradients and self._enabled and not self._active:
+        if not self.state.all_reduce_gradients and self._enabled and not self._active and self.sync_interval > 0:
             self._start()
 
     def bind_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
@@ -260,7 +267,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         """Enable averaging and, past the warm-up, start the background thread; a no-op when it runs already."""
         self._raise_if_failed()
         self._enabled = True
-        if not self._active and not self.in_warmup:
+        if not self._active and not self.in_warmup and self.sync_interval > 0:
             self._start()
 
     def abort(self) -> None:
@@ -283,6 +290,9 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             # Some rank will never join a final average: report the failure (once) and leave the weights as they are.
             self._raise_if_failed()
             log.warning("Async model averaging was aborted after a failure; the replicas were not averaged.")
+            return
+        if not self.average_on_abort:
+            log.debug("async averaging stopped after %d rounds, without a last average", self.rounds)
             return
         # The loop has ended on every rank; only this thread touches the weights and the group now.
         self._snapshot()
@@ -517,8 +527,11 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
     Args:
         peer_selection_mode: who averages with whom; ``"all"`` (every rank) is the only mode.
-        sync_interval_ms: pause between two averaging rounds, in milliseconds (``0``: back to back).
+        sync_interval_ms: pause between two averaging rounds, in milliseconds. ``0`` never averages, as in Bagua:
+            after the warm-up every rank trains on its own (rank zero logs this once).
         warmup_steps: training forward passes whose gradients are all-reduced before averaging starts.
+        average_on_abort: when :meth:`abort` stops the averaging, average the replicas one last time, so that
+            every rank ends (and checkpoints, validates) with the same weights. ``False`` just stops, as Bagua did.
 
     Raises:
         ValueError: ``peer_selection_mode`` is not ``"all"``, or a count is negative.
@@ -528,8 +541,16 @@ class AsyncModelAverageAlgorithm(Algorithm):
     ranks_hold_different_weights = True
     impl_class = AsyncModelAverageImpl
 
-    def __init__(self, *, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0) -> None:
+    def __init__(
+        self,
+        peer_selection_mode: str = "all",
+        sync_interval_ms: int = 500,
+        warmup_steps: int = 0,
+        *,
+        average_on_abort: bool = True,
+    ) -> None:
         check_keyword_type(self.name, "peer_selection_mode", peer_selection_mode, str)
+        check_keyword_type(self.name, "average_on_abort", average_on_abort, bool)
         if peer_selection_mode not in PEER_SELECTION_MODES:
             raise ValueError(
                 f"Algorithm {self.name!r}: `peer_selection_mode` must be one of"
@@ -543,11 +564,13 @@ class AsyncModelAverageAlgorithm(Algorithm):
         self.peer_selection_mode = peer_selection_mode
         self.sync_interval_ms = sync_interval_ms
         self.warmup_steps = warmup_steps
+        self.average_on_abort = average_on_abort
 
     def abort(self, bagua_ddp_module: Any) -> None:
         """Stop the background averaging of ``bagua_ddp_module``; a no-op when it is not running.
 
-        Collective: every rank must call it. It returns once every rank has, with the replicas averaged a last time.
+        Collective: every rank must call it. It returns once every rank has, with the replicas averaged a last time
+        unless the algorithm was built with ``average_on_abort=False``.
 
         Args:
             bagua_ddp_module: a :class:`~lightning_bagua.engine.BaguaDistributedDataParallel` using this algorithm.

@@ -52,6 +52,8 @@ class AlgorithmContext:
             are not listed in ``_bagua_params_and_buffers_to_ignore`` / ``_ddp_params_and_buffers_to_ignore``.
         timeout: how long a collective may wait before it fails (the wrapper's ``timeout``); ``None`` for torch's
             default. An algorithm that creates communicators of its own creates them with it.
+        bucket_cap_mb: the wrapper's bucket size in MiB; algorithms that communicate weights rather than DDP's
+            gradient buckets cut their flat weights into pieces of this size where Bagua did (its 10 MiB default).
     """
 
     groups: CommunicationGroups
@@ -60,6 +62,7 @@ class AlgorithmContext:
     device: torch.device
     named_parameters: tuple[tuple[str, torch.nn.Parameter], ...] = ()
     timeout: timedelta | None = None
+    bucket_cap_mb: float = 10.0
 
 
 @dataclass
@@ -194,8 +197,9 @@ class AlgorithmImpl(ABC):
 class Algorithm(ABC):
     """A Bagua communication algorithm's configuration; :meth:`reify` binds it to a wrapped model.
 
-    Build one by name with :meth:`init`, or construct a subclass directly. Every keyword of an algorithm is
-    keyword-only and validated at construction, so a typo fails before any process group starts.
+    Build one by name with :meth:`init`, or construct a subclass directly. An algorithm's keywords are validated at
+    construction, so a typo fails before any process group starts; they may be given by position in the order
+    Bagua's constructors took them.
     """
 
     name: ClassVar[str]
@@ -265,8 +269,10 @@ class Algorithm(ABC):
     @classmethod
     def keywords(cls) -> dict[str, Any]:
         """Return the algorithm's keywords and their defaults (``inspect.Parameter.empty`` if required)."""
-        parameters = inspect.signature(cls.__init__).parameters.values()
-        return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        # Positional ones too: Bagua's constructors took their keywords by position (QAdamAlgorithm(optimizer)).
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without `self`
+        return {p.name: p.default for p in parameters if p.kind in kinds}
 
     def __repr__(self) -> str:
         values = ", ".join(f"{key}={getattr(self, key)!r}" for key in self.keywords())

@@ -55,7 +55,7 @@ class ByteGradAlgorithm(Algorithm):
 
     impl_class = ByteGradImpl
 
-    def __init__(self, *, hierarchical: bool = True, average: bool = True) -> None:
+    def __init__(self, hierarchical: bool = True, average: bool = True) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_keyword_type(self.name, "average", average, bool)
         self.hierarchical = hierarchical

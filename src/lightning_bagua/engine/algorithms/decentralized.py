@@ -140,7 +140,18 @@ class DecentralizedImpl(AlgorithmImpl):
             peer_selection_mode=algorithm.peer_selection_mode,
             communication_interval=algorithm.communication_interval,
         )
-        if algorithm.peer_selection_mode == "shift_one" and self.state.participants % 2:
+        groups = context.groups
+        if algorithm.peer_selection_mode == "shift_one" and algorithm.hierarchical and groups.layout.num_nodes == 1:
+            if groups.world_size > 1:
+                # Bagua pairs nodes here and refuses a single one; pairing the node's ranks silently would be
+                # another algorithm than the one asked for.
+                raise ValueError(
+                    f"Algorithm {DecentralizedAlgorithm.name!r} with peer_selection_mode='shift_one' and"
+                    " hierarchical=True pairs nodes, but all"
+                    f" {groups.world_size} ranks are on one node. Pass hierarchical=False to pair the ranks, or"
+                    " peer_selection_mode='all' to average the node."
+                )
+        elif algorithm.peer_selection_mode == "shift_one" and self.state.participants % 2:
             raise ValueError(_odd_participants_message(self.state.groups, self.state.participants))
         self.state.weights = group_by_dtype(
             [parameter for _, parameter in context.named_parameters],
@@ -325,7 +336,7 @@ class DecentralizedAlgorithm(Algorithm):
     communicates_gradient_buckets = False
 
     def __init__(
-        self, *, hierarchical: bool = True, peer_selection_mode: str = "all", communication_interval: int = 1
+        self, hierarchical: bool = True, peer_selection_mode: str = "all", communication_interval: int = 1
     ) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_keyword_type(self.name, "peer_selection_mode", peer_selection_mode, str)

@@ -50,7 +50,7 @@ class GradientAllReduceAlgorithm(Algorithm):
 
     impl_class = GradientAllReduceImpl
 
-    def __init__(self, *, hierarchical: bool = False, average: bool = True) -> None:
+    def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_keyword_type(self.name, "average", average, bool)
         self.hierarchical = hierarchical

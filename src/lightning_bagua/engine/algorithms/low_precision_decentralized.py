@@ -1,6 +1,7 @@
 """``low_precision_decentralized``: DCD-PSGD, a ring exchanging 8-bit compressed weight differences."""
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,16 +47,18 @@ class _RingCopies:
 
     Args:
         weights: the group's current (starting) weights, flat.
+        num_chunks: how many independently scaled chunks the group's code has (one per bucket-sized piece).
         row_bytes: the size of one encoded chunk of the group.
     """
 
-    def __init__(self, weights: Tensor, row_bytes: int) -> None:
+    def __init__(self, weights: Tensor, num_chunks: int, row_bytes: int) -> None:
+        self.num_chunks = num_chunks
         self.w = weights.clone()
         self.left = weights.clone()
         self.right = weights.clone()
         self.difference = torch.empty_like(weights)
         self.scratch = torch.empty_like(weights)
-        self.from_left = torch.empty((1, row_bytes), dtype=torch.uint8, device=weights.device)
+        self.from_left = torch.empty((num_chunks, row_bytes), dtype=torch.uint8, device=weights.device)
         self.from_right = torch.empty_like(self.from_left)
 
 
@@ -68,6 +71,9 @@ class LowPrecisionDecentralizedState(HookState):
     Args:
         device: the device the parameters live on.
         communication_interval: communicate on the steps of every ``communication_interval``-th forward pass.
+        bucket_cap_mb: the size of the pieces of ``d`` that are compressed with a min/max each.
+        node_average: ``hierarchical=True`` on a single node: the round averages the node's weights at full
+            precision (there is no ring of nodes), so the node's ranks keep identical weights, as in Bagua.
         codec: compresses the differences.
         weights: the participating parameters, grouped by dtype.
         copies: ``w``, ``L``, ``R`` per dtype group, on the ring's members, from the first forward pass on.
@@ -78,6 +84,8 @@ class LowPrecisionDecentralizedState(HookState):
 
     device: torch.device
     communication_interval: int
+    bucket_cap_mb: float = 10.0
+    node_average: bool = False
     codec: MinMaxUInt8Codec = field(default_factory=MinMaxUInt8Codec)
     weights: list[FlatWeights] = field(default_factory=list)
     copies: list[_RingCopies] | None = None
@@ -88,6 +96,8 @@ class LowPrecisionDecentralizedState(HookState):
     @property
     def on_ring(self) -> bool:
         """Whether this rank is a member of the ring (every rank when flat, the node leaders when two-level)."""
+        if self.node_average:
+            return False
         return not self.groups.is_hierarchical or self.groups.is_node_leader
 
 
@@ -109,6 +119,10 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             context,
             device=context.device,
             communication_interval=algorithm.communication_interval,
+            bucket_cap_mb=context.bucket_cap_mb,
+            node_average=algorithm.hierarchical
+            and context.groups.layout.num_nodes == 1
+            and context.groups.world_size > 1,
             weights=group_by_dtype([parameter for _, parameter in context.named_parameters]),
         )
         self._optimizers: list[Optimizer] = []
@@ -134,10 +148,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             )
         if state.copies is None and state.on_ring:
             # The replicas are identical now (DDP broadcast them, and any checkpoint has been loaded).
-            state.copies = [
-                _RingCopies(weights.gather(), state.codec.row_bytes(weights.buffer.numel(), 1))
-                for weights in state.weights
-            ]
+            state.copies = [_ring_copies(weights.gather(), state) for weights in state.weights]
         if state.armed:  # the step that should have run the round never completed on this rank
             self._run_round()
         if state.forward_passes % state.communication_interval == 0:
@@ -215,7 +226,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
                             f"Algorithm {name!r}: saved ring copy {key!r} of dtype group {index} does not match the"
                             f" model's {buffer.numel()} {buffer.dtype} weights. Resume with the same model."
                         )
-                copy = _RingCopies(ring["w"].to(buffer.device), own.codec.row_bytes(buffer.numel(), 1))
+                copy = _ring_copies(ring["w"].to(buffer.device), own)
                 copy.left.copy_(ring["left"])
                 copy.right.copy_(ring["right"])
                 copies.append(copy)
@@ -256,7 +267,11 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         for index, weights in enumerate(state.weights):
             x = weights.gather()
             copies = state.copies[index] if state.copies is not None else None
-            if state.groups.is_hierarchical:
+            if state.node_average:
+                state.counter.record("all_reduce", x)
+                dist.all_reduce(x, group=state.groups.flat)
+                x.div_(state.groups.world_size)
+            elif state.groups.is_hierarchical:
                 all_reduce_hierarchically(x, state.groups, state.counter, partial(_leader_round, state, copies))
             else:
                 assert copies is not None
@@ -283,7 +298,9 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     1. Take the change to communicate, ``d = x + L/3 + R/3 - 5 w/3`` with ``x`` the parameters after the local
        step. It reads ``d = (x - w) + ((w + L + R)/3 - w)``: the local progress since the last round, plus the
        move of ``w`` to the average of the three neighbouring ``w`` (the ring's mixing weights of 1/3 each).
-    2. Compress it to 8 bits with the MinMaxUInt8 codec, as one chunk: ``c = compress(d)``.
+    2. Compress it to 8 bits with the MinMaxUInt8 codec, one chunk (one min/max) per bucket-sized piece of ``d``
+       (the wrapper's ``bucket_cap_mb``, Bagua's 10 MiB by default), as Bagua compresses per bucket:
+       ``c = compress(d)``.
     3. Send ``c`` to both neighbours; receive ``cL`` from the left one and ``cR`` from the right one. On a ring
        of two, the one peer is both neighbours: ``c`` is sent once and ``cL = cR``.
     4. Update the copies with what every side decodes, so that ``L`` and ``R`` stay exactly equal to the
@@ -293,8 +310,9 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     Args:
         hierarchical: first average the weights inside each node (full precision, on the node's leader); the
             leaders alone form the ring (``n`` counts nodes) and keep ``w``, ``L`` and ``R``; each leader then
-            broadcasts its new ``w`` inside its node. With one node, or one rank per node, this is the flat
-            ring over all ranks.
+            broadcasts its new ``w`` inside its node. With one rank per node this is the flat ring over all
+            ranks; with one node, as in Bagua, each round averages the node's weights at full precision instead
+            (no ring, nothing compressed), so its ranks keep identical weights.
         communication_interval: communicate after the steps of every ``communication_interval``-th forward pass.
 
     Raises:
@@ -308,7 +326,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.
     communicates_gradient_buckets = False
 
-    def __init__(self, *, hierarchical: bool = True, communication_interval: int = 1) -> None:
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_positive_int(self.name, "communication_interval", communication_interval)
         self.hierarchical = hierarchical
@@ -321,6 +339,14 @@ def _leader_round(state: LowPrecisionDecentralizedState, copies: _RingCopies | N
     node_sum.div_(layout.ranks_per_node)  # the node's average weight is the ring member's x
     leaders = [state.groups.global_ranks[leader] for leader in layout.leaders()]
     _ring_round(node_sum, copies, state, state.groups.inter_node, layout.node_of(state.groups.rank), leaders)
+
+
+def _ring_copies(weights: Tensor, state: LowPrecisionDecentralizedState) -> _RingCopies:
+    # As Bagua compresses each bucket on its own: one min/max per bucket-sized piece of the flat weights, so the
+    # quantisation step follows each piece's range, not the whole model's.
+    bucket_bytes = state.bucket_cap_mb * 1024**2
+    num_chunks = max(1, math.ceil(weights.numel() * weights.element_size() / bucket_bytes))
+    return _RingCopies(weights, num_chunks, state.codec.row_bytes(weights.numel(), num_chunks))
 
 
 def _ring_round(
@@ -337,7 +363,7 @@ def _ring_round(
     difference = torch.div(copies.left, 3, out=copies.difference).add_(x)
     difference.add_(torch.div(copies.right, 3, out=copies.scratch))
     difference.sub_(torch.mul(copies.w, 5, out=copies.scratch).div_(3))
-    code = codec.compress(difference, num_chunks=1)
+    code = codec.compress(difference, num_chunks=copies.num_chunks)
     size = len(members)
     if size == 1:
         # Alone on the ring, this rank is its own neighbour on both sides.

@@ -21,6 +21,10 @@ Design:
 * Used alone (no algorithm, one process), the optimizer updates ``m`` from ``.grad`` itself in the compressed
   phase too, which is the same math with one rank.
 
+Two deliberate differences from Bagua (the migration page lists every one): the compressed momentum is exchanged
+from the step at which the warm-up ends, where Bagua all-reduced that step's gradient and then dropped it; and
+``weight_decay`` keeps acting in the compressed phase, where Bagua dropped it silently.
+
 Binding the optimizer: ``QAdamAlgorithm(q_adam_optimizer=opt)`` in plain PyTorch, or ``q_adam_optimizer=None``
 when the optimizer is created later (the Lightning strategy creates it in ``configure_optimizers`` and binds it
 through :meth:`~lightning_bagua.engine.BaguaDistributedDataParallel.bind_optimizers`): the bound implementation
@@ -110,9 +114,24 @@ class QAdamOptimizer(Optimizer):
             "weight_decay": weight_decay,
         }
         super().__init__(params, defaults)
+        self.warmup_steps = warmup_steps
         # Parameters whose momentum the algorithm averaged during this step's backward; not checkpointed, since a
         # checkpoint is taken between steps, when the set is empty.
         self._synchronized: set[int] = set()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state :meth:`state_dict` returned, also from a release that did not store every setting.
+
+        Parameter groups saved without a setting this optimizer has (``warmup_steps``, which releases before it
+        was kept per group did not store) take the constructor's value, instead of failing at the next step.
+
+        Args:
+            state_dict: an optimizer state dict.
+        """
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
 
     def _group_of(self, param: Tensor) -> dict[str, Any]:
         # The hook asks for every parameter of every bucket, so the lookup is cached; the cache is rebuilt when the
@@ -329,12 +348,17 @@ class QAdamAlgorithm(Algorithm):
         """
         check_qadam_configuration(optimizers, lr_schedulers)
 
-    def __init__(self, *, q_adam_optimizer: QAdamOptimizer | None = None, hierarchical: bool = True) -> None:
+    def __init__(self, q_adam_optimizer: QAdamOptimizer | None = None, hierarchical: bool = True) -> None:
         if q_adam_optimizer is not None:
             check_keyword_type(self.name, "q_adam_optimizer", q_adam_optimizer, QAdamOptimizer)
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         self.q_adam_optimizer = q_adam_optimizer
         self.hierarchical = hierarchical
+
+    @property
+    def optimizer(self) -> QAdamOptimizer | None:
+        """The optimizer given as ``q_adam_optimizer`` (Bagua's name for it); ``None`` when bound later."""
+        return self.q_adam_optimizer
 
 
 def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
