@@ -45,3 +45,35 @@ def test_async_fits_with_validation_inside_fit_on_cpu(tmp_path):
 def test_async_fits_on_two_gpus(tmp_path, precision):
     run_script(tmp_path, "--accelerator", "gpu", "--devices", "2", "--precision", precision, *ARGS)
     check_async_fit(load_ranks(tmp_path, 2))
+
+
+class _RecordingImpl:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def stop(self, wait: bool = True) -> None:
+        self.calls.append(f"stop(wait={wait})")
+
+
+@pytest.mark.parametrize(("pause", "expected"), [(False, []), (True, ["stop(wait=True)", "start"])])
+def test_validation_inside_fit_leaves_background_work_alone_unless_asked(monkeypatch, pause, expected):
+    # lightning-bagua 0.1.0 made no sync around validation; pause_for_validation=True asks for one.
+    from lightning_bagua import BaguaStrategy
+
+    calls: list[str] = []
+    strategy = BaguaStrategy(algorithm="async", pause_for_validation=pause)
+    monkeypatch.setattr(strategy, "_algorithm_impl", lambda: _RecordingImpl(calls))
+    strategy.on_validation_start()
+    strategy.on_validation_end()
+    assert calls == expected
+    assert strategy.pause_for_validation is pause
+
+
+def test_fabric_refuses_pause_for_validation_with_what_to_do_instead():
+    from lightning_bagua.strategies.fabric import BaguaStrategy
+
+    with pytest.raises(ValueError, match=r"Trainer's validation inside fit.*stop\(\)` and `\.start\(\)"):
+        BaguaStrategy(algorithm="async", pause_for_validation=True)
