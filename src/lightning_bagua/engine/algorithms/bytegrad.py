@@ -38,6 +38,8 @@ class ByteGradAlgorithm(Algorithm):
         average: divide the sum by the number of ranks; ``False`` keeps the sum.
     """
 
+    single_node_effect = "nothing is compressed: every bucket is all-reduced at full precision"
+
     def __init__(self, *, hierarchical: bool = True, average: bool = True) -> None:
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_keyword_type(self.name, "average", average, bool)

@@ -227,6 +227,8 @@ class QAdamAlgorithm(Algorithm):
             The warm-up all-reduce is two-level too when the groups are.
     """
 
+    single_node_effect = "nothing is compressed: after the warm-up, the momentum is all-reduced at full precision"
+
     def __init__(self, *, q_adam_optimizer: QAdamOptimizer | None = None, hierarchical: bool = True) -> None:
         if q_adam_optimizer is not None:
             check_keyword_type(self.name, "q_adam_optimizer", q_adam_optimizer, QAdamOptimizer)
