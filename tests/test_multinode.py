@@ -166,3 +166,13 @@ def test_the_engine_finds_two_namespaces_sharing_a_host_name_without_local_world
         # bytegrad's 8-bit exchange runs between the hosts: on every rank that leads its host.
         assert ("all_to_all" in result["ops"]) == (rank % ranks_per_host == 0), f"rank {rank}: {result['ops']}"
         assert result["warnings"] == []
+
+
+def test_without_root_the_namespace_tests_skip_with_the_reason_or_fail_where_required(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("LIGHTNING_BAGUA_REQUIRE_NAMESPACES", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="network namespaces need root"):
+        require_namespaces()
+    monkeypatch.setenv("LIGHTNING_BAGUA_REQUIRE_NAMESPACES", "1")
+    with pytest.raises(pytest.fail.Exception, match="REQUIRE_NAMESPACES=1, but network namespaces need root"):
+        require_namespaces()
