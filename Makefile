@@ -7,8 +7,12 @@ PY := $(VENV)/bin/python
 TORCH_CPU_VERSION ?= 2.13.0
 TORCH_CPU_INDEX_URL ?=
 PYTEST_ARGS ?=
+# Extra arguments for every `pip install` of the setup (the floor job passes its constraints here).
+PIP_INSTALL_ARGS ?=
+# The supported-version floor: its own environment, so that .venv is left alone.
+FLOOR_VENV ?= .venv-floor
 
-.PHONY: setup test lint typecheck unittest demo docs build clean
+.PHONY: setup test lint typecheck unittest floor demo docs build clean
 
 $(VENV)/.installed: pyproject.toml setup.py requirements/base.txt requirements/test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,9 +23,9 @@ $(VENV)/.installed: pyproject.toml setup.py requirements/base.txt requirements/t
 	fi
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)" $(if $(TORCH_CPU_INDEX_URL),--extra-index-url $(TORCH_CPU_INDEX_URL)); \
+		$(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)" $(PIP_INSTALL_ARGS) $(if $(TORCH_CPU_INDEX_URL),--extra-index-url $(TORCH_CPU_INDEX_URL)); \
 	fi
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" $(PIP_INSTALL_ARGS)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -38,6 +42,13 @@ unittest: setup
 
 test: lint typecheck unittest
 
+# The whole suite on the lowest declared versions (requirements/floor.txt pins them; torch is the lowest CPU build
+# the floor was tested with, since older CPU builds are not on PyPI).
+floor:
+	$(MAKE) unittest VENV=$(FLOOR_VENV) TORCH_CPU_VERSION=$$(sed -n 's/^torch==//p' requirements/floor.txt) \
+		PIP_INSTALL_ARGS="-c requirements/floor.txt" PYTEST_ARGS="$(PYTEST_ARGS)"
+	$(FLOOR_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|lightning|pytorch-lightning) '
+
 demo: setup
 	$(PY) examples/train.py --devices 2 --accelerator cpu --algorithm gradient_allreduce
 
@@ -53,4 +64,4 @@ build: setup
 	$(PY) -m build --outdir dist .
 
 clean:
-	rm -rf $(VENV) build dist docs/build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) build dist docs/build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

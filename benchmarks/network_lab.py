@@ -21,11 +21,17 @@ Run it as root (namespaces and ``tc`` need it)::
     python benchmarks/network_lab.py --rates 1gbit --steps 5 --methods ddp bytegrad   # a quick look
     python benchmarks/network_lab.py --ranks-per-host 2 --rates 1gbit 100mbit          # 4 ranks, 2 nodes x 2
     python benchmarks/network_lab.py --hosts 4 --methods ddp decentralized             # 4 ranks, 4 nodes x 1
+    python benchmarks/network_lab.py --no-local-world-size --rates 100mbit --methods ddp bytegrad
+
+The ranks rendezvous through ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) and get
+``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK`` as torchrun sets them; with ``--no-local-world-size`` they do not, as
+under a plain ``env://`` launcher, and the engine derives the node layout from the hosts the ranks run on.
 
 It writes ``benchmarks/results/network_lab_cpu.json`` (settings, machine, versions, every measurement) and
 ``network_lab_cpu.md`` (the table: step time and its ratio to DDP's), and ``network_lab_cpu.png`` when
 matplotlib is installed (``pip install -r requirements/benchmarks.txt``). Other layouts than 2 hosts x 1 rank
-write ``network_lab_cpu_<hosts>x<ranks per host>.*`` instead, so the two-rank results are never overwritten.
+write ``network_lab_cpu_<hosts>x<ranks per host>.*`` instead, so the two-rank results are never overwritten, and
+runs without ``LOCAL_WORLD_SIZE`` add ``_hosts`` to the name.
 """
 
 import argparse
@@ -77,9 +83,10 @@ def all_methods(ranks_per_host: int = 1) -> list[str]:
     return methods
 
 
-def layout_name(hosts: int, ranks_per_host: int) -> str:
+def layout_name(hosts: int, ranks_per_host: int, from_hosts: bool = False) -> str:
     """The result files' stem: the two-rank lab keeps its original name."""
-    return "network_lab_cpu" if (hosts, ranks_per_host) == (2, 1) else f"network_lab_cpu_{hosts}x{ranks_per_host}"
+    stem = "network_lab_cpu" if (hosts, ranks_per_host) == (2, 1) else f"network_lab_cpu_{hosts}x{ranks_per_host}"
+    return f"{stem}_hosts" if from_hosts else stem
 
 
 # ------------------------------------------------------------------------------------------------ one rank
@@ -116,13 +123,11 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.method != "single":
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{args.master}:{args.port}",
-            rank=args.rank,
-            world_size=args.world_size,
-            timeout=timedelta(seconds=args.timeout),
+        os.environ.update(
+            {"MASTER_ADDR": args.master, "MASTER_PORT": str(args.port), "RANK": str(args.rank)}
+            | {"WORLD_SIZE": str(args.world_size)}
         )
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.timeout))
     model = make_model(args.width, args.depth)
     wrapped, optimizer, counter = wrap(args.method, model, args.warmup)
     generator = torch.Generator().manual_seed(args.rank)
@@ -149,6 +154,9 @@ def worker(args: argparse.Namespace) -> None:
         bytes_per_step = parameter_bytes / 2
     else:
         bytes_per_step = None  # PowerSGD's payload depends on the layer shapes; not counted here
+    # The node layout the engine used (from LOCAL_WORLD_SIZE, or found from the hosts without it).
+    groups = getattr(wrapped, "communication_groups", None)
+    layout = None if groups is None else [groups.layout.num_nodes, groups.layout.ranks_per_node, groups.layout.source]
     if args.method != "single":
         if hasattr(wrapped, "close"):
             wrapped.close()
@@ -159,6 +167,7 @@ def worker(args: argparse.Namespace) -> None:
         "mean_s": statistics.fmean(times),
         "bytes_per_step": bytes_per_step,
         "parameter_bytes": parameter_bytes,
+        "engine_layout": layout,
     }
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -259,11 +268,14 @@ def measure(args: argparse.Namespace, rate: str, method: str, hosts: list[tuple[
             # Consecutive ranks share a host, as a launcher numbers them: hierarchical algorithms see the hosts.
             namespace, interface, _ = hosts[rank // args.ranks_per_host]
             local = {"LOCAL_WORLD_SIZE": str(args.ranks_per_host), "LOCAL_RANK": str(rank % args.ranks_per_host)}
+            if args.no_local_world_size:
+                local = {}  # a plain env:// launcher: the engine finds the hosts itself
             command = ["ip", "netns", "exec", namespace, *worker_command(args, method, rank, hosts[0][2], port)]
+            launch_env = {k: v for k, v in env.items() if k not in {"LOCAL_WORLD_SIZE", "LOCAL_RANK"}}
             processes.append(
                 subprocess.Popen(
                     command,
-                    env={**env, "GLOO_SOCKET_IFNAME": interface, **local},
+                    env={**launch_env, "GLOO_SOCKET_IFNAME": interface, **local},
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
@@ -283,22 +295,27 @@ def measure(args: argparse.Namespace, rate: str, method: str, hosts: list[tuple[
         "per_rank_median_s": [r["median_s"] for r in ranks],
         "bytes_per_step": ranks[0]["bytes_per_step"],
         "parameter_bytes": ranks[0]["parameter_bytes"],
+        # [nodes, ranks per node, where that came from] as the engine saw it; None outside the engine.
+        "engine_layout": ranks[0].get("engine_layout"),
     }
 
 
-def describe(hosts: int, ranks_per_host: int) -> str:
+def describe(hosts: int, ranks_per_host: int, from_hosts: bool = False) -> str:
+    without = ", no LOCAL_WORLD_SIZE (the engine reads the layout from the hosts)" if from_hosts else ""
     if (hosts, ranks_per_host) == (2, 1):
-        return "two Gloo ranks over a shaped veth link"
+        return f"two Gloo ranks over a shaped veth link{without}"
     link = "a shaped veth link" if hosts == 2 else "shaped links to a bridge"
-    return f"{hosts * ranks_per_host} Gloo ranks, {hosts} hosts x {ranks_per_host}, over {link}"
+    return f"{hosts * ranks_per_host} Gloo ranks, {hosts} hosts x {ranks_per_host}, over {link}{without}"
 
 
 def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str], report: dict[str, Any]) -> str:
     by_key = {(r["rate"], r["method"]): r for r in results}
     hosts, ranks_per_host = report["settings"]["hosts"], report["settings"]["ranks_per_host"]
+    from_hosts = report["settings"].get("no_local_world_size", False)
     lines = [
-        f"Median step time in ms (ratio to DDP's at the same rate), {describe(hosts, ranks_per_host)}.",
-        f"Written by `{report['command']}`; the numbers are in `{layout_name(hosts, ranks_per_host)}.json`.",
+        f"Median step time in ms (ratio to DDP's at the same rate), {describe(hosts, ranks_per_host, from_hosts)}.",
+        f"Written by `{report['command']}`;"
+        f" the numbers are in `{layout_name(hosts, ranks_per_host, from_hosts)}.json`.",
         "",
         "| method | " + " | ".join(rates) + " | payload MB/step |",
         "|---|" + "---|" * len(rates) + "---|",
@@ -371,7 +388,10 @@ def orchestrate(args: argparse.Namespace) -> None:
                 results.append(row)
                 print(f"{rate:>9} {method:>28}: {row['median_step_s'] * 1e3:9.1f} ms", flush=True)
     report = {
-        "benchmark": f"{describe(args.hosts, args.ranks_per_host)}, one network namespace per host, tc-shaped",
+        "benchmark": (
+            f"{describe(args.hosts, args.ranks_per_host, args.no_local_world_size)}, one network namespace per host,"
+            " tc-shaped"
+        ),
         "command": "python benchmarks/network_lab.py " + " ".join(sys.argv[1:]),
         "settings": {
             k: v for k, v in vars(args).items() if k not in {"worker", "rank", "master", "port", "method", "world_size"}
@@ -392,10 +412,11 @@ def orchestrate(args: argparse.Namespace) -> None:
         print(table)
         return
     RESULTS.mkdir(exist_ok=True)
-    stem = layout_name(args.hosts, args.ranks_per_host)
+    stem = layout_name(args.hosts, args.ranks_per_host, args.no_local_world_size)
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(table)
-    chart(results, args.rates, methods, RESULTS / f"{stem}.png", describe(args.hosts, args.ranks_per_host))
+    title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
+    chart(results, args.rates, methods, RESULTS / f"{stem}.png", title)
     print(table)
 
 
@@ -411,6 +432,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=600, help="seconds a run (and a collective) may take")
     parser.add_argument("--hosts", type=int, default=2, help="network namespaces (more than 2: joined by a bridge)")
     parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks per host: LOCAL_WORLD_SIZE, unshaped")
+    parser.add_argument(
+        "--no-local-world-size",
+        action="store_true",
+        help="launch as a plain env:// launcher does, without LOCAL_WORLD_SIZE: the engine finds the hosts itself",
+    )
     parser.add_argument("--no-save", action="store_true", help="print the table, write nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

@@ -1,5 +1,8 @@
 """The engine's plumbing: node layout, the ordered executor, the counter."""
 
+import logging
+import os
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -7,9 +10,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from lightning_bagua.engine import CommunicationCounter, NodeLayout
-from lightning_bagua.engine.communication import OrderedExecutor, all_gather_into, all_to_all_into, start_exchange
+from lightning_bagua.engine import BaguaDistributedDataParallel, CommunicationCounter, NodeLayout
+from lightning_bagua.engine import communication as communication_module
+from lightning_bagua.engine.communication import (
+    OrderedExecutor,
+    all_gather_into,
+    all_to_all_into,
+    host_identity,
+    ranks_per_node_from_hosts,
+    start_exchange,
+)
 from tests.distributed import run_processes
 
 
@@ -35,6 +47,105 @@ def test_node_layout_detect_reads_local_world_size(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two' is not an integer"):
         NodeLayout.detect(8)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "expected"),
+    [
+        (["a", "a", "b", "b"], 2),
+        (["a", "b", "c", "d"], 1),
+        (["a"] * 4, 4),
+        (["a", "b", "a", "b"], None),  # interleaved: the two-level groups need consecutive ranks per host
+        (["a", "a", "a", "b"], None),  # uneven
+        (["a", "a", "b", "b", "a", "a"], None),  # one host in two blocks
+    ],
+)
+def test_ranks_per_node_from_hosts_only_for_equal_consecutive_blocks(hosts, expected):
+    assert ranks_per_node_from_hosts(hosts) == expected
+
+
+def test_node_layout_detect_from_hosts_after_argument_and_environment(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    layout = NodeLayout.detect(4, hosts=["h/10.0.0.1", "h/10.0.0.1", "h/10.0.0.2", "h/10.0.0.2"])
+    assert (layout.num_nodes, layout.source, layout.trusted) == (2, "hosts", True)
+    irregular = NodeLayout.detect(4, hosts=["a", "b", "a", "b"])
+    assert (irregular.ranks_per_node, irregular.source, irregular.trusted) == (1, "irregular hosts", False)
+    assert NodeLayout.detect(4, ranks_per_node=4, hosts=["a", "b", "a", "b"]).source == "argument"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert NodeLayout.detect(4, hosts=["a", "b", "c", "d"]).num_nodes == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ValueError, match="hosts of 3 ranks for a world size of 4"):
+        NodeLayout.detect(4, hosts=["a", "a", "b"])
+
+
+def test_host_identity_names_the_host_and_its_route_to_the_rendezvous(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert host_identity() == f"{socket.gethostname()}/127.0.0.1"
+    monkeypatch.delenv("MASTER_ADDR")
+    assert host_identity() == socket.gethostname()  # no rendezvous to route to: the host name alone
+
+
+def _wrap_with_simulated_hosts(rank: int, world_size: int, hosts: list[str] | None, kwargs: dict) -> dict:
+    os.environ.pop("LOCAL_WORLD_SIZE", None)  # as under a plain env:// launcher
+    if hosts is not None:
+        communication_module.host_identity = lambda: hosts[dist.get_rank()]  # type: ignore[assignment]
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning_bagua.engine.data_parallel").addHandler(handler)
+    layouts, bytes_by_op = [], []
+    for _ in range(2):  # a second wrap (as autotuning's rewrapping does) must not repeat the warning
+        torch.manual_seed(0)
+        model = BaguaDistributedDataParallel(nn.Linear(8, 4), algorithm="bytegrad", **kwargs)
+        model(torch.randn(3, 8)).sum().backward()
+        layout = model.communication_groups.layout
+        layouts.append((layout.ranks_per_node, layout.source, layout.hosts))
+        bytes_by_op.append(sorted(model.communication_counter.bytes_by_op))
+        model.close()
+    return {"layouts": layouts, "ops": bytes_by_op, "messages": messages}
+
+
+def test_layout_from_two_simulated_hosts_is_two_level_and_silent():
+    hosts = ["node/10.0.0.1", "node/10.0.0.1", "node/10.0.0.2", "node/10.0.0.2"]  # one host name, two addresses
+    results = run_processes(_wrap_with_simulated_hosts, 4, hosts, {})
+    for rank, result in enumerate(results):
+        assert result["layouts"][0] == (2, "hosts", tuple(hosts)), f"rank {rank}"
+        # Full precision inside the host; the 8-bit exchange only among the two leaders.
+        assert ("all_to_all" in result["ops"][0]) == (rank % 2 == 0), f"rank {rank}: {result['ops']}"
+        assert result["messages"] == []
+
+
+def test_interleaved_simulated_hosts_warn_once_from_rank_zero_and_compress_everywhere():
+    hosts = ["a/10.0.0.1", "b/10.0.0.2", "a/10.0.0.1", "b/10.0.0.2"]
+    results = run_processes(_wrap_with_simulated_hosts, 4, hosts, {})
+    for rank, result in enumerate(results):
+        assert result["layouts"][0][:2] == (1, "irregular hosts")
+        assert "all_to_all" in result["ops"][0], f"rank {rank}: every rank is a node, all compress"
+    (message,) = results[0]["messages"]
+    for part in ("show no node layout", "0: a/10.0.0.1, 1: b/10.0.0.2", "LOCAL_WORLD_SIZE", "hierarchical=False"):
+        assert part in message
+    assert all(result["messages"] == [] for result in results[1:])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_real_host_warns_that_hierarchical_bytegrad_compresses_nothing(world_size):
+    results = run_processes(_wrap_with_simulated_hosts, world_size, None, {})
+    host = f"{socket.gethostname()}/127.0.0.1"  # tests.distributed rendezvous at 127.0.0.1
+    for result in results:
+        assert result["layouts"][0] == (world_size, "hosts", (host,) * world_size)
+        assert "all_to_all" not in result["ops"][0]
+    (message,) = results[0]["messages"]
+    assert f"bytegrad (hierarchical=True) found a single node of {world_size} ranks" in message
+    assert f"every rank runs on host {host}" in message
+    for part in ("nothing is compressed", "LOCAL_WORLD_SIZE", "hierarchical=False"):
+        assert part in message
+    assert all(result["messages"] == [] for result in results[1:])
+
+
+def test_an_explicit_layout_of_two_nodes_gathers_no_hosts_and_does_not_warn():
+    results = run_processes(_wrap_with_simulated_hosts, 2, ["a", "b"], {"ranks_per_node": 1})
+    assert all(result["layouts"][0] == (1, "argument", ()) for result in results)
+    assert all(result["messages"] == [] for result in results)
 
 
 def test_counter_counts_bytes_and_calls_per_operation():

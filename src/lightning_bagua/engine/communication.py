@@ -3,8 +3,9 @@
 import logging
 import os
 import queue
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -20,6 +21,9 @@ __all__ = [
     "OrderedExecutor",
     "all_gather_into",
     "all_to_all_into",
+    "gather_hosts",
+    "host_identity",
+    "ranks_per_node_from_hosts",
     "start_exchange",
 ]
 
@@ -170,10 +174,16 @@ class NodeLayout:
     Args:
         world_size: number of ranks in the process group.
         ranks_per_node: ranks on each node; must divide ``world_size``.
+        source: where ``ranks_per_node`` came from: ``"argument"``, ``"LOCAL_WORLD_SIZE"``, ``"hosts"``,
+            ``"irregular hosts"`` (the hosts gave no regular layout, so every rank counts as its own node) or
+            ``"nothing"`` (no information: one node).
+        hosts: the host of every rank, when the layout was derived from them.
     """
 
     world_size: int
     ranks_per_node: int
+    source: str = field(default="argument", compare=False)
+    hosts: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -190,6 +200,11 @@ class NodeLayout:
         """Number of nodes."""
         return self.world_size // self.ranks_per_node
 
+    @property
+    def trusted(self) -> bool:
+        """Whether the layout reflects where the ranks run (``False`` when the hosts gave no regular layout)."""
+        return self.source != "irregular hosts"
+
     def node_of(self, rank: int) -> int:
         """Return the node that holds group rank ``rank``."""
         return rank // self.ranks_per_node
@@ -203,33 +218,133 @@ class NodeLayout:
         """Return the group rank of every node's leader."""
         return [node * self.ranks_per_node for node in range(self.num_nodes)]
 
-    @classmethod
-    def detect(cls, world_size: int, ranks_per_node: int | None = None) -> "NodeLayout":
-        """Build the layout from an explicit ``ranks_per_node`` or, failing that, the launch environment.
+    @staticmethod
+    def from_environment() -> int | None:
+        """Return the processes per node that ``LOCAL_WORLD_SIZE`` gives, or ``None`` when it is unset."""
+        env_value = os.environ.get("LOCAL_WORLD_SIZE")
+        if env_value is None:
+            return None
+        try:
+            return int(env_value)
+        except ValueError:
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE={env_value!r} is not an integer; it must be the number of processes on each node."
+            ) from None
 
-        The environment variable ``LOCAL_WORLD_SIZE`` (set by torchrun, Lightning's launcher and ours) gives
-        the processes per node; without it all ranks count as one node.
+    @classmethod
+    def detect(
+        cls, world_size: int, ranks_per_node: int | None = None, hosts: Sequence[str] | None = None
+    ) -> "NodeLayout":
+        """Build the layout from, in this order: ``ranks_per_node``, ``LOCAL_WORLD_SIZE``, the ranks' hosts.
+
+        ``LOCAL_WORLD_SIZE`` is set by torchrun, Lightning's launcher and ours. ``hosts`` (see
+        :func:`gather_hosts`) give the layout when their ranks form equal blocks of consecutive ranks per host;
+        otherwise every rank counts as its own node and the layout is not :attr:`trusted`. With none of the three,
+        all ranks count as one node.
 
         Args:
             world_size: number of ranks in the process group.
             ranks_per_node: processes per node, if the caller knows it.
+            hosts: the host of every rank, by group rank.
 
         Returns:
             The layout.
         """
-        if ranks_per_node is None:
-            env_value = os.environ.get("LOCAL_WORLD_SIZE")
-            if env_value is None:
-                ranks_per_node = world_size
-            else:
-                try:
-                    ranks_per_node = int(env_value)
-                except ValueError:
-                    raise ValueError(
-                        f"LOCAL_WORLD_SIZE={env_value!r} is not an integer; it must be the number of processes"
-                        " on each node."
-                    ) from None
-        return cls(world_size=world_size, ranks_per_node=ranks_per_node)
+        if ranks_per_node is not None:
+            return cls(world_size, ranks_per_node, "argument")
+        from_env = cls.from_environment()
+        if from_env is not None:
+            return cls(world_size, from_env, "LOCAL_WORLD_SIZE")
+        if hosts is None:
+            return cls(world_size, world_size, "nothing")
+        if len(hosts) != world_size:
+            raise ValueError(f"Got the hosts of {len(hosts)} ranks for a world size of {world_size}.")
+        derived = ranks_per_node_from_hosts(hosts)
+        if derived is None:
+            return cls(world_size, 1, "irregular hosts", tuple(hosts))
+        return cls(world_size, derived, "hosts", tuple(hosts))
+
+
+def ranks_per_node_from_hosts(hosts: Sequence[str]) -> int | None:
+    """Return the ranks per node that ``hosts`` (the host of every rank) show, or ``None`` if they show none.
+
+    A layout is only returned when every host runs the same number of ranks and those ranks are consecutive,
+    which is what the engine's two-level groups assume (and how launchers number ranks).
+
+    Example:
+        >>> ranks_per_node_from_hosts(["a", "a", "b", "b"]), ranks_per_node_from_hosts(["a", "b", "a", "b"])
+        (2, None)
+    """
+    if not hosts:
+        return None
+    block = hosts.count(hosts[0])
+    if len(hosts) % block:
+        return None
+    starts = range(0, len(hosts), block)
+    blocks = [hosts[start : start + block] for start in starts]
+    if any(len(set(ranks)) != 1 for ranks in blocks) or len({ranks[0] for ranks in blocks}) != len(blocks):
+        return None
+    return block
+
+
+# A host name (at most 253 bytes) and an IPv6 address fit: the labels are never cut.
+_HOST_LABEL_BYTES = 320
+
+
+def host_identity() -> str:
+    """Return what tells this process's host from the others: its host name and the address it is reached at.
+
+    Host names alone can collide (containers and network namespaces share them), so the label also names the
+    local address this process routes to the rendezvous host from (the TCP store's host, or ``MASTER_ADDR``):
+    processes of one host reach it from the same address, processes of different hosts from their own. Working
+    the route out sends nothing.
+    """
+    name = socket.gethostname()
+    target = _rendezvous_host()
+    address = _local_address_towards(target) if target else None
+    return f"{name}/{address}" if address else name
+
+
+def _rendezvous_host() -> str | None:
+    try:
+        # Private, hence guarded: the store the default group was rendezvoused through.
+        store = dist.distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        if isinstance(store, dist.TCPStore) and store.host:
+            return str(store.host)
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def _local_address_towards(host: str) -> str | None:
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(address)  # a datagram socket's connect only picks the route
+            return str(probe.getsockname()[0])
+    except (OSError, IndexError, UnicodeError):
+        return None
+
+
+def gather_hosts(group: ProcessGroup | None, device: torch.device) -> list[str]:
+    """Return :func:`host_identity` of every rank of ``group``, by group rank (a collective: call it on all ranks).
+
+    Args:
+        group: the process group.
+        device: where the backend takes tensors (the model's device).
+
+    Returns:
+        One label per rank.
+    """
+    encoded = host_identity().encode()[:_HOST_LABEL_BYTES]
+    mine = torch.zeros(_HOST_LABEL_BYTES, dtype=torch.uint8)
+    mine[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    mine = mine.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [bytes(label.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for label in gathered]
 
 
 @dataclass
@@ -260,14 +375,19 @@ class CommunicationGroups:
         layout_ranks_per_node: int | None,
         hierarchical: bool,
         timeout: timedelta | None = None,
+        device: torch.device | None = None,
     ) -> "CommunicationGroups":
         """Create the groups for ``process_group`` (the default group when ``None``).
 
+        The node layout comes from ``layout_ranks_per_node``, else ``LOCAL_WORLD_SIZE``, else the hosts the ranks
+        run on (gathered once, here; see :meth:`NodeLayout.detect`).
+
         Args:
             process_group: the group the model is replicated over.
-            layout_ranks_per_node: processes per node, or ``None`` to read the launch environment.
+            layout_ranks_per_node: processes per node, or ``None`` to read the launch environment or the hosts.
             hierarchical: also create the intra-node and inter-node groups.
             timeout: how long a collective on these groups may wait before it fails; torch's default if ``None``.
+            device: the model's device, where the hosts are gathered; the CPU when ``None``.
 
         Returns:
             The groups; ``close()`` destroys them.
@@ -275,8 +395,14 @@ class CommunicationGroups:
         group = process_group if process_group is not None else dist.group.WORLD
         global_ranks = dist.get_process_group_ranks(group)
         rank = dist.get_rank(group)
-        layout = NodeLayout.detect(len(global_ranks), layout_ranks_per_node)
+        # Every rank takes the same branch: launchers set LOCAL_WORLD_SIZE for all ranks or none.
+        from_hosts = layout_ranks_per_node is None and NodeLayout.from_environment() is None
+        # A bad explicit layout fails here, before any communicator exists.
+        layout = None if from_hosts else NodeLayout.detect(len(global_ranks), layout_ranks_per_node)
         flat = dist.new_group(ranks=global_ranks, timeout=timeout)
+        if layout is None:
+            hosts = gather_hosts(flat, device if device is not None else torch.device("cpu"))
+            layout = NodeLayout.detect(len(global_ranks), hosts=hosts)
         owned = [flat]
         intra_node = inter_node = None
         # With one node, or one rank per node, a second level adds latency and changes nothing.

@@ -18,12 +18,58 @@ from lightning_bagua.engine.bucket_layout import BucketLayout
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "BaguaDistributedDataParallel", "default_bucket_cap_mb"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "BaguaDistributedDataParallel", "default_bucket_cap_mb", "warn_about_node_layout"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 10.0
 """Bagua's default bucket size, in MiB (torch's DDP defaults to 25)."""
+
+
+# Messages already logged by this process: rewrapping a model (autotuning) must not repeat them.
+_logged_layout_warnings: set[str] = set()
+
+
+def warn_about_node_layout(algorithm: Algorithm, groups: CommunicationGroups) -> None:
+    """Warn once, from rank zero, when a hierarchical algorithm's node layout defeats its purpose.
+
+    That is when all ranks form a single node (:attr:`Algorithm.single_node_effect` says what is communicated
+    then), or when the ranks' hosts showed no layout the two-level groups can use.
+
+    Args:
+        algorithm: the wrapped model's algorithm.
+        groups: the communicators it runs on, with their node layout.
+    """
+    layout, name = groups.layout, algorithm.name
+    if not algorithm.hierarchical or groups.rank != 0 or layout.world_size == 1:
+        return
+    if not layout.trusted:
+        by_rank = ", ".join(f"{rank}: {host}" for rank, host in enumerate(layout.hosts))
+        message = (
+            f"{name} (hierarchical=True): the hosts of the {layout.world_size} ranks ({by_rank}) show no node layout"
+            " the two levels can use, which needs the same number of consecutive ranks on every host. Every rank"
+            f" counts as its own node instead: {name} communicates among all ranks as with hierarchical=False, and"
+            " nothing is reduced inside a host first. To change it, number the ranks host by host and set"
+            " LOCAL_WORLD_SIZE (or the wrapper's `ranks_per_node`) to the processes on each host; to silence this,"
+            " pass hierarchical=False."
+        )
+    elif layout.num_nodes == 1:
+        given_by = {
+            "argument": f"ranks_per_node={layout.ranks_per_node}",
+            "LOCAL_WORLD_SIZE": f"LOCAL_WORLD_SIZE={layout.ranks_per_node}",
+            "hosts": f"every rank runs on host {layout.hosts[0] if layout.hosts else '?'}",
+        }.get(layout.source, "nothing gives the processes per node")
+        message = (
+            f"{name} (hierarchical=True) found a single node of {layout.world_size} ranks ({given_by}), so"
+            f" {algorithm.single_node_effect}. If the ranks run on several hosts, give the processes per host"
+            " (LOCAL_WORLD_SIZE, the wrapper's `ranks_per_node`, or the Trainer's `devices` and `num_nodes`); to"
+            f" run {name}'s own communication among all ranks, pass hierarchical=False."
+        )
+    else:
+        return
+    if message not in _logged_layout_warnings:
+        _logged_layout_warnings.add(message)
+        log.warning(message)
 
 
 def default_bucket_cap_mb() -> float:
@@ -63,7 +109,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         find_unused_parameters: as in DDP.
         bucket_cap_mb: bucket size in MiB; :func:`default_bucket_cap_mb` when ``None`` (Bagua's 10 MiB).
         ranks_per_node: processes per node, for hierarchical algorithms; read from ``LOCAL_WORLD_SIZE`` when
-            ``None`` (all ranks form one node if that is unset too).
+            ``None``, and derived from the hosts the ranks run on (gathered once, here) if that is unset too.
         bagua_module_name: a name for this model in logs; derived from the module when ``None``.
         timeout: how long the engine's collectives may wait before they fail; torch's default when ``None``.
         telemetry: measure each step's communication (:attr:`telemetry`); off by default, and then nothing is
@@ -137,7 +183,10 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             communication_counter if communication_counter is not None else CommunicationCounter()
         )
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self._bagua_groups = CommunicationGroups.create(process_group, ranks_per_node, algorithm.hierarchical, timeout)
+        self._bagua_groups = CommunicationGroups.create(
+            process_group, ranks_per_node, algorithm.hierarchical, timeout, device
+        )
+        warn_about_node_layout(algorithm, self._bagua_groups)
         self._bagua_executor = OrderedExecutor(device)
         named_parameters = tuple(
             (name, parameter)

@@ -208,6 +208,9 @@ class Algorithm(ABC):
     hierarchical: bool = False
     """Whether to communicate in two levels: inside each node, then among node leaders."""
 
+    single_node_effect: ClassVar[str] = "it communicates over all ranks exactly as with hierarchical=False"
+    """What ``hierarchical=True`` amounts to when every rank is on one node (the wrapper's warning says it)."""
+
     communicates_gradient_buckets: ClassVar[bool] = True
     """Whether the algorithm communicates DDP's gradient buckets, so that the bucket size matters (autotuning)."""
 

@@ -53,6 +53,7 @@ class ByteGradAlgorithm(Algorithm):
         average: divide the sum by the number of ranks; ``False`` keeps the sum.
     """
 
+    single_node_effect = "nothing is compressed: every bucket is all-reduced at full precision"
     impl_class = ByteGradImpl
 
     def __init__(self, hierarchical: bool = True, average: bool = True) -> None:

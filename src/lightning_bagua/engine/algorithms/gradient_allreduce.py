@@ -44,7 +44,7 @@ class GradientAllReduceAlgorithm(Algorithm):
 
     Args:
         hierarchical: reduce inside each node first, all-reduce among node leaders, then broadcast inside each
-            node. Nodes are laid out from ``LOCAL_WORLD_SIZE`` (or the wrapper's ``ranks_per_node``).
+            node. Nodes are laid out from the wrapper's ``ranks_per_node``, ``LOCAL_WORLD_SIZE``, or the ranks' hosts.
         average: divide the sum by the number of ranks; ``False`` keeps the sum.
     """
 

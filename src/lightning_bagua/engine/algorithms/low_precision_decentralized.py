@@ -321,6 +321,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """
 
     ranks_hold_different_weights = True
+    single_node_effect = "each round averages the node's weights at full precision instead of the compressed ring"
     impl_class = LowPrecisionDecentralizedImpl
 
     # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.

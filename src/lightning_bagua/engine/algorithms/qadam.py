@@ -333,6 +333,7 @@ class QAdamAlgorithm(Algorithm):
             The warm-up all-reduce is two-level too when the groups are.
     """
 
+    single_node_effect = "nothing is compressed: after the warm-up, the momentum is all-reduced at full precision"
     impl_class = QAdamImpl
 
     def check_optimizers(self, optimizers: Sequence[Optimizer], lr_schedulers: Sequence[Any]) -> None:
