@@ -250,7 +250,12 @@ def test_communication_interval_mixes_only_on_due_steps():
 )
 def test_accumulating_passes_count_but_exchange_once_on_the_synchronizing_pass(interval, exchanges):
     results = run_processes(
-        train, 2, {"communication_interval": interval, "peer_selection_mode": "shift_one"}, None, 2, 5
+        train,
+        2,
+        {"communication_interval": interval, "peer_selection_mode": "shift_one", "hierarchical": False},
+        None,
+        2,
+        5,
     )
     assert_matches(results, simulate(2, "shift_one", interval=interval, accumulate=2, steps=5))
     assert results[0]["calls"] == {"send": exchanges}

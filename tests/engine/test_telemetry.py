@@ -123,11 +123,12 @@ def theory(name: str, kwargs: dict, step: int, numels: list[int]) -> dict:
         # One fp32 group: all-reduce of the weights ("all"), or the weights sent to and received from the partner.
         return {"bytes_sent": 4 * weights, "bytes_received": 4 * weights, "bytes_uncompressed": 4 * weights, "calls": 1}
     if name == "low_precision_decentralized":
-        # The compressed difference (one chunk) goes to the one peer that is both neighbours on a ring of two, and
-        # one code of the same size comes back.
+        # The compressed difference (one chunk per bucket-sized piece, as Bagua compresses per bucket) goes to the
+        # one peer that is both neighbours on a ring of two, and one code of the same size comes back.
         assert WORLD_SIZE == 2
-        row = HEADER + weights
-        return {"bytes_sent": row, "bytes_received": row, "bytes_uncompressed": 4 * weights, "calls": 1}
+        pieces = math.ceil(4 * weights / (BUCKET_CAP_MB * 1024**2))
+        code = pieces * (HEADER + math.ceil(weights / pieces))
+        return {"bytes_sent": code, "bytes_received": code, "bytes_uncompressed": 4 * weights, "calls": 1}
     raise AssertionError(name)
 
 
