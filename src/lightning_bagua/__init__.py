@@ -5,6 +5,11 @@ resolved on first access, and the package's start-up hook (``lightning_bagua._re
 ``Trainer(strategy="bagua")`` work as soon as a Lightning strategy registry is imported.
 """
 
+# 0.1.0 star-imported its metadata into the package; the names stay importable from here.
+from lightning_bagua.__about__ import __author__ as __author__
+from lightning_bagua.__about__ import __docs__ as __docs__
+from lightning_bagua.__about__ import __homepage__ as __homepage__
+from lightning_bagua.__about__ import __license__ as __license__
 from lightning_bagua.__about__ import __version__
 from lightning_bagua._registration import install_registration_hook
 
