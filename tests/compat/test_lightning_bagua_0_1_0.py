@@ -146,3 +146,17 @@ def test_a_qadam_state_dict_saved_without_warmup_steps_loads_and_steps_as_the_or
     _steps(optimizer, model, 3)  # across the switch to the frozen second moment
     _steps(resumed, resumed_model, 3)
     torch.testing.assert_close(resumed_model.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
+def test_a_qadam_state_dict_round_trips_unchanged():
+    from lightning_bagua import QAdamOptimizer
+
+    model = nn.Linear(4, 2)
+    optimizer = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=3)
+    _steps(optimizer, model, 2)
+    saved = copy.deepcopy(optimizer.state_dict())
+    resumed = QAdamOptimizer(copy.deepcopy(model).parameters(), lr=0.01, warmup_steps=3)
+    resumed.load_state_dict(saved)
+    # Filling settings an older state dict lacks must add nothing else (torch keeps keys such as ``differentiable``
+    # in ``defaults`` that QAdam's groups never hold).
+    assert resumed.state_dict()["param_groups"] == saved["param_groups"]

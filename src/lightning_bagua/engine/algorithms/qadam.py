@@ -59,6 +59,8 @@ from lightning_bagua.engine.communication import OrderedExecutor
 __all__ = ["QAdamAlgorithm", "QAdamImpl", "QAdamOptimizer", "QAdamState", "check_qadam_configuration", "qadam_hook"]
 
 QADAM_CONFIGURATION_ERROR = "Bagua QAdam can only accept one QAdamOptimizer and one LR Scheduler"
+# The per-group settings QAdamOptimizer's constructor takes.
+_SETTINGS = ("lr", "warmup_steps", "betas", "eps", "weight_decay")
 
 
 class QAdamOptimizer(Optimizer):
@@ -129,9 +131,11 @@ class QAdamOptimizer(Optimizer):
             state_dict: an optimizer state dict.
         """
         super().load_state_dict(state_dict)
+        # Only QAdam's own settings: torch adds keys of its own to ``defaults`` (``differentiable``) that a group
+        # saved without them must not gain, or a state_dict would not round-trip.
         for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+            for key in _SETTINGS:
+                group.setdefault(key, self.defaults[key])
 
     def _group_of(self, param: Tensor) -> dict[str, Any]:
         # The hook asks for every parameter of every bucket, so the lookup is cached; the cache is rebuilt when the
