@@ -161,6 +161,17 @@ class CommunicationTelemetry:
         if self._synchronized:
             self.end_step()
 
+    def continue_from(self, previous: "CommunicationTelemetry") -> None:
+        """Carry on another telemetry's record stream, as when an engine is rebuilt for the same module.
+
+        Its last closed step stays readable here and step indices go on counting instead of restarting at 0.
+
+        Args:
+            previous: the telemetry of the engine this one replaces.
+        """
+        self.last_step = previous.last_step
+        self._step = previous._step
+
     def end_step(self) -> dict[str, float] | None:
         """Close the current step if a synchronizing backward ran in it, and return its record.
 

@@ -26,10 +26,8 @@ from lightning_bagua.strategies._core.arguments import (
     telemetry_metrics,
 )
 from lightning_bagua.strategies._core.checkpoint import (
-    CHECKPOINT_KEY,
     RankResume,
-    averaged_weights,
-    make_entry,
+    attach_entries,
     module_entries,
     rank_resume,
 )
@@ -215,10 +213,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
                 },
             )
             if entry is not None:
-                checkpoint = {**checkpoint, CHECKPOINT_KEY: make_entry({_MODULE_NAME: entry}, self.world_size)}
-                averaged = averaged_weights(entry)
-                if averaged is not None:
-                    checkpoint["state_dict"] = averaged
+                entries = {_MODULE_NAME: entry}
+                checkpoint = attach_entries(checkpoint, entries, self.world_size, weights_key=lambda _: "state_dict")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

@@ -260,24 +260,14 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             storage_options: passed to the checkpoint plugin.
             filter: per-key filters, as for ``fabric.save``.
         """
-        for reserved in (bagua_checkpoint.CHECKPOINT_KEY, bagua_checkpoint.LEGACY_FABRIC_KEY):
-            if reserved in state:
-                raise ValueError(
-                    f"The state to save has a key {reserved!r}, which {type(self).__name__} uses for the algorithm's"
-                    " state. Save your object under another name."
-                )
-        entries = {}
-        for key, obj in state.items():
-            if isinstance(obj, BaguaDistributedDataParallel):
-                entry = self._gather_module_entry(obj, partial(self._rank_weights, obj, state))
-                if entry is not None:
-                    entries[key] = entry
-        if entries:
-            state = {**state, bagua_checkpoint.CHECKPOINT_KEY: bagua_checkpoint.make_entry(entries, self.world_size)}
-            for key, entry in entries.items():
-                averaged = bagua_checkpoint.averaged_weights(entry)
-                if averaged is not None:
-                    state[key] = averaged
+        bagua_checkpoint.refuse_reserved_keys(state, type(self).__name__)
+        entries = {
+            key: entry
+            for key, obj in state.items()
+            if isinstance(obj, BaguaDistributedDataParallel)
+            and (entry := self._gather_module_entry(obj, partial(self._rank_weights, obj, state))) is not None
+        }
+        state = bagua_checkpoint.attach_entries(state, entries, self.world_size, weights_key=lambda name: name)
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -369,10 +359,8 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         # `rewrapped` closed the old wrapper; the strategy's references move to the new one (Fabric's moved already).
         self._bagua_modules = [new if wrapped is old else wrapped for wrapped in self._bagua_modules]
         if old.telemetry is not None and new.telemetry is not None:
-            # One record stream per module: the step that ended with the rebuild stays readable (the loop logs it
-            # after this optimizer step), and step indices go on counting instead of restarting at 0.
-            new.telemetry.last_step = old.telemetry.last_step
-            new.telemetry._step = old.telemetry._step
+            # One record stream per module: the loop logs the step that ended with the rebuild after this step.
+            new.telemetry.continue_from(old.telemetry)
 
     def _bind(self, wrapped: BaguaDistributedDataParallel) -> None:
         optimizers = [optimizer for optimizer in self._bagua_optimizers if _updates(optimizer, wrapped)]

@@ -22,7 +22,7 @@ gets them too. Older entries still load: the Trainer's version 1 (one module, th
 and Fabric's unversioned ``"bagua_algorithm_state"`` (each module's per-rank algorithm states only).
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 import torch
@@ -38,12 +38,14 @@ __all__ = [
     "LEGACY_FABRIC_KEY",
     "ModuleEntry",
     "RankResume",
+    "attach_entries",
     "average_state_dicts",
     "averaged_weights",
     "gather_module_entry",
     "make_entry",
     "module_entries",
     "rank_resume",
+    "refuse_reserved_keys",
 ]
 
 CHECKPOINT_KEY = "bagua"
@@ -150,6 +152,49 @@ def averaged_weights(entry: ModuleEntry) -> dict[str, Any] | None:
     if not entry["averaged"] or entry["ranks"] is None:
         return None
     return average_state_dicts([rank["state_dict"] for rank in entry["ranks"]])
+
+
+def refuse_reserved_keys(state: Mapping[str, Any], owner: str) -> None:
+    """Refuse a state to save that uses a key the strategy keeps the algorithm's state under.
+
+    Args:
+        state: what is about to be saved.
+        owner: the strategy's class name, for the message.
+
+    Raises:
+        ValueError: ``state`` has such a key.
+    """
+    for reserved in (CHECKPOINT_KEY, LEGACY_FABRIC_KEY):
+        if reserved in state:
+            raise ValueError(
+                f"The state to save has a key {reserved!r}, which {owner} uses for the algorithm's state. Save your"
+                " object under another name."
+            )
+
+
+def attach_entries(
+    checkpoint: dict[str, Any], entries: Mapping[str, ModuleEntry], world_size: int, weights_key: Callable[[str], str]
+) -> dict[str, Any]:
+    """Return the checkpoint with the ``"bagua"`` entry for these modules, averaged weights in place where asked.
+
+    Args:
+        checkpoint: what is about to be saved; not modified.
+        entries: each module's entry, by name; with none, ``checkpoint`` comes back as it is.
+        world_size: the number of processes.
+        weights_key: the checkpoint key of a module's weights, from its name; an entry written with
+            ``average_before_save`` puts the ranks' average there.
+
+    Returns:
+        The checkpoint to save.
+    """
+    if not entries:
+        return checkpoint
+    checkpoint = {**checkpoint, CHECKPOINT_KEY: make_entry(entries, world_size)}
+    for name, entry in entries.items():
+        averaged = averaged_weights(entry)
+        if averaged is not None:
+            checkpoint[weights_key(name)] = averaged
+    return checkpoint
 
 
 def module_entries(checkpoint: dict[str, Any], default_name: str) -> tuple[int, dict[str, ModuleEntry]] | None:
