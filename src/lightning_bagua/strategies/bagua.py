@@ -84,7 +84,6 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self._failure_scope += 1
         super().setup(trainer)
         if trainer.state.fn == "fit":
             self._check_optimizers(self.optimizers, self.lr_scheduler_configs)
@@ -278,12 +277,16 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Tell the other ranks about this failure and, when a collective failed, name the ranks that went silent.
+        """Stop the algorithm, tell the other ranks about this failure, and decide whether the job can go on.
 
-        Every rank that fails writes its error to the rendezvous store. A rank whose error looks like a failed
-        collective then waits a few seconds for the others' reports and adds a note to its exception naming the
-        ranks that raised (with their errors) and those that never reported: dead (killed, out of memory) or hung.
-        Under Lightning's own launcher, the main process (rank 0) then kills the ranks it started.
+        Every rank that fails writes its error to the rendezvous store and waits for the others' reports. An error
+        every rank raised leaves every process alive: the run is torn down as usual, and a script that catches the
+        error can fit again, as with Lightning's DDP. After a failed collective the exception gets a note naming
+        the ranks that raised (with their errors) and those that never reported (dead, killed or hung), and under
+        Lightning's own launcher rank 0 ends the ranks it started. A rank whose own error no other rank reported
+        within :data:`~lightning_bagua.strategies._core.faults.SHARED_FAILURE_WINDOW_S` raised alone: the others
+        wait for it in a collective, so it prints the error and ends its process (exit code 1), and they fail at
+        once. See the fault tolerance page of the docs.
 
         Args:
             exception: what interrupted the run.

@@ -130,9 +130,8 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         collective, is printed with a note naming the ranks that died or raised, as under the Trainer.
         """
         super().setup_environment()
-        self._failure_scope += 1
         if self._remove_failure_hook is None:
-            self._remove_failure_hook = install_failure_hook(self._handle_failure)
+            self._remove_failure_hook = install_failure_hook(partial(self._handle_failure, script_ends=True))
 
     @override
     def _setup_distributed(self) -> None:

@@ -1,13 +1,16 @@
 """Joining the process group without long hangs, and failing with a message that names the ranks at fault."""
 
 import atexit
+import itertools
 import logging
 import os
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -18,13 +21,19 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning_bagua.engine._torch_compat import default_store
 
 __all__ = [
+    "CHILDREN_GRACE_S",
     "DIAGNOSIS_WINDOW_S",
+    "SHARED_FAILURE_WINDOW_S",
+    "FailureReport",
     "destroy_process_group_at_exit",
     "diagnose_failure",
+    "end_children_when_the_script_fails",
     "end_launched_children",
     "init_restarted_process_group",
     "install_failure_hook",
     "join_failed_message",
+    "leave_the_job",
+    "next_failure_scope",
     "restart_count",
     "wait_for_store",
 ]
@@ -34,7 +43,20 @@ log = logging.getLogger(__name__)
 DIAGNOSIS_WINDOW_S = 5.0
 """How long a rank whose collective failed waits for the others' reports before naming the silent ones."""
 
+SHARED_FAILURE_WINDOW_S = 20.0
+"""How long a rank whose own code raised waits for every other rank to report a failure too.
+
+Ranks that raise the same error do so within a step of each other; a rank that is still silent after this long is
+waiting for the failed one in a collective, so the failed rank raised alone.
+"""
+
+CHILDREN_GRACE_S = 3.0
+"""How long a failed script's main process lets the ranks it started exit on their own before it kills them."""
+
 _FAILURE_KEY = "lightning_bagua/failure"
+# One number per run (fit, validate, test, or a Fabric), counted alike on every rank since every rank starts the
+# same runs in the same order; it tells one run's failure reports in the store from an earlier run's.
+_SCOPES = itertools.count(1)
 
 
 def restart_count() -> int:
@@ -140,7 +162,7 @@ def destroy_process_group_at_exit() -> None:
         _EXIT_HANDLER_REGISTERED = True
 
 
-def end_launched_children(launcher: Any) -> None:
+def end_launched_children(launcher: Any, reason: str, grace_s: float = 0.0) -> None:
     """Kill the processes a Lightning launcher started from this one, which cannot go on without it.
 
     Under Lightning's own launcher this process is rank 0 and hosts the rendezvous store; the other ranks are its
@@ -149,45 +171,180 @@ def end_launched_children(launcher: Any) -> None:
 
     Args:
         launcher: the strategy's launcher, or ``None``.
+        reason: why the job ends, for the message.
+        grace_s: how long children may take to exit on their own first (they raised the same error, say).
     """
     children = [proc for proc in getattr(launcher, "procs", None) or () if isinstance(proc, subprocess.Popen)]
-    for child in children:
+    deadline = time.monotonic() + grace_s
+    while any(child.poll() is None for child in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # Lightning's launcher starts local rank 1, 2, ... in this order.
+    for local_rank, child in enumerate(children, start=1):
         if child.poll() is None:
-            log.error("Ending rank process %d, started by this one, since this one is failing", child.pid)
+            log.error(
+                "Ending rank process %d (local rank %d), started by this one, since %s", child.pid, local_rank, reason
+            )
             child.kill()
 
 
-def diagnose_failure(exception: BaseException, rank: int, world_size: int, scope: int, window_s: float) -> str | None:
-    """Report this rank's failure to the store; after a failed collective, return a note naming the silent ranks.
+def end_children_when_the_script_fails(launcher: Any) -> None:
+    """Kill ``launcher``'s child processes if an exception ends this script, once it is printed.
 
-    Every failing rank writes its error to the rendezvous store. A rank whose error looks like a failed collective
-    then waits up to ``window_s`` for the others' reports and names the ranks that raised (with their errors) and
-    those that never reported: dead (killed, out of memory) or hung.
+    An exception the script catches leaves them alone. Installed once per process; each launcher is kept until the
+    process exits.
+
+    Args:
+        launcher: the strategy's launcher, or ``None``.
+    """
+    global _REMOVE_EXIT_HOOK
+    if launcher is None or not hasattr(launcher, "procs"):
+        return
+    if not any(launcher is known for known in _WATCHED_LAUNCHERS):
+        _WATCHED_LAUNCHERS.append(launcher)
+    if _REMOVE_EXIT_HOOK is None:
+        _REMOVE_EXIT_HOOK = install_failure_hook(_end_watched_children, after_printing=True)
+
+
+_WATCHED_LAUNCHERS: list[Any] = []
+_REMOVE_EXIT_HOOK: Callable[[], None] | None = None
+
+
+def _end_watched_children(exception: BaseException) -> None:
+    reason = f"this one's script ended with {type(exception).__name__}"
+    for launcher in _WATCHED_LAUNCHERS:
+        end_launched_children(launcher, reason, grace_s=CHILDREN_GRACE_S)
+
+
+def next_failure_scope() -> int:
+    """Return a new number for a run's failure reports (see :func:`diagnose_failure`); call it once per run."""
+    return next(_SCOPES)
+
+
+def leave_the_job(exception: BaseException, note: str, rank: int, launcher: Any) -> None:
+    """Print ``exception`` with ``note``, end the children ``launcher`` started, and end this process (exit code 1).
+
+    For a rank that raised alone: its peers wait for it in a collective that cannot fail while this process lives,
+    so a script that caught the error and went on would leave them waiting for the whole timeout. Once this process
+    is gone their collectives fail at once, and every launcher ends the job.
+
+    Args:
+        exception: what this rank raised.
+        note: the message that says why the process ends.
+        rank: this process's rank.
+        launcher: the strategy's launcher, or ``None``.
+    """
+    end_launched_children(launcher, f"rank {rank} raised alone")
+    sys.stdout.flush()
+    traceback.print_exception(exception)
+    print(note, file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(1)
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """What :func:`diagnose_failure` learnt about a failure from the other ranks' reports.
+
+    Attributes:
+        rank: this process's rank.
+        world_size: the number of processes.
+        collective: this rank's error was a failed collective.
+        reports: the ranks that reported a failure within the window (this one included), with their errors.
+        window_s: how long this rank waited for the reports.
+        store_error: why reading the reports failed, or ``None``.
+    """
+
+    rank: int
+    world_size: int
+    collective: bool
+    reports: dict[int, str]
+    window_s: float
+    store_error: str | None = None
+
+    @property
+    def silent(self) -> list[int]:
+        """The ranks that reported no failure within the window."""
+        return [other for other in range(self.world_size) if other not in self.reports]
+
+    @property
+    def alone(self) -> bool:
+        """This rank's own code raised and some ranks reported nothing: they wait for this one in a collective."""
+        return not self.collective and self.store_error is None and bool(self.silent)
+
+    def note(self) -> str | None:
+        """Return the message naming the ranks at fault, or ``None`` for an error every rank raised."""
+        head = f"lightning_bagua: rank {self.rank} of {self.world_size}"
+        if self.store_error is not None:
+            if not self.collective:
+                return None
+            return (
+                f"{head} saw a collective fail; collecting the other ranks' reports failed too ({self.store_error})."
+                " If the rendezvous store is gone, the process hosting it died: rank 0 under Lightning's own"
+                " launcher; under torchrun or lightning_bagua.launch the agent, whose summary names the failed rank."
+            )
+        silent = ", ".join(map(str, self.silent))
+        if self.alone:
+            return (
+                f"{head} raised alone: rank(s) {silent} reported no failure within {self.window_s:g} s, so they are"
+                " waiting for this rank in a collective and cannot learn of the error. This process ends (exit code"
+                " 1), so that their collectives fail at once instead of waiting out the timeout."
+            )
+        if not self.collective:
+            return None
+        raised = [f"rank {other} ({self.reports[other]})" for other in sorted(self.reports) if other != self.rank]
+        parts = [f"{head} saw a collective fail."]
+        if self.silent:
+            parts.append(
+                f"Failed rank(s): {silent} (no report within {self.window_s:g} s: the process died, was killed or"
+                " hangs)."
+            )
+        if raised:
+            parts.append(f"Other ranks that raised: {'; '.join(raised)}.")
+        return " ".join(parts)
+
+
+def diagnose_failure(
+    exception: BaseException,
+    rank: int,
+    world_size: int,
+    scope: int,
+    timeout_s: float | None = None,
+    decide_alone: bool = True,
+) -> FailureReport:
+    """Report this rank's failure to the store and collect the other ranks' reports of the same run.
+
+    Every failing rank writes its error to the rendezvous store, then waits for the others' reports: up to
+    :data:`DIAGNOSIS_WINDOW_S` after a failed collective (to name the ranks that raised and those that went
+    silent: dead, killed or hung), and up to :data:`SHARED_FAILURE_WINDOW_S` after an error of its own when
+    ``decide_alone`` (to tell an error every rank raised from one only this rank raised). Neither wait is longer
+    than the collective timeout.
 
     Args:
         exception: what this rank raised.
         rank: this process's rank.
         world_size: the number of processes.
-        scope: a number that tells this run's reports from an earlier run's in the same store (the fit, say).
-        window_s: how long to wait for the others' reports.
+        scope: this run's number (:func:`next_failure_scope`), which tells its reports from an earlier run's.
+        timeout_s: the collective timeout in seconds, or ``None``.
+        decide_alone: wait for the reports after an error that is not a failed collective too.
 
     Returns:
-        The note, or ``None`` when the error was not a failed collective.
+        What the reports say.
     """
     # Keys are per restart (the agent's store outlives its workers) and per scope, so old reports never count.
     prefix = f"{_FAILURE_KEY}/{restart_count()}/{scope}"
     summary = f"{type(exception).__name__}: {str(exception).strip().splitlines()[0] if str(exception).strip() else ''}"
     collective = _looks_like_failed_collective(exception)
+    window_s = DIAGNOSIS_WINDOW_S if collective else SHARED_FAILURE_WINDOW_S if decide_alone else 0.0
+    if timeout_s is not None:
+        window_s = min(window_s, timeout_s)
+    reports: dict[int, str] = {rank: summary[:500]}
     try:
         store = default_store()
         # A store that stopped answering must not hold the failing process for the whole collective timeout.
         store.set_timeout(timedelta(seconds=max(window_s, 1.0)))
         store.set(f"{prefix}/{rank}", summary[:500])
-        if not collective:
-            return None
-        reports: dict[int, str] = {}
         deadline = time.monotonic() + window_s
-        while True:
+        while window_s > 0:
             for other in range(world_size):
                 if other not in reports and store.check([f"{prefix}/{other}"]):
                     reports[other] = store.get(f"{prefix}/{other}").decode(errors="replace")
@@ -196,29 +353,14 @@ def diagnose_failure(exception: BaseException, rank: int, world_size: int, scope
             time.sleep(0.1)
     except Exception as error:  # the original error is re-raised either way; this one goes into its note
         # The store dies with the process hosting it, and a launcher's SIGTERM can interrupt the wait.
-        if not collective:
-            return None
-        return (
-            f"lightning_bagua: rank {rank} of {world_size} saw a collective fail; collecting the other ranks'"
-            f" reports failed too ({type(error).__name__}: {error}). If the rendezvous store is gone, the process"
-            " hosting it died: rank 0 under Lightning's own launcher; under torchrun or lightning_bagua.launch the"
-            " agent, whose summary names the failed rank."
-        )
-    silent = [other for other in range(world_size) if other not in reports]
-    raised = [f"rank {other} ({reports[other]})" for other in sorted(reports) if other != rank]
-    parts = [f"lightning_bagua: rank {rank} of {world_size} saw a collective fail."]
-    if silent:
-        parts.append(
-            f"Failed rank(s): {', '.join(map(str, silent))} (no report within {window_s:g} s: the process died,"
-            " was killed or hangs)."
-        )
-    if raised:
-        parts.append(f"Other ranks that raised: {'; '.join(raised)}.")
-    return " ".join(parts)
+        return FailureReport(rank, world_size, collective, reports, window_s, f"{type(error).__name__}: {error}")
+    return FailureReport(rank, world_size, collective, reports, window_s)
 
 
-def install_failure_hook(on_failure: Callable[[BaseException], None]) -> Callable[[], None]:
-    """Call ``on_failure`` with an exception that ends the script, before Python prints it.
+def install_failure_hook(
+    on_failure: Callable[[BaseException], None], after_printing: bool = False
+) -> Callable[[], None]:
+    """Call ``on_failure`` with an exception that ends the script, before (or after) Python prints it.
 
     For frameworks without an exception hook of their own (Fabric runs the user's loop): the note
     ``on_failure`` adds to the exception is printed with its traceback, and its clean-up runs before the
@@ -226,19 +368,23 @@ def install_failure_hook(on_failure: Callable[[BaseException], None]) -> Callabl
 
     Args:
         on_failure: called once, with the uncaught exception; its own errors are logged, never raised.
+        after_printing: call it once the exception is printed (for clean-up that may take a while).
 
     Returns:
         A function that removes the hook again (a no-op if another hook replaced it since).
     """
     previous = sys.excepthook
 
-    def hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+    def hook(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
+        if after_printing:
+            previous(kind, value, trace)
         if not isinstance(value, KeyboardInterrupt):
             try:
                 on_failure(value)
             except Exception:  # the user's error is what must reach the screen
                 log.exception("lightning_bagua: handling the failure failed too")
-        previous(kind, value, traceback)
+        if not after_printing:
+            previous(kind, value, trace)
 
     sys.excepthook = hook
 

@@ -126,7 +126,7 @@ class BaguaStrategyCore(_CoreBase):
         self._bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
         self._find_unused_parameters = find_unused_parameters
         self._communication_counter: CommunicationCounter | None = None
-        # Tells one run's failure reports in the store from an earlier run's (fits under the Trainer).
+        # Tells one run's failure reports in the store from an earlier run's: set when a run starts.
         self._failure_scope = 0
 
     @property
@@ -211,6 +211,10 @@ class BaguaStrategyCore(_CoreBase):
             )
         assert self.cluster_environment is not None
         address = (self.cluster_environment.main_address, self.cluster_environment.main_port)
+        # Every run joins (or finds the group joined): its failure reports get a number of their own, alike on every
+        # rank. And a rank 0 that cannot join ends the ranks it started, which would wait for its store.
+        self._failure_scope = faults.next_failure_scope()
+        faults.end_children_when_the_script_fails(self.launcher)
         try:
             if dist.is_available() and not dist.is_initialized():
                 set_world_ranks()
@@ -259,23 +263,35 @@ class BaguaStrategyCore(_CoreBase):
         per_rank = wrapped.bagua_algorithm.ranks_hold_different_weights
         return gather_module_entry(wrapped, weights() if per_rank else None, self._average_before_save, self.world_size)
 
-    def _handle_failure(self, exception: BaseException) -> None:
-        """Stop the algorithms without waiting for peers, name the ranks at fault, end the children launched here.
+    def _handle_failure(self, exception: BaseException, script_ends: bool = False) -> None:
+        """Stop the algorithms without waiting for peers, compare notes with the other ranks, and end the job if needed.
+
+        The decision (see the fault tolerance page of the docs): an error every rank raised leaves every process
+        alive, so that a script that catches it can run again; a failed collective ends the ranks this process
+        started (they cannot go on); an error this rank raised alone, while the others wait for it in a
+        collective, ends this process and the ranks it started, unless the script ends anyway.
 
         Args:
             exception: what interrupted the run.
+            script_ends: the exception is leaving the script (Fabric's exception hook): nothing to decide.
         """
         # First: background work (async averaging) learns of the failure at its next round and stops on the peers
         # too, instead of waiting in a collective for this rank.
         for wrapped in self._bagua_wrapped_modules():
             wrapped.bagua_algorithm_impl.stop(wait=False)
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            window = faults.DIAGNOSIS_WINDOW_S
-            if self._timeout is not None:
-                window = min(window, self._timeout.total_seconds())
-            note = faults.diagnose_failure(exception, self.global_rank, self.world_size, self._failure_scope, window)
-            if note is not None:
-                log.error(note)
-                if hasattr(exception, "add_note"):
-                    exception.add_note(note)
-        faults.end_launched_children(self.launcher)
+        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        timeout_s = None if self._timeout is None else self._timeout.total_seconds()
+        report = faults.diagnose_failure(
+            exception, self.global_rank, self.world_size, self._failure_scope, timeout_s, decide_alone=not script_ends
+        )
+        note = report.note()
+        if note is None:
+            return
+        log.error(note)
+        if hasattr(exception, "add_note"):
+            exception.add_note(note)
+        if report.collective:
+            faults.end_launched_children(self.launcher, f"a collective failed on rank {self.global_rank}")
+        elif report.alone:
+            faults.leave_the_job(exception, note, self.global_rank, self.launcher)
