@@ -8,6 +8,9 @@ fit that must complete. The place of the error cycles through the training step,
 validation (the Trainer) or the loop's forward, backward and data (Fabric). After every algorithm it records the
 Python threads alive and the number of process groups, so that a test can tell that nothing leaks between runs.
 Each rank writes ``DIR/rank{r}.json``.
+
+With ``--only-rank R`` (the Trainer) only rank R raises, for ``gradient_allreduce`` alone: the other rank waits for
+it in a collective, so the job must end instead, naming rank R, and nothing is written.
 """
 
 import argparse
@@ -15,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +52,7 @@ class FailingDataset(Dataset):
     def __getitem__(self, index: int) -> Any:
         # Per rank, the sampler hands indices in order (no shuffling): batch 2 starts at position 2 * BATCH.
         if self.fail and self.reads == FAIL_AT_BATCH * BATCH:
-            raise InjectedError(f"data loading failed at batch {FAIL_AT_BATCH}")
+            raise InjectedError(f"dataloader failed at batch {FAIL_AT_BATCH}")
         self.reads += 1
         return self.data[index]
 
@@ -78,7 +82,9 @@ def resources() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------- Trainer
 
 
-def trainer_round(name: str, strategy_name: str, place: str) -> dict[str, Any]:
+def trainer_round(
+    name: str, strategy_name: str, place: str, only_rank: int | None = None, marker: Path | None = None
+) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_bagua.strategies.bagua import BaguaStrategy
@@ -92,13 +98,15 @@ def trainer_round(name: str, strategy_name: str, place: str) -> dict[str, Any]:
             self.fail = fail
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            if self.fail == "training_step" and batch_idx == FAIL_AT_BATCH:
+            if self.fail == "training_step" and batch_idx == FAIL_AT_BATCH and only_rank in (None, self.global_rank):
+                if only_rank is not None and marker is not None:
+                    marker.write_text(json.dumps({"time": time.time()}))
                 raise InjectedError(f"training_step failed at batch {batch_idx}")
             return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             if self.fail == "validation" and batch_idx == 1:
-                raise InjectedError("validation_step failed")
+                raise InjectedError("validation failed at batch 1")
             self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -107,7 +115,7 @@ def trainer_round(name: str, strategy_name: str, place: str) -> dict[str, Any]:
     class FailingCallback(pl.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == FAIL_AT_BATCH:
-                raise InjectedError(f"callback failed after batch {batch_idx}")
+                raise InjectedError(f"callback failed at batch {batch_idx}")
 
     def trainer(fail: str | None) -> "pl.Trainer":
         strategy: Any = "ddp" if strategy_name == "ddp" else BaguaStrategy(algorithm=name, **kwargs)
@@ -191,7 +199,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--framework", choices=["trainer", "fabric"], required=True)
     parser.add_argument("--strategy", choices=["bagua", "ddp"], default="bagua")
+    parser.add_argument("--devices", type=int, choices=[2], default=2, help="the job's processes (two)")
+    parser.add_argument("--only-rank", type=int, default=None, help="only this rank raises (the Trainer)")
+    parser.add_argument("--marker", type=Path, default=None, help="--only-rank writes the time it raises here")
     args = parser.parse_args()
+    if args.only_rank is not None:
+        trainer_round("gradient_allreduce", "bagua", "training_step", args.only_rank, args.marker)
+        trainer_round("gradient_allreduce", "bagua", "training_step", args.only_rank, args.marker)
+        return  # never reached: the job ends at the first error
 
     from lightning_bagua.engine import available_algorithms
 

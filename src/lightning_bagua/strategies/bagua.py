@@ -171,17 +171,17 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        """Reduce a tensor over all processes, in place; anything that is not a tensor comes back unchanged.
+        """Reduce a tensor over the processes, in place, as Lightning's ``DDPStrategy`` does; non-tensors pass through.
 
         Args:
             tensor: the value to reduce.
-            group: must be ``None``: the strategy reduces over all processes.
-            reduce_op: ``"mean"``/``"avg"``/``None`` (the default: average), ``"sum"``, ``"max"``, ``"min"``,
-                ``"product"``, or the matching ``ReduceOp`` member.
+            group: the process group; ``None`` for all processes.
+            reduce_op: an op name in any letter case (``"mean"``/``"avg"``, the default, average on every
+                backend; ``"sum"``, ``"max"``, ...), a ``ReduceOp`` member, or ``None`` (average, as
+                lightning-bagua 0.1.0 took it).
 
         Returns:
-            ``tensor`` itself, holding the reduced value on every process (as lightning-bagua 0.1.0 reduced); a
-            new tensor only when the result has another dtype (the mean of an integer tensor).
+            ``tensor`` itself, holding the reduced value on every process (as DDP and lightning-bagua 0.1.0 reduce).
         """
         return reduce_over_all_processes(tensor, group, reduce_op, f"{type(self).__name__}.reduce")
 

@@ -222,18 +222,16 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
     def all_reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        """Reduce a tensor over all processes; anything that is not a tensor comes back unchanged.
+        """Reduce a tensor over the processes, in place, as Fabric's ``DDPStrategy`` does; non-tensors pass through.
 
         Args:
             tensor: the value to reduce.
-            group: ``None`` or the default group (what ``fabric.all_reduce`` passes): the strategy reduces over
-                all processes.
-            reduce_op: ``"mean"``/``"avg"``/``None`` (the default: average), ``"sum"``, ``"max"``, ``"min"``,
-                ``"product"``, or the matching ``ReduceOp`` member.
+            group: the process group; ``None`` for all processes.
+            reduce_op: an op name in any letter case (``"mean"``/``"avg"``, the default, average on every
+                backend; ``"sum"``, ``"max"``, ...), a ``ReduceOp`` member, or ``None`` (average).
 
         Returns:
-            The reduced value, on every process: written into ``tensor`` itself, as Fabric documents, unless the
-            result has another dtype (the mean of an integer tensor), which comes back as a new tensor.
+            ``tensor`` itself, holding the reduced value on every process, as Fabric documents.
         """
         return reduce_over_all_processes(tensor, group, reduce_op, f"{type(self).__name__}.all_reduce")
 

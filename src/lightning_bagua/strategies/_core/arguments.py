@@ -4,7 +4,6 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -23,28 +22,8 @@ __all__ = [
     "telemetry_metrics",
 ]
 
-# The accepted `reduce_op` spellings. Gloo has no AVG, so "mean" is always a sum followed by a division.
-_REDUCE_OPS: dict[Any, str] = {
-    None: "mean",
-    "mean": "mean",
-    "avg": "mean",
-    "sum": "sum",
-    "max": "max",
-    "min": "min",
-    "product": "product",
-    ReduceOp.AVG: "mean",
-    ReduceOp.SUM: "sum",
-    ReduceOp.MAX: "max",
-    ReduceOp.MIN: "min",
-    ReduceOp.PRODUCT: "product",
-}
-_TORCH_OPS = {
-    "sum": ReduceOp.SUM,
-    "mean": ReduceOp.SUM,
-    "max": ReduceOp.MAX,
-    "min": ReduceOp.MIN,
-    "product": ReduceOp.PRODUCT,
-}
+# Names that mean the average, in any letter case; Gloo has no AVG, so an average is a sum divided by the world size.
+_MEAN_NAMES = ("mean", "avg")
 
 
 def check_engine_arguments(
@@ -130,42 +109,60 @@ def check_telemetry_and_autotune(telemetry: Any, autotune: Any) -> tuple[bool, b
 def reduce_over_all_processes(
     tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOp | str | None, caller: str
 ) -> Tensor | Any:
-    """Reduce ``tensor`` in place over the default process group; anything that is not a tensor comes back as it is.
+    """Reduce ``tensor`` in place over ``group`` as Lightning's ``DDPStrategy`` does; anything else comes back as is.
+
+    Takes what Lightning's DDP takes, with the same results: an op name in any letter case (``"sum"``, ``"MAX"``;
+    ``"mean"``/``"avg"`` average, on every backend) or a ``ReduceOp`` member, and any process group. On top of
+    that, ``None`` and ``ReduceOp.AVG`` average too (as lightning-bagua 0.1.0 did), also on Gloo.
 
     Args:
         tensor: the value to reduce.
-        group: ``None`` or the default group; any other group is refused.
-        reduce_op: ``"mean"``/``"avg"``/``None``, ``"sum"``, ``"max"``, ``"min"``, ``"product"`` or the matching
-            ``ReduceOp`` member.
+        group: the process group; ``None`` for all processes.
+        reduce_op: the reduction (see above).
         caller: the method's name, for messages.
 
     Returns:
-        ``tensor`` itself holding the result, as lightning-bagua 0.1.0 and Fabric reduce; a new tensor only when
-        the result has another dtype (the mean of an integer tensor).
+        ``tensor`` itself, holding the result on every process of the group (an integer tensor's average rounded
+        toward zero, as with DDP); unchanged where no process group is initialised.
     """
     if not isinstance(tensor, Tensor):
         return tensor
-    # Fabric names the default group explicitly where the Trainer passes None.
-    if group is not None and group is not getattr(dist.group, "WORLD", None):
-        raise ValueError(
-            f"{caller} reduces over all processes and takes no `group`, got {group!r}."
-            " Call torch.distributed.all_reduce yourself to reduce over a subgroup."
-        )
-    op = _REDUCE_OPS.get(reduce_op) if _is_hashable(reduce_op) else None
-    if op is None and reduce_op is not None:
-        raise ValueError(
-            f"Unsupported `reduce_op` {reduce_op!r}. Use one of 'mean' (or 'avg', None), 'sum', 'max', 'min',"
-            " 'product', or the matching torch.distributed.ReduceOp member."
-        )
-    op = op or "mean"
-    result = tensor
-    if op == "mean" and not tensor.is_floating_point():
-        result = tensor.to(torch.get_default_dtype())
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(result, op=_TORCH_OPS[op])
-        if op == "mean":
-            result.div_(dist.get_world_size())
-    return result
+    op, average = _resolve_reduce_op(reduce_op, caller)
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    group = dist.group.WORLD if group is None else group
+    dist.all_reduce(tensor, op=op, group=group)
+    if not average:
+        return tensor
+    world_size = dist.get_world_size(group)
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.div_(world_size)
+    return tensor.copy_(tensor / world_size)
+
+
+def _resolve_reduce_op(reduce_op: ReduceOp | str | None, caller: str) -> tuple[Any, bool]:
+    """Return the op ``all_reduce`` runs and whether the result is then divided by the world size."""
+    if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in _MEAN_NAMES):
+        return ReduceOp.SUM, True
+    if isinstance(reduce_op, str):
+        # PREMUL_SUM needs a factor (torch builds it with _make_nccl_premul_sum): no name can stand for it.
+        named = {name: op for name, op in ReduceOp.RedOpType.__members__.items() if name not in ("AVG", "PREMUL_SUM")}
+        member = named.get(reduce_op.upper())
+        if member is None:
+            names = ", ".join(repr(name.lower()) for name in named)
+            raise ValueError(
+                f"{caller}: unsupported `reduce_op` {reduce_op!r}. Use a torch.distributed.ReduceOp member or its name"
+                f" in any letter case: 'mean' (or 'avg', None), {names}."
+            )
+        return member, False
+    if reduce_op == ReduceOp.AVG:
+        return ReduceOp.SUM, True
+    if isinstance(reduce_op, (ReduceOp, ReduceOp.RedOpType)):
+        return reduce_op, False
+    raise ValueError(
+        f"{caller}: unsupported `reduce_op` {reduce_op!r} ({type(reduce_op).__name__}). Use a"
+        " torch.distributed.ReduceOp member or its name as a string, e.g. 'sum' or 'mean'."
+    )
 
 
 def telemetry_metrics(record: Mapping[str, float]) -> dict[str, float]:
@@ -221,11 +218,3 @@ def _build_algorithm(algorithm: str | Algorithm, bagua_kwargs: dict[str, Any]) -
             )
         return algorithm
     return Algorithm.init(algorithm, **bagua_kwargs)
-
-
-def _is_hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True

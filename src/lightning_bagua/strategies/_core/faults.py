@@ -220,23 +220,22 @@ def next_failure_scope() -> int:
     return next(_SCOPES)
 
 
-def leave_the_job(exception: BaseException, note: str, rank: int, launcher: Any) -> None:
-    """Print ``exception`` with ``note``, end the children ``launcher`` started, and end this process (exit code 1).
+def leave_the_job(exception: BaseException, rank: int, launcher: Any) -> None:
+    """End the children ``launcher`` started, print ``exception`` (with its notes), and end this process (exit code 1).
 
     For a rank that raised alone: its peers wait for it in a collective that cannot fail while this process lives,
     so a script that caught the error and went on would leave them waiting for the whole timeout. Once this process
     is gone their collectives fail at once, and every launcher ends the job.
 
     Args:
-        exception: what this rank raised.
-        note: the message that says why the process ends.
+        exception: what this rank raised, with a note that says why the process ends.
         rank: this process's rank.
         launcher: the strategy's launcher, or ``None``.
     """
     end_launched_children(launcher, f"rank {rank} raised alone")
     sys.stdout.flush()
     traceback.print_exception(exception)
-    print(note, file=sys.stderr, flush=True)
+    sys.stderr.flush()
     logging.shutdown()
     os._exit(1)
 

@@ -288,10 +288,10 @@ class BaguaStrategyCore(_CoreBase):
         note = report.note()
         if note is None:
             return
-        log.error(note)
         if hasattr(exception, "add_note"):
             exception.add_note(note)
+        if report.alone:
+            faults.leave_the_job(exception, self.global_rank, self.launcher)
+        log.error(note)
         if report.collective:
             faults.end_launched_children(self.launcher, f"a collective failed on rank {self.global_rank}")
-        elif report.alone:
-            faults.leave_the_job(exception, note, self.global_rank, self.launcher)
