@@ -246,6 +246,11 @@ def job(args: argparse.Namespace) -> None:
             "steps": trainer.global_step,
         }
         Path(args.result_file).write_text(json.dumps(result))
+    # Lightning leaves the default process group alive after a run. A `ddp` job never meets BaguaStrategy's at-exit
+    # handler that destroys it, so its processes exited with Gloo's threads still running and could abort in
+    # interpreter shutdown ("terminate called without an active exception"). Every job ends it here, while whole.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def run_job(task: str, method: str, seed: int, steps: int, timeout: int) -> dict[str, Any]:
