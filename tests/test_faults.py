@@ -54,3 +54,26 @@ def test_restart_resumes_from_the_last_checkpoint_and_matches_an_uninterrupted_r
         actual = torch.load(tmp_path / "restarted" / "out" / f"rank{rank}.pt", weights_only=False)["state"]
         # gradient_allreduce on CPU with Gloo is deterministic, and the replayed epoch sees the same batches.
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_failure_reports_tell_a_shared_error_from_one_raised_alone_and_a_failed_collective():
+    from lightning_bagua.strategies._core.faults import FailureReport
+
+    shared = FailureReport(0, 2, collective=False, reports={0: "ValueError: x", 1: "ValueError: x"}, window_s=20)
+    assert not shared.alone
+    assert shared.note() is None  # nothing to say: every rank goes on with its own error
+
+    alone = FailureReport(1, 3, collective=False, reports={1: "ValueError: x"}, window_s=20)
+    assert alone.alone
+    assert alone.silent == [0, 2]
+    assert "rank 1 of 3 raised alone: rank(s) 0, 2 reported no failure within 20 s" in alone.note()
+
+    collective = FailureReport(0, 3, collective=True, reports={0: "RuntimeError: gloo", 2: "ValueError: y"}, window_s=5)
+    assert not collective.alone
+    assert "Failed rank(s): 1 (no report within 5 s" in collective.note()
+    assert "Other ranks that raised: rank 2 (ValueError: y)." in collective.note()
+
+    # The store is gone (its host died): nobody can tell, and the job is failing anyway; only a collective says so.
+    lost = FailureReport(1, 2, collective=False, reports={1: "ValueError: x"}, window_s=20, store_error="gone")
+    assert not lost.alone
+    assert lost.note() is None
