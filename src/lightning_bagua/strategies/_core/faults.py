@@ -196,17 +196,18 @@ def end_children_when_the_script_fails(launcher: Any) -> None:
     Args:
         launcher: the strategy's launcher, or ``None``.
     """
-    global _REMOVE_EXIT_HOOK
+    global _EXIT_HOOK_INSTALLED
     if launcher is None or not hasattr(launcher, "procs"):
         return
     if not any(launcher is known for known in _WATCHED_LAUNCHERS):
         _WATCHED_LAUNCHERS.append(launcher)
-    if _REMOVE_EXIT_HOOK is None:
-        _REMOVE_EXIT_HOOK = install_failure_hook(_end_watched_children, after_printing=True)
+    if not _EXIT_HOOK_INSTALLED:
+        install_failure_hook(_end_watched_children, after_printing=True)
+        _EXIT_HOOK_INSTALLED = True
 
 
 _WATCHED_LAUNCHERS: list[Any] = []
-_REMOVE_EXIT_HOOK: Callable[[], None] | None = None
+_EXIT_HOOK_INSTALLED = False
 
 
 def _end_watched_children(exception: BaseException) -> None:
