@@ -73,6 +73,11 @@ def test_failure_reports_tell_a_shared_error_from_one_raised_alone_and_a_failed_
     assert "Failed rank(s): 1 (no report within 5 s" in collective.note()
     assert "Other ranks that raised: rank 2 (ValueError: y)." in collective.note()
 
+    # Leaving the script, a rank does not wait for the others: it cannot tell, and has nothing to decide.
+    leaving = FailureReport(0, 2, collective=False, reports={0: "ValueError: x"}, window_s=0)
+    assert not leaving.alone
+    assert leaving.note() is None
+
     # The store is gone (its host died): nobody can tell, and the job is failing anyway; only a collective says so.
     lost = FailureReport(1, 2, collective=False, reports={1: "ValueError: x"}, window_s=20, store_error="gone")
     assert not lost.alone

@@ -2,7 +2,8 @@
 
 Takes ``benchmarks/dead_rank_exit.py``'s job options: ``--out``, ``--devices``, and ``--kill-rank``,
 ``--kill-at-step`` and ``--kill-marker`` (that rank writes the time to the marker, then SIGKILLs itself before the
-step). Without a launcher (``--no-launcher``), the environment gives the rank and world size, as torchrun would.
+step, or with ``--raise-instead`` raises an uncaught ``ValueError``). Without a launcher (``--no-launcher``), the
+environment gives the rank and world size, as torchrun would.
 """
 
 import argparse
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int)
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--kill-marker", type=Path)
+    parser.add_argument("--raise-instead", action="store_true", help="the rank raises ValueError (uncaught) instead")
     args = parser.parse_args()
 
     kwargs = {"sync_interval_ms": 5} if args.algorithm == "async" else {}
@@ -43,6 +45,8 @@ def main() -> None:
     for step in range(STEPS):
         if fabric.global_rank == args.kill_rank and step == args.kill_at_step:
             args.kill_marker.write_text(json.dumps({"time": time.time()}))
+            if args.raise_instead:
+                raise ValueError(f"rank {fabric.global_rank} failed alone at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
         loss = model(torch.randn(32, 8, generator=generator)).pow(2).mean()
         fabric.backward(loss)

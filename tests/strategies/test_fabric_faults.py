@@ -76,3 +76,26 @@ def test_without_a_launcher_the_surviving_rank_names_the_dead_one(tmp_path, algo
     # Printed with the traceback (the note) and logged by the strategy: the rank that went silent is named.
     assert _STRATEGY_NOTE.search(log), log[-6000:]
     assert not (tmp_path / "out").exists(), "a rank finished although its peer died"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_uncaught_error_on_one_rank_ends_a_fabric_job_naming_it(tmp_path, rank):
+    # The other rank waits for this one in the backward's all-reduce; Fabric sees no exception until it ends the script.
+    result = run_job(
+        "lightning",
+        tmp_path,
+        kill=False,
+        script=SCRIPT,
+        training_args=("--kill-at-step", str(KILL_AT_STEP), "--kill-rank", str(rank), "--raise-instead",
+                       "--kill-marker", str(tmp_path / "death.json")),
+        timeout_s=180,
+    )  # fmt: skip
+    assert result.death_to_exit_s is not None, f"rank {rank} never raised:\n{result.output[-4000:]}"
+    assert result.returncode != 0, result.output[-4000:]
+    assert not result.leftover_pids, f"processes outlived the launcher: {result.leftover_pids}"
+    assert result.death_to_exit_s < EXIT_DEADLINE_S, result.output[-4000:]
+    assert f"ValueError: rank {rank} failed alone at step {KILL_AT_STEP}" in result.output, result.output[-6000:]
+    # An uncaught error is nothing to decide on: no rank claims to have raised alone.
+    assert "raised alone" not in result.output, result.output[-6000:]
+    assert not (tmp_path / "out").exists(), "a rank finished although its peer failed"

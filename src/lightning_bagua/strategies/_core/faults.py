@@ -268,8 +268,11 @@ class FailureReport:
 
     @property
     def alone(self) -> bool:
-        """This rank's own code raised and some ranks reported nothing: they wait for this one in a collective."""
-        return not self.collective and self.store_error is None and bool(self.silent)
+        """This rank's own code raised and some ranks reported nothing in the window: they wait for this one.
+
+        Never when no window was given (the script ends anyway): then nothing was waited for.
+        """
+        return not self.collective and self.store_error is None and self.window_s > 0 and bool(self.silent)
 
     def note(self) -> str | None:
         """Return the message naming the ranks at fault, or ``None`` for an error every rank raised."""

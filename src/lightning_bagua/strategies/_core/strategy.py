@@ -282,6 +282,8 @@ class BaguaStrategyCore(_CoreBase):
         if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             return
         timeout_s = None if self._timeout is None else self._timeout.total_seconds()
+        # Lightning ends the job itself after a KeyboardInterrupt (kills the children, exits): nothing to decide.
+        script_ends = script_ends or isinstance(exception, KeyboardInterrupt)
         report = faults.diagnose_failure(
             exception, self.global_rank, self.world_size, self._failure_scope, timeout_s, decide_alone=not script_ends
         )
