@@ -67,9 +67,9 @@ def test_no_engine_module_imports_one_that_imports_it_back():
             node, path = stack.pop()
             for target in graph.get(node, ()):
                 if target == start:
-                    cycles.append(path + [start])
+                    cycles.append([*path, start])
                 elif target not in path and len(path) < len(graph):
-                    stack.append((target, path + [target]))
+                    stack.append((target, [*path, target]))
     assert not cycles, f"import circles: {cycles[:3]}"
 
 

@@ -33,6 +33,7 @@ TELEMETRY_KEYS = (
 )
 """The keys of every step record; the algorithm's phase adds ``"phase/<name>"`` keys."""
 
+
 class PhaseSource(Protocol):
     """What the telemetry reads from the algorithm: its phase (an ``AlgorithmImpl`` is one)."""
 
