@@ -258,7 +258,7 @@ def markdown(results: list[dict[str, Any]], regimes: list[str], methods: list[st
                 cells.append("")
             else:
                 ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp else ""
-                cells.append(f"{row['median_step_s'] * 1e3:.1f}{ratio} ±{row['spread'] * 100:.0f}%")
+                cells.append(f"{row['median_step_s'] * 1e3:.1f}{ratio}, spread {row['spread'] * 100:.0f}%")
         any_row = next((by_key[(regime, method)] for regime in regimes if (regime, method) in by_key), None)
         payload = None if any_row is None else any_row["bytes_per_step"]
         peak = None if any_row is None else any_row["peak_memory_bytes"]
