@@ -1,7 +1,7 @@
 """Throughput of the MinMaxUInt8 codec (compress + decompress) against the device's own copy bandwidth.
 
     python benchmarks/codec_throughput.py                    # one GPU: Triton and torch backends
-    python benchmarks/codec_throughput.py --cpu --threads 1  # CPU: torch backend
+    python benchmarks/codec_throughput.py --cpu --threads 1  # CPU: blocked and torch backends
     python benchmarks/codec_throughput.py --cpu --sizes-mb 1 4 --no-save
 
 For a buffer of ``B`` bytes of float32 (``N = B / 4`` elements) split into ``k`` chunks, with ``t_c`` and ``t_d``
@@ -19,8 +19,9 @@ the median times of ``compress`` and of ``decompress`` (into a preallocated outp
 - fraction of copy ``= effective bandwidth / copy bandwidth``: 1.0 would mean the codec moves its bytes as
   fast as a plain copy moves its own.
 
-Each time is the median, over ``--reps`` batches, of one batch of ``--inner`` back-to-back calls divided by
-``--inner``, after warm-up (which also compiles the Triton kernels). On a GPU, two timings (``mode``):
+Each time is the median (``--statistic min``: the minimum, for a loaded machine), over ``--reps`` batches, of one
+batch of ``--inner`` back-to-back calls divided by ``--inner``, after warm-up (which also compiles the Triton
+kernels). On a GPU, two timings (``mode``):
 
 - ``eager``: CUDA events around the batch, launched as training would launch it. The host queues work while
   the device runs, but where the host needs longer per call than the device (kernel launches cost tens of
@@ -30,7 +31,8 @@ Each time is the median, over ``--reps`` batches, of one batch of ``--inner`` ba
 
 On CPU the host clock times the batch. Each configuration is checked once for correctness (error within the
 codec's bound) before it is timed. The host time per call on a tiny tensor (launches, allocations, Python) is
-reported too.
+reported too, and for every size in eager mode the host time a call takes to issue (``host us/call``): on a GPU,
+where it exceeds the device time, the codec is launch-bound.
 
 Prints a Markdown table and writes ``benchmarks/results/codec_throughput_{gpu,cpu}.json`` (unless
 ``--no-save``) with the machine and versions.
@@ -54,17 +56,28 @@ RESULTS = Path(__file__).parent / "results"
 MB = 1 << 20
 
 
-def eager_time(fn: Callable[[], object], device: torch.device, args: argparse.Namespace) -> float:
-    """Median seconds per call over ``--reps`` batches of ``--inner`` back-to-back calls, after warm-up."""
+def summary(times: list[float], args: argparse.Namespace) -> float:
+    """The ``--statistic`` of ``times``: the median, or the minimum (the least disturbed run, on a loaded host)."""
+    return min(times) if args.statistic == "min" else statistics.median(times)
+
+
+def eager_time(fn: Callable[[], object], device: torch.device, args: argparse.Namespace) -> tuple[float, float]:
+    """Seconds per call, and host seconds per call, over ``--reps`` batches of ``--inner`` calls, after warm-up.
+
+    The host time is what the calling thread spends issuing a call (on a GPU, until the last call of the batch
+    has been queued); on CPU it is the time itself.
+    """
     for _ in range(args.warmup):
         fn()
-    times = []
+    times, host_times = [], []
     for _ in range(args.reps):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             for _ in range(args.inner):
                 fn()
+            host_times.append((time.perf_counter() - begin) / args.inner)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1000 / args.inner)
@@ -73,7 +86,8 @@ def eager_time(fn: Callable[[], object], device: torch.device, args: argparse.Na
             for _ in range(args.inner):
                 fn()
             times.append((time.perf_counter() - begin) / args.inner)
-    return statistics.median(times)
+            host_times.append(times[-1])
+    return summary(times, args), summary(host_times, args)
 
 
 def graph_time(fn: Callable[[], object], args: argparse.Namespace) -> float:
@@ -98,7 +112,7 @@ def graph_time(fn: Callable[[], object], args: argparse.Namespace) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000 / args.inner)
     del graph
-    return statistics.median(times)
+    return summary(times, args)
 
 
 def host_overhead(codec: MinMaxUInt8Codec, device: torch.device, calls: int = 300) -> dict[str, float]:
@@ -164,11 +178,14 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="benchmark the torch backend on CPU")
     parser.add_argument("--sizes-mb", type=int, nargs="+", help="float32 buffer sizes in MiB (default: 4 ... 1024)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 8], help="numbers of chunks k")
-    parser.add_argument("--backends", nargs="+", choices=["torch", "triton"], help="default: both on GPU")
+    parser.add_argument("--backends", nargs="+", choices=["torch", "blocked", "triton"], help="default: both on GPU")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", type=int, help="calls per timed batch (default: 10 on GPU, 1 on CPU)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument(
+        "--statistic", choices=["median", "min"], default="median", help="min: the least disturbed batch (loaded hosts)"
+    )
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     args = parser.parse_args()
     if args.threads:
@@ -176,14 +193,17 @@ def main() -> None:
 
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     sizes = args.sizes_mb or ([4, 16, 64] if args.cpu else [4, 16, 64, 256, 1024])
-    backends = args.backends or (["torch"] if args.cpu else ["triton", "torch"])
+    backends = args.backends or (["blocked", "torch"] if args.cpu else ["triton", "torch"])
     args.inner = args.inner or (1 if args.cpu else 10)
     generator = torch.Generator(device).manual_seed(0)
 
     modes = ["eager"] if args.cpu else ["eager", "graph"]
 
+    def timed_with_host(fn: Callable[[], object], mode: str) -> tuple[float, float | None]:
+        return eager_time(fn, device, args) if mode == "eager" else (graph_time(fn, args), None)
+
     def timed(fn: Callable[[], object], mode: str) -> float:
-        return eager_time(fn, device, args) if mode == "eager" else graph_time(fn, args)
+        return timed_with_host(fn, mode)[0]
 
     rows = []
     for size_mb in sizes:
@@ -199,8 +219,10 @@ def main() -> None:
                 for num_chunks in args.chunks:
                     check(codec, values, num_chunks, out)
                     encoded = codec.compress(values, num_chunks)
-                    compress_s = timed(lambda c=codec, k=num_chunks, v=values: c.compress(v, k), mode)
-                    decompress_s = timed(
+                    compress_s, compress_host_s = timed_with_host(
+                        lambda c=codec, k=num_chunks, v=values: c.compress(v, k), mode
+                    )
+                    decompress_s, decompress_host_s = timed_with_host(
                         lambda c=codec, e=encoded, n=numel, o=out: c.decompress(e, n, torch.float32, out=o), mode
                     )
                     total = compress_s + decompress_s
@@ -215,6 +237,9 @@ def main() -> None:
                             "copy_gbps_by_mode": {name: value / 1e9 for name, value in copy_by_mode.items()},
                             "compress_ms": compress_s * 1e3,
                             "decompress_ms": decompress_s * 1e3,
+                            "host_us_per_call": None
+                            if compress_host_s is None or decompress_host_s is None
+                            else (compress_host_s + decompress_host_s) / 2 * 1e6,
                             "input_gbps": nbytes / total / 1e9,
                             "effective_gbps": effective / 1e9,
                             "fraction_of_copy": effective / copy_bandwidth,
@@ -234,14 +259,17 @@ def main() -> None:
             f" decompress {times['decompress_us']:.1f} us"
         )
     header = (
-        "| MiB | timing | backend | k | copy GB/s | compress ms | decompress ms | input GB/s | eff. GB/s | of copy |"
+        "| MiB | timing | backend | k | copy GB/s | compress ms | decompress ms | host us/call | input GB/s | eff. GB/s"
+        " | of copy |"
     )
     print(header)
     print("|" + "---|" * header.count(" | ") + "---|")
     for row in rows:
         print(
             f"| {row['size_mb']} | {row['mode']} | {row['backend']} | {row['chunks']} | {row['copy_gbps']:.1f} |"
-            f" {row['compress_ms']:.3f} | {row['decompress_ms']:.3f} | {row['input_gbps']:.1f} |"
+            f" {row['compress_ms']:.3f} | {row['decompress_ms']:.3f} |"
+            f" {'' if row['host_us_per_call'] is None else format(row['host_us_per_call'], '.0f')} |"
+            f" {row['input_gbps']:.1f} |"
             f" {row['effective_gbps']:.1f} | {row['fraction_of_copy']:.3f} |"
         )
     if args.no_save:
@@ -250,13 +278,16 @@ def main() -> None:
         "benchmark": "MinMaxUInt8 codec compress + decompress throughput vs dst.copy_(src) bandwidth",
         "command": "python benchmarks/codec_throughput.py"
         + (" --cpu" if args.cpu else "")
-        + (f" --threads {args.threads}" if args.threads else ""),
+        + (f" --threads {args.threads}" if args.threads else "")
+        + (f" --statistic {args.statistic}" if args.statistic != "median" else ""),
         "definitions": {
             "mode": "eager: launched call after call; graph: the same calls replayed from a CUDA graph",
             "copy_gbps": "2 * bytes / median copy time (read + write), the faster of the eager and graph timings",
             "input_gbps": "float32 input bytes / (median compress time + median decompress time)",
             "effective_gbps": "(input read + codes written + codes read + output written) / (compress + decompress)",
             "fraction_of_copy": "effective_gbps / copy_gbps",
+            "host_us_per_call": "host time a compress or decompress call takes to issue (mean of the two); eager only",
+            "statistic": "how the --reps batch timings are summarised: median, or min (least disturbed)",
         },
         "settings": {**vars(args), "sizes_mb": sizes, "backends": backends},
         "machine": machine(device),

@@ -21,6 +21,12 @@ On a machine with two GPUs::
 
     python benchmarks/lm_step_time.py                           # both regimes, every method
     python benchmarks/lm_step_time.py --regimes sockets --methods ddp bytegrad
+    python benchmarks/lm_step_time.py --devices 1 --regimes nvlink --methods ddp bytegrad   # one GPU: host cost
+
+Every method runs ``--repeats`` jobs (5 by default), interleaved: each round runs every method once, in an order
+rotated from round to round. Recorded per method: the median of the jobs' median step times, the min and max of
+them and their spread ``(max - min) / median``; a ratio between two methods means something only where it is
+larger than both spreads.
 
 It writes ``benchmarks/results/lm_step_time_gpu.json``, ``lm_step_time_gpu.md`` and, with matplotlib,
 ``lm_step_time_gpu.png``. ``--cpu`` runs a tiny model on two Gloo processes instead (a smoke test of the script;
@@ -151,7 +157,7 @@ def job(args: argparse.Namespace) -> None:
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
             hooks = {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}
         strategy = DDPStrategy(gradient_as_bucket_view=True, **hooks)
-        devices = 2
+        devices = args.devices
     else:
         keywords: dict[str, Any] = {"warmup_steps": warmup} if args.method == "async" else {}
         if args.method in ("bytegrad", "qadam"):
@@ -159,7 +165,7 @@ def job(args: argparse.Namespace) -> None:
             # intra-node level; flat, they compress between the two GPUs, as between two single-GPU machines.
             keywords["hierarchical"] = False
         strategy = BaguaStrategy(algorithm=args.method, **keywords)
-        devices = 2
+        devices = args.devices
     timer = StepTimer()
     trainer = pl.Trainer(
         accelerator="cpu" if args.cpu else "gpu",
@@ -205,6 +211,7 @@ def run_job(args: argparse.Namespace, regime: str, method: str) -> dict[str, Any
     if regime == "sockets":
         env.update(SOCKETS_ENV)
     command = [str(Path(__file__).resolve()), "--job", "--method", method, "--batch", str(args.batch)]
+    command += ["--devices", str(args.devices)]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup), *(["--cpu"] if args.cpu else [])]
     # Lightning's own launcher starts the second process, as a user's `python train.py` would.
     completed = subprocess.run(
@@ -216,10 +223,28 @@ def run_job(args: argparse.Namespace, regime: str, method: str) -> dict[str, Any
     return {"regime": regime, **json.loads(lines[-1][len("RESULT ") :])}
 
 
+def summarise(regime: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's repeats: the median of the jobs' median step times, their spread, and every job's row."""
+    medians = [row["median_step_s"] for row in rows]
+    median = statistics.median(medians)
+    return {
+        **rows[0],
+        "regime": regime,
+        "median_step_s": median,
+        "min_step_s": min(medians),
+        "max_step_s": max(medians),
+        "spread": (max(medians) - min(medians)) / median,
+        "tokens_per_s": rows[0]["tokens_per_s"] * rows[0]["median_step_s"] / median,
+        "peak_memory_bytes": max((row["peak_memory_bytes"] or 0) for row in rows) or None,
+        "repeats": rows,
+    }
+
+
 def markdown(results: list[dict[str, Any]], regimes: list[str], methods: list[str], command: str) -> str:
     by_key = {(r["regime"], r["method"]): r for r in results}
     lines = [
-        f"Median step time in ms (ratio to Lightning DDP's in the same regime). Written by `{command}`;",
+        "Median over the repeats of each job's median step time in ms (ratio to Lightning DDP's in the same",
+        f"regime), then the repeats' spread (max - min) / median. Written by `{command}`;",
         "every figure is in the JSON file of the same name.",
         "",
         "| method | " + " | ".join(f"{regime} ms (x DDP)" for regime in regimes) + " | MB/step | peak GiB |",
@@ -233,7 +258,7 @@ def markdown(results: list[dict[str, Any]], regimes: list[str], methods: list[st
                 cells.append("")
             else:
                 ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp else ""
-                cells.append(f"{row['median_step_s'] * 1e3:.1f}{ratio}")
+                cells.append(f"{row['median_step_s'] * 1e3:.1f}{ratio}, spread {row['spread'] * 100:.0f}%")
         any_row = next((by_key[(regime, method)] for regime in regimes if (regime, method) in by_key), None)
         payload = None if any_row is None else any_row["bytes_per_step"]
         peak = None if any_row is None else any_row["peak_memory_bytes"]
@@ -269,17 +294,27 @@ def suite(args: argparse.Namespace) -> None:
     unknown = sorted(set(methods) - set(all_methods()))
     if unknown:
         raise SystemExit(f"Unknown methods {unknown}; choose from {all_methods()}.")
-    if not args.cpu and torch.cuda.device_count() < 2:
-        raise SystemExit(f"lm_step_time.py needs two GPUs, found {torch.cuda.device_count()}; --cpu for a smoke test.")
+    if not args.cpu and not 1 <= args.devices <= torch.cuda.device_count():
+        raise SystemExit(
+            f"--devices {args.devices} needs as many GPUs, found {torch.cuda.device_count()}; --cpu for a smoke test."
+        )
+    # Interleaved: every repeat runs each method once (in a rotated order), so that a drift of the machine
+    # (clocks, temperature, other load) spreads over all methods instead of biasing the ones run last.
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for repeat in range(args.repeats):
+        shift = repeat % len(methods)
+        for regime in args.regimes:
+            for method in methods[shift:] + methods[:shift]:
+                if method == "single" and regime != args.regimes[0]:
+                    continue  # one GPU communicates with nobody: the same in every regime
+                row = run_job(args, regime, method)
+                runs.setdefault((regime, method), []).append(row)
+                print(f"#{repeat} {regime:>7} {method:>28}: {row['median_step_s'] * 1e3:9.1f} ms", flush=True)
     results = []
     for regime in args.regimes:
         for method in methods:
-            if method == "single" and regime != args.regimes[0]:
-                results.append({**next(r for r in results if r["method"] == "single"), "regime": regime})
-                continue  # one GPU communicates with nobody: the same in every regime
-            row = run_job(args, regime, method)
-            results.append(row)
-            print(f"{regime:>7} {method:>28}: {row['median_step_s'] * 1e3:9.1f} ms", flush=True)
+            rows = runs.get((regime, method)) or runs[(args.regimes[0], method)]
+            results.append(summarise(regime, rows))
     kind = "cpu" if args.cpu else "gpu"
     command = "python benchmarks/lm_step_time.py " + " ".join(sys.argv[1:])
     report = {
@@ -292,6 +327,9 @@ def suite(args: argparse.Namespace) -> None:
             "platform": platform.platform(),
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.cpu else "cpu",
             "devices": torch.cuda.device_count() if not args.cpu else 2,
+            "cuda": torch.version.cuda,
+            "lightning": _version("lightning"),
+            "lightning_bagua": _version("lightning-bagua"),
         },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "results": results,
@@ -306,6 +344,15 @@ def suite(args: argparse.Namespace) -> None:
     chart(results, args.regimes, methods, RESULTS / f"lm_step_time_{kind}.png")
 
 
+def _version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regimes", nargs="+", default=["nvlink", "sockets"], choices=["nvlink", "sockets"])
@@ -314,6 +361,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps (also qadam's and async's warm-up)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one job may take")
+    parser.add_argument("--repeats", type=int, default=5, help="jobs per method, interleaved with the other methods")
+    parser.add_argument("--devices", type=int, default=2, help="GPUs (or Gloo processes) per job; 'single' uses 1")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)

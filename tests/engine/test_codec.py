@@ -1,4 +1,7 @@
-"""The MinMaxUInt8 codec on CPU (torch backend), against an independent float64 re-implementation of §3."""
+"""The MinMaxUInt8 codec on CPU (torch and blocked backends), against an independent float64 re-implementation.
+
+The blocked backend is also compared byte for byte with the torch backend.
+"""
 
 import math
 import subprocess
@@ -7,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from lightning_bagua.engine import _codec_blocked
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
 EPS = 1e-7
@@ -56,9 +60,9 @@ def random_values(numel: int, scale: float, offset: float, seed: int, dtype: tor
     return values.to(dtype)
 
 
-@pytest.fixture
-def codec():
-    return MinMaxUInt8Codec(backend="torch")
+@pytest.fixture(params=["torch", "blocked"])
+def codec(request):
+    return MinMaxUInt8Codec(backend=request.param)
 
 
 def test_layout_helpers(codec):
@@ -321,3 +325,93 @@ def test_importing_and_using_the_codec_on_cpu_does_not_import_triton():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def _special_values(kind: str, numel: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    values = random_values(numel, 1.0, 0.0, seed, dtype)
+    if kind == "far from zero":
+        values = random_values(numel, 1e-3, 1e4, seed, dtype)
+    elif kind == "nan":
+        values[numel // 2] = math.nan
+    elif kind == "inf last":
+        values[-1] = math.inf
+    elif kind == "constant":
+        values.fill_(3.3)
+    elif kind == "zeros":
+        values.zero_()
+    return values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "far from zero", "nan", "inf last", "constant", "zeros"])
+# Sizes around the blocked backend's block, so that chunks end inside, at and just past a block.
+@pytest.mark.parametrize("numel", [1, 5, 1000, _codec_blocked.BLOCK - 1, _codec_blocked.BLOCK + 1, 300_001])
+@pytest.mark.parametrize("num_chunks", [1, 3, 8])
+def test_the_blocked_backend_writes_and_decodes_the_torch_backends_bytes(dtype, kind, numel, num_chunks):
+    torch_codec, blocked = MinMaxUInt8Codec(backend="torch"), MinMaxUInt8Codec(backend="blocked")
+    values = _special_values(kind, numel, seed=numel + num_chunks, dtype=dtype)
+    encoded = torch_codec.compress(values, num_chunks)
+    assert torch.equal(blocked.compress(values, num_chunks), encoded)
+    for out_dtype in {torch.float32, dtype}:
+        expected = torch_codec.decompress(encoded, numel, out_dtype)
+        # Bit patterns, so that NaN compares equal to NaN.
+        decoded_bits = blocked.decompress(encoded, numel, out_dtype).float().view(torch.int32)
+        assert torch.equal(decoded_bits, expected.float().view(torch.int32))
+    assert torch.equal(
+        blocked.decompress_rows(encoded).view(torch.int32), torch_codec.decompress_rows(encoded).view(torch.int32)
+    )
+
+
+def test_auto_picks_the_blocked_backend_on_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_codec_blocked, "compress", lambda *args: calls.append(args) or torch.zeros(1, 1))
+    MinMaxUInt8Codec().compress(torch.ones(3))
+    assert len(calls) == 1
+
+
+def test_the_blocked_backend_refuses_non_cpu_tensors():
+    with pytest.raises(ValueError, match="'blocked' backend runs on CPU tensors"):
+        MinMaxUInt8Codec(backend="blocked")._kernels(torch.device("meta"))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("numel", [1, 999, _codec_blocked.BLOCK + 7])
+def test_decompress_sum_equals_decoding_then_summing(codec, rows, numel):
+    # What bytegrad's reduction does: one row from each rank, summed; the padding column is left out.
+    parts = [random_values(numel + 1, 10.0**i, float(i), seed=i) for i in range(rows)]
+    encoded = torch.cat([codec.compress(part) for part in parts])
+    out = torch.full((numel,), math.nan)
+    assert codec.decompress_sum(encoded, out) is out
+    expected = codec.decompress_rows(encoded)[:, :numel].sum(dim=0)
+    # The order of the float32 additions may differ from torch.sum's (which pairs rows); a few ulps of the sum.
+    torch.testing.assert_close(out, expected, rtol=4 * 2.0**-23, atol=1e-6 * rows * 10.0**rows)
+    if rows <= 2:
+        assert torch.equal(out, expected)
+
+
+def test_decompress_sum_carries_a_non_finite_row_into_the_sum(codec):
+    good, bad = random_values(64, 1.0, 0.0, seed=1), random_values(64, 1.0, 0.0, seed=2)
+    bad[3] = math.inf
+    out = codec.decompress_sum(torch.cat([codec.compress(good), codec.compress(bad)]), torch.empty(64))
+    assert out.isnan().all()
+
+
+def test_decompress_sum_checks_its_output(codec):
+    encoded = codec.compress(random_values(10, 1.0, 0.0, seed=3), 2)
+    with pytest.raises(ValueError, match="at most 5 elements"):
+        codec.decompress_sum(encoded, torch.empty(6))
+    with pytest.raises(ValueError, match="float32"):
+        codec.decompress_sum(encoded, torch.empty(5, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [7, _codec_blocked.BLOCK + 3])
+def test_decompress_add_adds_what_decompress_returns(codec, dtype, numel):
+    values = random_values(numel, 2.0, 1.0, seed=4, dtype=dtype)
+    encoded = codec.compress(values, 3)
+    base = random_values(numel, 1.0, 0.0, seed=6, dtype=dtype)
+    out = base.clone()
+    assert codec.decompress_add(encoded, out) is out
+    assert torch.equal(out, base + codec.decompress(encoded, numel, dtype))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        codec.decompress_add(encoded, torch.empty(numel + 3, dtype=dtype))

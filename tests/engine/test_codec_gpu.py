@@ -194,3 +194,19 @@ def test_strided_rows_and_partial_decode_on_triton(torch_codec, triton_codec):
 def test_triton_backend_rejects_cpu_tensors(triton_codec):
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         triton_codec.compress(torch.zeros(4))
+
+
+@pytest.mark.parametrize("numel", [7, 1_000_003])
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_decompress_sum_and_add_on_cuda_match_the_cpu(numel, rows):
+    # What bytegrad (sum of received rows) and low_precision_decentralized (add into the copies) do on a GPU.
+    codec = MinMaxUInt8Codec()
+    parts = [random_values(numel + 1, 10.0**i, float(i), seed=i) for i in range(rows)]
+    encoded = torch.cat([codec.compress(part) for part in parts])
+    expected_sum = codec.decompress_sum(encoded, torch.empty(numel))
+    summed = codec.decompress_sum(encoded.to(DEVICE), torch.empty(numel, device=DEVICE))
+    torch.testing.assert_close(summed.cpu(), expected_sum, rtol=8 * 2.0**-23, atol=1e-6 * rows * 10.0**rows)
+    base = random_values(numel + 1, 1.0, 0.0, seed=99)
+    expected_add = codec.decompress_add(encoded[:1], base.clone())
+    added = codec.decompress_add(encoded[:1].to(DEVICE), base.to(DEVICE))
+    torch.testing.assert_close(added.cpu(), expected_add, rtol=2.0**-22, atol=1e-6)

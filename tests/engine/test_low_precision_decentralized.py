@@ -17,7 +17,10 @@ from torch import nn
 
 from lightning_bagua.engine import BaguaDistributedDataParallel
 from lightning_bagua.engine.algorithms.base import Algorithm
-from lightning_bagua.engine.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+from lightning_bagua.engine.algorithms.low_precision_decentralized import (
+    LowPrecisionDecentralizedAlgorithm,
+    _ring_copies,
+)
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from tests.distributed import run_processes
 from tests.engine.test_decentralized import batch_for, fake_context, make_model, snapshot
@@ -345,3 +348,18 @@ def test_nccl_ring_of_two_keeps_the_invariant_and_follows_the_simulation():
     reference = simulate(2)
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["states"][-1], reference[-1][rank], rtol=0, atol=5e-3)
+
+
+@pytest.mark.parametrize(("world_size", "held"), [(1, 1), (2, 2), (4, 3)])
+def test_the_ring_keeps_only_the_copies_its_math_needs(world_size, held):
+    # w, L and R, of which a ring of two needs one neighbour copy (L = R) and a ring of one none (L = R = w);
+    # the difference, its terms and the received codes live for a round only.
+    impl = LowPrecisionDecentralizedAlgorithm(hierarchical=False).reify(fake_context(world_size, 1, hierarchical=False))
+    weights = impl.state.weights[0].gather()
+    copies = _ring_copies(weights, impl.state)
+    distinct = copies.distinct()
+    assert len(distinct) == held
+    assert all(tensor.shape == weights.shape and tensor.dtype == weights.dtype for tensor in distinct)
+    assert len({tensor.untyped_storage().data_ptr() for tensor in distinct}) == held
+    kept = [value for value in vars(copies).values() if isinstance(value, torch.Tensor)]
+    assert all(any(value is tensor for tensor in distinct) for value in kept)

@@ -1,8 +1,9 @@
 """Bagua's MinMaxUInt8 codec: 8-bit min/max quantisation of flat float buffers, chunk by chunk.
 
 Used by ``bytegrad`` (gradients), ``qadam`` (momentum) and ``low_precision_decentralized`` (weight differences).
-Two backends compute the same bytes: vectorised torch ops (CPU and CUDA, the reference) and a pair of Triton
-kernels for CUDA (:mod:`lightning_bagua.engine._codec_triton`, imported only when first needed).
+Three backends compute the same bytes: vectorised torch ops (CPU and CUDA, the reference), cache-blocked torch
+ops for CPU (:mod:`lightning_bagua.engine._codec_blocked`) and a pair of Triton kernels for CUDA
+(:mod:`lightning_bagua.engine._codec_triton`, imported only when first needed).
 """
 
 import functools
@@ -14,14 +15,18 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from lightning_bagua.engine import _codec_blocked
+from lightning_bagua.engine._codec_params import LEVELS as _LEVELS
+from lightning_bagua.engine._codec_params import decode_params as _decode_params
+from lightning_bagua.engine._codec_params import encode_params as _encode_params
+
 __all__ = ["CodecBackend", "MinMaxUInt8Codec"]
 
 log = logging.getLogger(__name__)
 
-CodecBackend = Literal["auto", "torch", "triton"]
+CodecBackend = Literal["auto", "torch", "blocked", "triton"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_LEVELS = 255.0
 
 
 class MinMaxUInt8Codec:
@@ -61,16 +66,23 @@ class MinMaxUInt8Codec:
     - A constant chunk (``hi == lo``) gets all-zero codes and decodes exactly to the constant (the formula
       alone would lose constants far from zero to float32 rounding and those below ``eps`` to zero).
 
-    Backends: ``"torch"`` runs vectorised torch ops on any device (several passes over the data); ``"triton"``
-    runs fused CUDA kernels (a split min/max pass, then one quantising pass that also writes the headers;
-    decoding is one pass), which needs Triton and CUDA tensors; ``"auto"`` picks Triton for CUDA tensors when
-    Triton imports, torch otherwise. Both do the same IEEE float32 operations per chunk (correctly rounded
-    division, round-half-even), so they write the same bytes, and either can decode the other's; decoded values
-    may differ in the last ulp (the kernel fuses ``q * a + b``).
+    Backends: ``"torch"`` runs vectorised torch ops on any device (several passes over the data, the reference);
+    ``"blocked"`` runs the same torch ops on CPU tensors one cache-sized block at a time, in preallocated
+    scratch (the input is read twice, once for the range and once to quantise, and each block goes through
+    every step while in cache); ``"triton"`` runs fused CUDA kernels (a split min/max pass, then one quantising
+    pass that also writes the headers; decoding is one pass), which needs Triton and CUDA tensors; ``"auto"``
+    picks Triton for CUDA tensors when Triton imports, the blocked ops for CPU tensors, torch otherwise. All do
+    the same IEEE float32 operations per chunk (correctly rounded division, round-half-even), so they write the
+    same bytes, and each can decode the others'; torch and blocked decode to the same values, Triton's may
+    differ in the last ulp (the kernel fuses ``q * a + b``).
+
+    Decoding can be fused with what follows it: :meth:`decompress_sum` sums decoded rows (a reduction over the
+    rows several ranks sent) and :meth:`decompress_add` adds decoded values into a buffer, without holding the
+    decoded rows in memory on the blocked backend.
 
     Args:
         eps: added to the range, so that a constant chunk gets a finite scale; must be positive.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"``, ``"blocked"`` or ``"triton"``.
 
     Raises:
         ValueError: for a non-positive ``eps`` or an unknown backend.
@@ -90,8 +102,8 @@ class MinMaxUInt8Codec:
     def __init__(self, eps: float = 1e-7, backend: CodecBackend = "auto") -> None:
         if not (math.isfinite(eps) and eps > 0):
             raise ValueError(f"`eps` must be a positive finite number, got {eps!r}.")
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"Unknown codec backend {backend!r}: choose 'auto', 'torch' or 'triton'.")
+        if backend not in ("auto", "torch", "blocked", "triton"):
+            raise ValueError(f"Unknown codec backend {backend!r}: choose 'auto', 'torch', 'blocked' or 'triton'.")
         self.eps = float(eps)
         self.backend: CodecBackend = backend
         if backend == "triton":
@@ -147,8 +159,9 @@ class MinMaxUInt8Codec:
             # Nothing to encode: headers of zeros (lo = hi = 0.0) and no codes.
             return torch.zeros((num_chunks, self.HEADER_BYTES), dtype=torch.uint8, device=tensor.device)
         tensor = tensor.contiguous()
-        if self._use_triton(tensor.device):
-            return _triton_kernels().compress(tensor, num_chunks, length, self.eps, self.HEADER_BYTES)
+        kernels = self._kernels(tensor.device)
+        if kernels is not None:
+            return kernels.compress(tensor, num_chunks, length, self.eps, self.HEADER_BYTES)
         return self._compress_torch(tensor, num_chunks, length)
 
     def decompress_rows(self, encoded: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -193,14 +206,87 @@ class MinMaxUInt8Codec:
             self._decode(encoded, out, numel)
         return out
 
-    def _use_triton(self, device: torch.device) -> bool:
+    def decompress_sum(self, encoded: Tensor, out: Tensor) -> Tensor:
+        """Decode every row of ``encoded`` and sum the rows into ``out``: ``out = D(row_0) + D(row_1) + ...``.
+
+        The rows are summed in order, in float32, over their first ``out.numel()`` codes (padding beyond is
+        ignored): the same values as ``decompress_rows(encoded)[:, :out.numel()].sum(0)``, without holding the
+        decoded rows in memory on the blocked backend.
+
+        Args:
+            encoded: ``uint8`` rows of shape ``(k, HEADER_BYTES + L)``, ``k >= 1``, e.g. one row from each rank.
+            out: a contiguous 1-D float32 tensor of at most ``L`` elements on ``encoded``'s device.
+
+        Returns:
+            ``out``.
+        """
+        rows, length = self._check_encoded(encoded, torch.float32)
+        self._check_out(out, encoded.device, length)
+        if out.dtype != torch.float32 or rows == 0:
+            raise ValueError(
+                f"`decompress_sum` sums at least one row into float32; got {rows} rows and `out` of {out.dtype}."
+                " Pass a float32 `out`."
+            )
+        if out.numel() == 0:
+            return out
+        if encoded.stride(1) != 1:
+            encoded = encoded.contiguous()
+        kernels = self._kernels(encoded.device)
+        if kernels is not None and hasattr(kernels, "decode_sum"):
+            kernels.decode_sum(encoded, out, self.eps, self.HEADER_BYTES)
+        else:
+            torch.sum(self.decompress_rows(encoded)[:, : out.numel()], dim=0, out=out)
+        return out
+
+    def decompress_add(self, encoded: Tensor, out: Tensor) -> Tensor:
+        """Add the decoded values to ``out``: ``out += decompress(encoded, out.numel(), out.dtype)``.
+
+        Args:
+            encoded: the ``(k, HEADER_BYTES + L)`` rows from :meth:`compress`.
+            out: a contiguous 1-D float tensor of at most ``k * L`` elements on ``encoded``'s device.
+
+        Returns:
+            ``out``.
+        """
+        rows, length = self._check_encoded(encoded, out.dtype)
+        self._check_out(out, encoded.device, rows * length)
+        if out.numel() == 0:
+            return out
+        if encoded.stride(1) != 1:
+            encoded = encoded.contiguous()
+        kernels = self._kernels(encoded.device)
+        if kernels is not None and hasattr(kernels, "decode_add"):
+            kernels.decode_add(encoded, out, self.eps, self.HEADER_BYTES)
+        else:
+            out.add_(self.decompress(encoded, out.numel(), out.dtype))
+        return out
+
+    @staticmethod
+    def _check_out(out: Tensor, device: torch.device, capacity: int) -> None:
+        if out.dim() != 1 or out.numel() > capacity or out.device != device or not out.is_contiguous():
+            raise ValueError(
+                f"`out` must be a contiguous 1-D tensor of at most {capacity} elements on {device}; got shape"
+                f" {tuple(out.shape)} on {out.device}."
+            )
+
+    def _kernels(self, device: torch.device) -> ModuleType | None:
+        """The kernel module for tensors on ``device``, or ``None`` for the vectorised torch ops."""
         if self.backend == "torch":
-            return False
+            return None
         if self.backend == "triton":
             if device.type != "cuda":
                 raise ValueError(f"The codec's 'triton' backend needs CUDA tensors, got a tensor on {device}.")
-            return True
-        return device.type == "cuda" and _triton_available()
+            return _triton_kernels()
+        if self.backend == "blocked":
+            if device.type != "cpu":
+                raise ValueError(
+                    f"The codec's 'blocked' backend runs on CPU tensors, got a tensor on {device}."
+                    " Use backend='auto' (Triton on CUDA when it imports) or 'torch'."
+                )
+            return _codec_blocked
+        if device.type == "cpu":
+            return _codec_blocked
+        return _triton_kernels() if device.type == "cuda" and _triton_available() else None
 
     def _check_encoded(self, encoded: Tensor, dtype: torch.dtype) -> tuple[int, int]:
         if encoded.dtype != torch.uint8 or encoded.dim() != 2 or encoded.shape[1] < self.HEADER_BYTES:
@@ -218,8 +304,9 @@ class MinMaxUInt8Codec:
             return
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        if self._use_triton(encoded.device):
-            _triton_kernels().decode(encoded, out, numel, self.eps, self.HEADER_BYTES)
+        kernels = self._kernels(encoded.device)
+        if kernels is not None:
+            kernels.decode(encoded, out, numel, self.eps, self.HEADER_BYTES)
         else:
             self._decode_torch(encoded, out, numel)
 
@@ -292,28 +379,6 @@ def _affine(codes: Tensor, scale: Tensor, offset: Tensor, dest: Tensor) -> None:
         dest.mul_(scale).add_(offset)
     else:
         dest.copy_(codes.to(torch.float32).mul_(scale).add_(offset))
-
-
-def _encode_params(lo: Tensor, hi: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-chunk ``(finite, scale, lower)`` from float32 ``lo``/``hi``; the Triton kernels mirror these ops."""
-    finite = torch.isfinite(lo) & torch.isfinite(hi)
-    # Tensor / Tensor: ``255.0 / t`` would be computed as 255 * reciprocal(t), rounded twice.
-    scale = torch.full_like(lo, _LEVELS) / (hi - lo + eps)
-    lower = torch.round(hi * scale) - _LEVELS
-    return finite, scale, lower
-
-
-def _decode_params(lo: Tensor, hi: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Per-chunk float32 ``(a, b)`` with ``decoded = q * a + b``, special chunks folded in."""
-    finite, scale, lower = _encode_params(lo, hi, eps)
-    scale64 = scale.double()
-    a = torch.reciprocal(scale64).float()
-    b = (lower.double() / scale64).float()
-    constant = hi == lo
-    a = torch.where(constant, torch.zeros_like(a), a)
-    b = torch.where(constant, lo, b)
-    nan = torch.full_like(a, math.nan)
-    return torch.where(finite, a, nan), torch.where(finite, b, nan)
 
 
 def _check_num_chunks(num_chunks: int) -> None:

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch import Tensor
 __all__ = [
     "CommunicationCounter",
     "CommunicationGroups",
+    "CommunicationHook",
     "CounterTotals",
     "NodeLayout",
     "OrderedExecutor",
@@ -30,6 +32,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ProcessGroup = dist.ProcessGroup
+
+CommunicationHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+"""A DDP communication hook: ``hook(state, bucket) -> Future[Tensor]``."""
 
 
 @dataclass(frozen=True)

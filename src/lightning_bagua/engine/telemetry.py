@@ -10,18 +10,15 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from lightning_bagua.engine._torch_compat import queue_backward_callback
-from lightning_bagua.engine.communication import CommunicationCounter, CounterTotals
+from lightning_bagua.engine.communication import CommunicationCounter, CommunicationHook, CounterTotals
 
-if TYPE_CHECKING:
-    from lightning_bagua.engine.algorithms.base import AlgorithmImpl, CommunicationHook
-
-__all__ = ["TELEMETRY_KEYS", "CommunicationTelemetry"]
+__all__ = ["TELEMETRY_KEYS", "CommunicationTelemetry", "PhaseSource"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +32,15 @@ TELEMETRY_KEYS = (
     "collective_calls",
 )
 """The keys of every step record; the algorithm's phase adds ``"phase/<name>"`` keys."""
+
+
+class PhaseSource(Protocol):
+    """What the telemetry reads from the algorithm: its phase (an ``AlgorithmImpl`` is one)."""
+
+    def telemetry_phase(self) -> dict[str, float]:
+        """Describe the algorithm's phase in the step that just ended."""
+        ...
+
 
 # Read through the module so that a test can count the clock reads (there must be none while telemetry is off).
 _clock: Callable[[], float] = time.perf_counter
@@ -100,7 +106,7 @@ class CommunicationTelemetry:
         device: the device the gradients live on.
     """
 
-    def __init__(self, counter: CommunicationCounter, impl: "AlgorithmImpl", device: torch.device) -> None:
+    def __init__(self, counter: CommunicationCounter, impl: PhaseSource, device: torch.device) -> None:
         self._counter = counter
         self._impl = impl
         self._cuda = device.type == "cuda"
@@ -112,7 +118,7 @@ class CommunicationTelemetry:
         self.last_step: dict[str, float] | None = None
         """The record of the last closed step, ``None`` before the first."""
 
-    def wrap_hook(self, hook: "CommunicationHook") -> "CommunicationHook":
+    def wrap_hook(self, hook: CommunicationHook) -> CommunicationHook:
         """Return ``hook`` with the end-of-backward wait measured around it.
 
         Args:

@@ -6,21 +6,24 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
-
-if TYPE_CHECKING:
-    from lightning_bagua.engine.telemetry import CommunicationTelemetry
+from lightning_bagua.engine.communication import (
+    CommunicationCounter,
+    CommunicationGroups,
+    CommunicationHook,
+    OrderedExecutor,
+)
+from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
 __all__ = [
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
+    "CommunicationHook",
     "HookState",
     "available_algorithms",
     "check_keyword_type",
@@ -35,8 +38,6 @@ _REGISTRY: dict[str, type["Algorithm"]] = {}
 
 _A = TypeVar("_A", bound="Algorithm")
 _S = TypeVar("_S", bound="HookState")
-
-CommunicationHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 
 @dataclass(frozen=True)

@@ -155,22 +155,24 @@ def compressed_scatter_gather_(
     """
     numel = tensor.numel()
     chunk = -(-numel // n)
-    padded = tensor
-    if chunk * n != numel:
-        padded = torch.cat([tensor, tensor[-1:].expand(chunk * n - numel)])
-    sent = codec.compress(padded, num_chunks=n)
+    # The codec pads to n chunks of `chunk` elements by repeating the last element, as step 1 says.
+    sent = codec.compress(tensor, num_chunks=n)
     received = torch.empty_like(sent)
-    float_bytes = padded.element_size()
+    float_bytes = tensor.element_size()
     # One row stays here, one arrives from each other rank; the rows encode the padded floats.
-    counter.record("all_to_all", sent, received=sent[0].numel() * (n - 1), uncompressed=padded.numel() * float_bytes)
+    counter.record("all_to_all", sent, received=sent[0].numel() * (n - 1), uncompressed=chunk * n * float_bytes)
     all_to_all_into(received, sent, group)
-    # Rows are sliced to the chunk length: the codec may store longer rows for alignment.
-    reduced = codec.decompress_rows(received, dtype=torch.float32)[:, :chunk].sum(dim=0)
+    del sent
+    # Rows are summed over the chunk length only: the codec may store longer rows for alignment.
+    reduced = codec.decompress_sum(received, torch.empty(chunk, dtype=torch.float32, device=tensor.device))
     if average:
         reduced.div_(n)
     mine = codec.compress(reduced, num_chunks=1)
     gathered = torch.empty((n, mine.shape[1]), dtype=mine.dtype, device=mine.device)
     counter.record("all_gather", mine, received=mine.numel() * (n - 1), uncompressed=chunk * float_bytes)
     all_gather_into(gathered, mine, group)
+    if gathered.shape[1] - codec.HEADER_BYTES == chunk and tensor.is_contiguous():
+        # Decoded straight into the bucket, in its dtype (as decoding to float32 and copying would round).
+        return codec.decompress(gathered, numel, tensor.dtype, out=tensor)
     decoded = codec.decompress_rows(gathered, dtype=torch.float32)[:, :chunk].reshape(-1)[:numel]
     return tensor.copy_(decoded)

@@ -43,23 +43,37 @@ _TOWARDS_RIGHT = 1
 
 
 class _RingCopies:
-    """One dtype group's ``w``, ``L`` and ``R``, scratch space, and receive buffers for the neighbours' codes.
+    """One dtype group's ``w``, ``L`` and ``R``: the only buffers the ring keeps between rounds.
+
+    On a ring of two, both neighbours are the one peer and ``L`` and ``R`` receive the same codes from the same
+    start, so they are one tensor; alone on the ring, ``w`` is its own neighbour and all three are one tensor.
+    The difference and the received codes live for the round only.
 
     Args:
         weights: the group's current (starting) weights, flat.
         num_chunks: how many independently scaled chunks the group's code has (one per bucket-sized piece).
-        row_bytes: the size of one encoded chunk of the group.
+        ring_size: the number of ring members.
     """
 
-    def __init__(self, weights: Tensor, num_chunks: int, row_bytes: int) -> None:
+    def __init__(self, weights: Tensor, num_chunks: int, ring_size: int) -> None:
         self.num_chunks = num_chunks
+        self.ring_size = ring_size
         self.w = weights.clone()
-        self.left = weights.clone()
-        self.right = weights.clone()
-        self.difference = torch.empty_like(weights)
-        self.scratch = torch.empty_like(weights)
-        self.from_left = torch.empty((num_chunks, row_bytes), dtype=torch.uint8, device=weights.device)
-        self.from_right = torch.empty_like(self.from_left)
+        self.left = self.w if ring_size == 1 else weights.clone()
+        self.right = self.left if ring_size <= 2 else weights.clone()
+
+    def distinct(self) -> list[Tensor]:
+        """Return the distinct tensors among ``w``, ``L`` and ``R`` (the buffers held between rounds)."""
+        distinct: list[Tensor] = []
+        for tensor in (self.w, self.left, self.right):
+            if all(tensor is not other for other in distinct):
+                distinct.append(tensor)
+        return distinct
+
+
+# Elements per block of the round's elementwise work: the terms of ``d`` are formed in a scratch of this size,
+# not in weight-sized temporaries. Larger on GPUs, where each block costs kernel launches.
+_ROUND_BLOCK = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
 @dataclass
@@ -347,7 +361,9 @@ def _ring_copies(weights: Tensor, state: LowPrecisionDecentralizedState) -> _Rin
     # quantisation step follows each piece's range, not the whole model's.
     bucket_bytes = state.bucket_cap_mb * 1024**2
     num_chunks = max(1, math.ceil(weights.numel() * weights.element_size() / bucket_bytes))
-    return _RingCopies(weights, num_chunks, state.codec.row_bytes(weights.numel(), num_chunks))
+    groups = state.groups
+    ring_size = groups.layout.num_nodes if groups.is_hierarchical else groups.world_size
+    return _RingCopies(weights, num_chunks, ring_size)
 
 
 def _ring_round(
@@ -359,13 +375,24 @@ def _ring_round(
     members: list[int],
 ) -> None:
     """Run one DCD-PSGD round for ring member ``position`` of ``members`` (global ranks); ``x`` ends as ``w``."""
-    codec, numel, dtype = state.codec, x.numel(), x.dtype
-    # d = x + L/3 + R/3 - 5w/3, evaluated in that order into preallocated buffers.
-    difference = torch.div(copies.left, 3, out=copies.difference).add_(x)
-    difference.add_(torch.div(copies.right, 3, out=copies.scratch))
-    difference.sub_(torch.mul(copies.w, 5, out=copies.scratch).div_(3))
+    codec, numel = state.codec, x.numel()
+    # d = x + L/3 + R/3 - 5w/3, evaluated in that order, block by block, into x: x is replaced by w at the end.
+    difference = x
+    block_size = _ROUND_BLOCK.get(x.device.type, 1 << 24)
+    scratch = torch.empty(min(numel, block_size), dtype=x.dtype, device=x.device)
+    for start in range(0, numel, block_size):
+        end = min(start + block_size, numel)
+        term = scratch[: end - start]
+        block = difference[start:end]
+        block.add_(torch.div(copies.left[start:end], 3, out=term))
+        block.add_(torch.div(copies.right[start:end], 3, out=term))
+        block.sub_(torch.mul(copies.w[start:end], 5, out=term).div_(3))
+    del scratch
     code = codec.compress(difference, num_chunks=copies.num_chunks)
     size = len(members)
+    assert copies.ring_size == size, "the copies were laid out for another ring"
+    # One code from each distinct neighbour, for this round only.
+    received = torch.empty((min(size - 1, 2), *code.shape), dtype=code.dtype, device=code.device)
     if size == 1:
         # Alone on the ring, this rank is its own neighbour on both sides.
         from_left = from_right = code
@@ -376,12 +403,12 @@ def _ring_round(
         works = start_exchange(
             [
                 dist.P2POp(dist.isend, code, peer, group, _TOWARDS_RIGHT),
-                dist.P2POp(dist.irecv, copies.from_left, peer, group, _TOWARDS_RIGHT),
+                dist.P2POp(dist.irecv, received[0], peer, group, _TOWARDS_RIGHT),
             ]
         )
         for work in works:
             work.wait()
-        from_left = from_right = copies.from_left
+        from_left = from_right = received[0]
     else:
         left, right = members[(position - 1) % size], members[(position + 1) % size]
         # Each code sent is matched by a code of the same size received from the other side.
@@ -393,14 +420,17 @@ def _ring_round(
                 dist.P2POp(dist.isend, code, left, group, _TOWARDS_LEFT),
                 dist.P2POp(dist.isend, code, right, group, _TOWARDS_RIGHT),
                 # The right neighbour's code travels leftwards to reach us, the left one's rightwards.
-                dist.P2POp(dist.irecv, copies.from_right, right, group, _TOWARDS_LEFT),
-                dist.P2POp(dist.irecv, copies.from_left, left, group, _TOWARDS_RIGHT),
+                dist.P2POp(dist.irecv, received[1], right, group, _TOWARDS_LEFT),
+                dist.P2POp(dist.irecv, received[0], left, group, _TOWARDS_RIGHT),
             ]
         )
         for work in works:
             work.wait()
-        from_left, from_right = copies.from_left, copies.from_right
-    copies.left.add_(codec.decompress(from_left, numel, dtype))
-    copies.right.add_(codec.decompress(from_right, numel, dtype))
-    copies.w.add_(codec.decompress(code, numel, dtype))
+        from_left, from_right = received[0], received[1]
+    # Decoded straight into the copies; a copy shared by two roles (see _RingCopies) is updated once.
+    if copies.left is not copies.w:
+        codec.decompress_add(from_left, copies.left)
+    if copies.right is not copies.left:
+        codec.decompress_add(from_right, copies.right)
+    codec.decompress_add(code, copies.w)
     x.copy_(copies.w)
