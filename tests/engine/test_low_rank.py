@@ -32,9 +32,9 @@ LEVELS = 8
 
 
 def first_q(name: str) -> torch.Tensor:
-    """The spec's first Q: standard normal m x r from the CRC-32 seed, columns orthonormalised (QR)."""
+    """The spec's first Q: standard normal m x r seeded by the CRC-32 of the shape, columns orthonormalised."""
     rows, cols = SHAPES[name]
-    seed = zlib.crc32(f"{name}|{rows}x{cols}|{RANK}".encode())
+    seed = zlib.crc32(f"{rows}x{cols}|{RANK}".encode())
     q = torch.randn(cols, RANK, generator=torch.Generator().manual_seed(seed))
     return orthonormal(q)
 
@@ -347,6 +347,7 @@ def test_bad_keywords_name_the_value(kwargs, error, shown):
 def test_bad_state_names_the_keys():
     algorithm = LowRankAlgorithm(rank=RANK)
     assert repr(algorithm) == "LowRankAlgorithm(rank=2, warmup_steps=10, hierarchical=True, average=True)"
+    assert Algorithm.init("low_rank") == LowRankAlgorithm(rank=4, warmup_steps=10, hierarchical=True, average=True)
     # Checked without a process group: the impl validates against the shapes it was given.
     from lightning_bagua.engine.algorithms.base import AlgorithmContext
     from lightning_bagua.engine.communication import (

@@ -126,17 +126,18 @@ def plan_slot(
     return TensorSlot(name, offset, rows, cols, True, p_chunks, q_chunks)
 
 
-def factor_seed(name: str, rows: int, cols: int, rank: int) -> int:
-    """Return the seed of a parameter's first ``Q``: the CRC-32 of ``"{name}|{rows}x{cols}|{rank}"``.
+def factor_seed(rows: int, cols: int, rank: int) -> int:
+    """Return the seed of a gradient's first ``Q``: the CRC-32 of ``"{rows}x{cols}|{rank}"``.
 
-    Every rank derives the same seed (Python's ``hash`` would differ between processes).
+    Every rank derives the same seed (Python's ``hash`` would differ between processes). The shape alone, not the
+    parameter's name, so that a model trains the same under the Trainer and under Fabric, which name it apart.
     """
-    return zlib.crc32(f"{name}|{rows}x{cols}|{rank}".encode())
+    return zlib.crc32(f"{rows}x{cols}|{rank}".encode())
 
 
 def initial_factor(slot: TensorSlot, rank: int, device: torch.device) -> Tensor:
     """Return the first ``Q`` of ``slot``: ``m x r`` standard normal from :func:`factor_seed`, orthonormalised."""
-    generator = torch.Generator().manual_seed(factor_seed(slot.name, slot.rows, slot.cols, rank))
+    generator = torch.Generator().manual_seed(factor_seed(slot.rows, slot.cols, rank))
     q = torch.randn(slot.cols, rank, generator=generator, dtype=torch.float32)
     return orthonormalise_columns(q.unsqueeze(0))[0].to(device)
 
@@ -265,7 +266,7 @@ class LowRankAlgorithm(Algorithm):
     single_node_effect = "nothing is compressed: every bucket is all-reduced at full precision"
     impl_class = LowRankImpl
 
-    def __init__(self, rank: int = 2, warmup_steps: int = 10, hierarchical: bool = True, average: bool = True) -> None:
+    def __init__(self, rank: int = 4, warmup_steps: int = 10, hierarchical: bool = True, average: bool = True) -> None:
         check_positive_int(self.name, "rank", rank)
         check_keyword_type(self.name, "warmup_steps", warmup_steps, int)
         if warmup_steps < 0:
@@ -303,8 +304,8 @@ class LowRankState(HookState):
         last_compressed: whether the last bucket handed over was compressed (``None`` before one).
     """
 
-    rank: int = 2
-    warmup_steps: int = 0
+    rank: int = 4
+    warmup_steps: int = 10
     average: bool = True
     hierarchical: bool = True
     full_precision_only: bool = False
