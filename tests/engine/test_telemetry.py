@@ -12,12 +12,14 @@ from lightning_bagua.engine.communication import CommunicationCounter
 from lightning_bagua.engine.telemetry import TELEMETRY_KEYS
 from tests.distributed import run_processes
 from tests.engine.test_data_parallel import batch_for, make_model
+from tests.engine.test_low_rank import SHAPES, message_bytes
 
 STEPS = 4
 WORLD_SIZE = 2
 BUCKET_CAP_MB = 0.004  # several buckets on the small model
 HEADER = 32  # MinMaxUInt8 header bytes per encoded chunk
 QADAM_WARMUP = 3
+LOW_RANK_WARMUP = 2
 
 
 def train(rank: int, name: str, kwargs: dict, telemetry_on: bool) -> dict:
@@ -129,7 +131,26 @@ def theory(name: str, kwargs: dict, step: int, numels: list[int]) -> dict:
         pieces = math.ceil(4 * weights / (BUCKET_CAP_MB * 1024**2))
         code = pieces * (HEADER + math.ceil(weights / pieces))
         return {"bytes_sent": code, "bytes_received": code, "bytes_uncompressed": 4 * weights, "calls": 1}
+    if name == "low_rank":
+        if step < LOW_RANK_WARMUP:
+            return full_precision_step(numels)
+        return low_rank_step(numels)
     raise AssertionError(name)
+
+
+def low_rank_step(numels: list[int]) -> dict:
+    """Two all-gathers per bucket with factors (one without), from test_low_rank's message layout."""
+    by_numel = {}  # the model's buckets, told apart by size: all in one, and the two of the rebuilt layout
+    names = list(SHAPES)
+    for bucket in (names, ["4.bias", "4.weight", "2.bias", "2.weight"], ["0.bias", "0.weight"]):
+        by_numel[sum(SHAPES[name][0] * SHAPES[name][1] for name in bucket)] = bucket
+    sent = calls = 0
+    for numel in numels:
+        first, second = message_bytes(by_numel[numel])
+        sent += first + second
+        calls += 2 if second else 1
+    received = (WORLD_SIZE - 1) * sent
+    return {"bytes_sent": sent, "bytes_received": received, "bytes_uncompressed": 4 * sum(numels), "calls": calls}
 
 
 CASES = [
@@ -139,6 +160,7 @@ CASES = [
     ("decentralized", {"hierarchical": False, "peer_selection_mode": "shift_one"}),
     ("low_precision_decentralized", {"hierarchical": False}),
     ("qadam", {"hierarchical": False}),
+    ("low_rank", {"hierarchical": False, "warmup_steps": LOW_RANK_WARMUP}),
 ]
 OFF_CASE = ("bytegrad", {"hierarchical": False})
 
@@ -178,11 +200,15 @@ def test_byte_counts_per_step_match_the_theory(runs, index):
             assert record["communication_wait_s"] >= 0.0
             if name == "qadam":
                 assert record["phase/compressed"] == float(step + 1 >= QADAM_WARMUP)
+            elif name == "low_rank":
+                assert record["phase/compressed"] == float(step >= LOW_RANK_WARMUP)
             else:
                 assert not any(key.startswith("phase/") for key in record)
         assert result["clock_reads"] > 0
     if name in ("bytegrad", "low_precision_decentralized"):
         assert results[0]["records"][-1]["compression_ratio"] > 3.0  # 8-bit codes: about a quarter of fp32
+    if name == "low_rank":
+        assert results[0]["records"][-1]["compression_ratio"] > 4.0  # 8-bit factors: fewer than 8-bit gradients
 
 
 def test_nothing_is_measured_when_telemetry_is_off(runs):

@@ -31,10 +31,22 @@ from torch.utils.data import DataLoader
 EPOCHS = 3
 BATCHES_PER_EPOCH = 2
 QADAM_WARMUP_STEPS = 3
-ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async")
-# One node: low_precision_decentralized's default hierarchical=True would average the node at full precision, as
-# Bagua does; flat, it runs its compressed ring.
-KEYWORDS: dict[str, dict] = {"async": {"sync_interval_ms": 5}, "low_precision_decentralized": {"hierarchical": False}}
+ALGORITHMS = (
+    "gradient_allreduce",
+    "bytegrad",
+    "decentralized",
+    "low_precision_decentralized",
+    "low_rank",
+    "qadam",
+    "async",
+)
+# One node: low_precision_decentralized's and low_rank's default hierarchical=True would reduce the node at full
+# precision, as Bagua does; flat, they run their compressed exchanges.
+KEYWORDS: dict[str, dict] = {
+    "async": {"sync_interval_ms": 5},
+    "low_precision_decentralized": {"hierarchical": False},
+    "low_rank": {"hierarchical": False, "warmup_steps": 1},
+}
 CALLBACK_SETS = ("swa", "ema", "pruning")
 # The checkpoint each resumable set resumes from: SWA's after its first averaging epoch, so that its averaged
 # model (per rank where the ranks' weights differ) is part of what resumes.

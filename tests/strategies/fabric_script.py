@@ -44,6 +44,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str, int]] = {
     "decentralized_shift_one": ("decentralized", {"hierarchical": False, "peer_selection_mode": "shift_one"}, "sgd", 1),
     "low_precision_decentralized": ("low_precision_decentralized", {"hierarchical": False}, "sgd", 1),
     "qadam": ("qadam", {"hierarchical": False}, "qadam", 1),
+    "low_rank": ("low_rank", {"hierarchical": False, "warmup_steps": 1}, "sgd", 1),
     # Within its warm-up async all-reduces gradients; both strategies start it with the run and abort it at the end.
     "async_warmup": ("async", {"warmup_steps": STEPS}, "sgd", 1),
 }

@@ -39,6 +39,9 @@ CASES: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     # One node: hierarchical=True would average the node at full precision (as Bagua does); the ring runs flat.
     "low_precision_decentralized": ("low_precision_decentralized", {"hierarchical": False}, "sgd", False),
     "qadam": ("qadam", {}, "qadam", False),
+    # Flat on one node (hierarchical would all-reduce at full precision), compressing from step 2 on; several buckets,
+    # so the resumed wrapper's all-in-one first bucket differs from the saved run's (the math is per tensor).
+    "low_rank": ("low_rank", {"hierarchical": False, "warmup_steps": 1, "bucket_cap_mb": 0.004}, "sgd", False),
 }
 
 

@@ -265,6 +265,12 @@ ALGORITHMS = {
     # Decentralized replicas differ from data parallelism by design; their own simulations are further down.
     "decentralized": ('{"hierarchical": false}', {"all_reduce"}, None),
     "low_precision_decentralized": ('{"hierarchical": false}', {"send"}, None),
+    # One full-precision step, then rank-2 factors with error feedback: near full precision after four steps.
+    "low_rank": (
+        '{"hierarchical": false, "warmup_steps": 1}',
+        {"all_reduce", "all_gather"},
+        {"rtol": 0.05, "atol": 0.02},
+    ),
 }
 
 

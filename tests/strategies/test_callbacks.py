@@ -32,6 +32,7 @@ ALGORITHM_OPS = {
     "bytegrad": "all_reduce",  # one node: bytegrad's hierarchical default reduces inside it at full precision
     "decentralized": "all_reduce",
     "low_precision_decentralized": "send",
+    "low_rank": "all_gather",
     "qadam": "all_reduce",
     "async": "all_reduce",
 }

@@ -165,7 +165,7 @@ def run_script(out: Path, mode: str, *args: str) -> list[dict]:
 def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_path):
     """Same start, same batches per rank, same algorithm: the Fabric loop and the Trainer reach the same weights.
 
-    The cases are the six algorithms (decentralized with both peer selections, async within its warm-up, where it
+    The cases are the seven algorithms (decentralized with both peer selections, async within its warm-up, where it
     is deterministic) and gradient accumulation through
     ``fabric.no_backward_sync``; each rank compares its own weights, since decentralized replicas differ by design.
     """
@@ -179,6 +179,7 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
             "gradient_allreduce",
             "gradient_allreduce_accumulate",
             "low_precision_decentralized",
+            "low_rank",
             "qadam",
             "async_warmup",
         ]
@@ -190,7 +191,14 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
             torch.testing.assert_close(fabric["state"], trainer["state"], **EXACT, msg=f"{case}, rank {rank}")
             assert fabric["bytes_by_op"] == trainer["bytes_by_op"], f"{case}, rank {rank}"
     # Data-parallel algorithms keep the replicas identical; gradient_allreduce matches one process on all batches.
-    for case in ["gradient_allreduce", "gradient_allreduce_accumulate", "bytegrad", "qadam", "async_warmup"]:
+    for case in [
+        "gradient_allreduce",
+        "gradient_allreduce_accumulate",
+        "bytegrad",
+        "low_rank",
+        "qadam",
+        "async_warmup",
+    ]:
         assert_ranks_identical([result[case]["fabric"] for result in results])
     # async's warm-up is gradient_allreduce, and the abort that ends the run averages replicas that are equal.
     torch.testing.assert_close(

@@ -25,6 +25,7 @@ from lightning_bagua.engine.algorithms.gradient_allreduce import (
     gradient_allreduce_hook,
 )
 from lightning_bagua.engine.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+from lightning_bagua.engine.algorithms.low_rank import LowRankAlgorithm, LowRankState, low_rank_hook
 from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer, check_qadam_configuration
 from lightning_bagua.engine.algorithms.weights import FlatWeights, check_optimizers_cover, group_by_dtype, views_like
 
@@ -41,6 +42,8 @@ __all__ = [
     "GradientAllReduceState",
     "HookState",
     "LowPrecisionDecentralizedAlgorithm",
+    "LowRankAlgorithm",
+    "LowRankState",
     "QAdamAlgorithm",
     "QAdamOptimizer",
     "available_algorithms",
@@ -52,6 +55,7 @@ __all__ = [
     "check_state_keys",
     "gradient_allreduce_hook",
     "group_by_dtype",
+    "low_rank_hook",
     "register_algorithm",
     "views_like",
 ]

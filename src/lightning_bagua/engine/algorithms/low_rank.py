@@ -1,0 +1,551 @@
+"""``low_rank``: PowerSGD-style rank-``r`` gradient factors with error feedback, exchanged as 8-bit codes.
+
+`PowerSGD <https://arxiv.org/abs/1905.13727>`_ (Vogels et al., 2019) replaces each gradient matrix by a rank-``r``
+approximation found with one step of power iteration, warm-started from the previous step's factor, and keeps what
+the approximation missed as an error that is added to the next step's gradient. This implementation goes further
+than torch's ``powerSGD_hook`` in four ways:
+
+* the factors travel as 8-bit MinMaxUInt8 codes with a range per column piece, a quarter of fp32's bytes;
+* each bucket takes two collectives, one per factor, and the tensors that do not factor ride in the first one at
+  full precision, so a slow link carries fewer, larger messages;
+* with ``hierarchical=True`` the ranks of a node reduce at full precision first, and only the node leaders
+  exchange factors, as ``bytegrad`` does;
+* the collectives of all buckets run in bucket order on one thread (the engine's ordered executor), so on Gloo
+  the ranks' collectives can never interleave differently.
+
+Quantisation acts per tensor (every factor has its own codec chunks), so the result does not depend on how the
+reducer cut the gradients into buckets: the error-feedback and warm-start state is kept per parameter name.
+"""
+
+import logging
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_bagua.engine.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    CommunicationHook,
+    HookState,
+    check_keyword_type,
+    check_positive_int,
+    check_state_keys,
+    register_algorithm,
+)
+from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceState, gradient_allreduce_hook
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.communication import CommunicationCounter, all_gather_into, all_reduce_hierarchically
+
+__all__ = [
+    "LowRankAlgorithm",
+    "LowRankState",
+    "TensorSlot",
+    "factor_seed",
+    "low_rank_hook",
+    "orthonormalise_columns",
+]
+
+log = logging.getLogger(__name__)
+
+# Elements of a factor column per codec chunk: each chunk has its own range (32 header bytes, 3% of 1024 codes).
+CODEC_CHUNK_ELEMENTS = 1024
+# A tensor is factored only if its two 8-bit factors (headers included) weigh at most this fraction of its bytes.
+MAX_FACTOR_BYTES_FRACTION = 0.25
+# Messages are padded to whole 8-byte words, so that a gathered row's full-precision part can be viewed as floats.
+_ALIGNMENT = 8
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one gradient lives in a flat bucket, and how ``low_rank`` sends it.
+
+    Args:
+        name: the parameter's name.
+        offset: its first element in the bucket.
+        rows: ``n``, the gradient's first dimension (1 for a scalar or 1-D tensor, which is never factored).
+        cols: ``m``, the product of the other dimensions.
+        factored: whether it travels as rank-``r`` factors (else at full precision).
+        p_chunks: codec chunks of the ``P`` factor (``r`` columns of ``n`` elements).
+        q_chunks: codec chunks of the ``Q`` factor (``r`` columns of ``m`` elements).
+    """
+
+    name: str
+    offset: int
+    rows: int
+    cols: int
+    factored: bool
+    p_chunks: int = 0
+    q_chunks: int = 0
+
+    @property
+    def numel(self) -> int:
+        """The gradient's number of elements."""
+        return self.rows * self.cols
+
+
+def _chunks_for_columns(length: int, rank: int) -> int:
+    """Codec chunks for ``rank`` columns of ``length`` elements: about one range per column piece."""
+    return rank * -(-length // CODEC_CHUNK_ELEMENTS)
+
+
+def plan_slot(
+    name: str, offset: int, shape: torch.Size, rank: int, element_size: int, codec: MinMaxUInt8Codec
+) -> TensorSlot:
+    """Decide how the gradient of one parameter travels, from its shape alone (the same on every rank).
+
+    A gradient of ``n x m`` (first dimension by the rest) is factored when it has at least two dimensions, rank
+    ``r`` is below ``min(n, m)`` and its two 8-bit factors weigh at most :data:`MAX_FACTOR_BYTES_FRACTION` of
+    its full-precision bytes; otherwise it travels exactly, at full precision.
+
+    Args:
+        name: the parameter's name.
+        offset: its first element in the bucket.
+        shape: the gradient's shape.
+        rank: the factors' rank ``r``.
+        element_size: bytes per gradient element.
+        codec: the codec (for its chunk sizes).
+
+    Returns:
+        The slot.
+    """
+    numel = shape.numel()
+    rows = shape[0] if len(shape) >= 2 else 1
+    cols = numel // rows if rows else 0
+    if len(shape) < 2 or min(rows, cols) <= rank:
+        return TensorSlot(name, offset, rows, cols, factored=False)
+    p_chunks, q_chunks = _chunks_for_columns(rows, rank), _chunks_for_columns(cols, rank)
+    factor_bytes = p_chunks * codec.row_bytes(rows * rank, p_chunks) + q_chunks * codec.row_bytes(cols * rank, q_chunks)
+    if factor_bytes > MAX_FACTOR_BYTES_FRACTION * numel * element_size:
+        return TensorSlot(name, offset, rows, cols, factored=False)
+    return TensorSlot(name, offset, rows, cols, True, p_chunks, q_chunks)
+
+
+def factor_seed(rows: int, cols: int, rank: int) -> int:
+    """Return the seed of a gradient's first ``Q``: the CRC-32 of ``"{rows}x{cols}|{rank}"``.
+
+    Every rank derives the same seed (Python's ``hash`` would differ between processes). The shape alone, not the
+    parameter's name, so that a model trains the same under the Trainer and under Fabric, which name it apart.
+    """
+    return zlib.crc32(f"{rows}x{cols}|{rank}".encode())
+
+
+def initial_factor(slot: TensorSlot, rank: int, device: torch.device) -> Tensor:
+    """Return the first ``Q`` of ``slot``: ``m x r`` standard normal from :func:`factor_seed`, orthonormalised."""
+    generator = torch.Generator().manual_seed(factor_seed(slot.rows, slot.cols, rank))
+    q = torch.randn(slot.cols, rank, generator=generator, dtype=torch.float32)
+    return orthonormalise_columns(q.unsqueeze(0))[0].to(device)
+
+
+def orthonormalise_columns(matrices: Tensor) -> Tensor:
+    """Orthonormalise the columns of each matrix of a ``(b, k, r)`` batch by Gram-Schmidt, in place.
+
+    Column ``j`` loses its projections on columns ``0..j-1``, then is divided by its norm. A column with no
+    length left (a zero gradient, or one of rank below ``r``) stays zero instead of becoming NaN.
+
+    Args:
+        matrices: a float tensor of shape ``(b, k, r)``.
+
+    Returns:
+        ``matrices``.
+    """
+    tiny = torch.finfo(matrices.dtype).tiny
+    for j in range(matrices.shape[2]):
+        column = matrices[:, :, j : j + 1]
+        if j:
+            previous = matrices[:, :, :j]
+            column.sub_(previous @ (previous.transpose(1, 2) @ column))
+        column.div_(column.norm(dim=1, keepdim=True).clamp_min(tiny))
+    return matrices
+
+
+class LowRankImpl(AlgorithmImpl):
+    """:class:`LowRankAlgorithm` bound to one wrapped model."""
+
+    def __init__(self, algorithm: "LowRankAlgorithm", context: AlgorithmContext) -> None:
+        super().__init__(algorithm, context)
+        groups = context.groups
+        self.state = LowRankState.from_context(
+            context,
+            rank=algorithm.rank,
+            warmup_steps=algorithm.warmup_steps,
+            average=algorithm.average,
+            hierarchical=algorithm.hierarchical,
+            # Hierarchical on one node leaves only the full-precision intra-node level (with one rank per node,
+            # every rank leads its node and the factor exchange is the inter-node level).
+            full_precision_only=algorithm.hierarchical and groups.layout.num_nodes == 1,
+            full_precision=GradientAllReduceState.from_context(context, average=algorithm.average),
+            names={id(parameter): name for name, parameter in context.named_parameters},
+            device=context.device,
+        )
+        self._shapes = {name: parameter.shape for name, parameter in context.named_parameters}
+
+    def communication_hook(self) -> tuple[Any, CommunicationHook]:
+        """Return the state and :func:`low_rank_hook`."""
+        return self.state, low_rank_hook
+
+    def telemetry_phase(self) -> dict[str, float]:
+        """Return ``{"compressed": 1.0}`` once factors are exchanged, ``0.0`` before (``{}`` before any bucket)."""
+        if self.state.last_compressed is None:
+            return {}
+        return {"compressed": float(self.state.last_compressed)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return this rank's step count, error-feedback tensors and warm-start factors, by parameter name.
+
+        Returns:
+            ``{"steps": int, "errors": {name: n x m float32}, "factors": {name: m x r float32}}`` (clones); the
+            dicts hold the factored parameters this rank compresses (none on ranks that are not node leaders
+            when two-level, and none before the warm-up ends).
+        """
+        state = self.state
+        return {
+            "steps": state.steps,
+            "errors": {name: error.clone() for name, error in state.errors.items()},
+            "factors": {name: factor.clone() for name, factor in state.factors.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state: a dict from :meth:`state_dict` of the same rank and model, with the same ``rank``.
+
+        Raises:
+            ValueError: the keys or types are not those of :meth:`state_dict`, a name is not a parameter of this
+                model, or a tensor's shape does not fit the parameter and ``rank``.
+        """
+        name = LowRankAlgorithm.name
+        check_state_keys(name, state, {"steps": int, "errors": dict, "factors": dict})
+        if state["steps"] < 0:
+            raise ValueError(f"Algorithm {name!r}: saved state 'steps' must be at least 0, got {state['steps']}.")
+        rank = self.state.rank
+        loaded: dict[str, dict[str, Tensor]] = {}
+        for key in ("errors", "factors"):
+            loaded[key] = {}
+            for parameter, tensor in state[key].items():
+                if parameter not in self._shapes:
+                    raise ValueError(
+                        f"Algorithm {name!r}: saved state {key!r} names {parameter!r}, which is not a communicated"
+                        f" parameter of this model (those are {sorted(self._shapes)}). Resume the same model."
+                    )
+                shape = self._shapes[parameter]
+                rows = shape[0] if len(shape) >= 2 else 1
+                expected = (rows, shape.numel() // rows) if key == "errors" else (shape.numel() // rows, rank)
+                if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
+                    found = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+                    raise ValueError(
+                        f"Algorithm {name!r}: saved state {key!r}[{parameter!r}] must be a {expected} tensor, got"
+                        f" {found}. Was it written with another `rank` (this one has rank={rank})?"
+                    )
+                loaded[key][parameter] = tensor.detach().to(self.context.device, torch.float32).clone()
+        self.state.steps = state["steps"]
+        self.state.errors = loaded["errors"]
+        self.state.factors = loaded["factors"]
+
+
+@register_algorithm("low_rank")
+class LowRankAlgorithm(Algorithm):
+    """Exchange rank-``r`` factors of the gradients as 8-bit codes, with error feedback (PowerSGD, beyond it).
+
+    Args:
+        rank: the rank ``r`` of the approximation; each ``n x m`` gradient travels as ``(n + m) * r`` bytes.
+        warmup_steps: steps of exact full-precision all-reduce before the factors take over (as torch's
+            ``start_powerSGD_iter``): the first steps' gradients change fastest, and the warm start has nothing to
+            follow yet.
+        hierarchical: reduce inside each node at full precision first, exchange factors among node leaders only,
+            then broadcast inside each node. With one node it is a full-precision all-reduce.
+        average: divide the sum by the number of ranks; ``False`` keeps the sum.
+    """
+
+    single_node_effect = "nothing is compressed: every bucket is all-reduced at full precision"
+    impl_class = LowRankImpl
+
+    def __init__(self, rank: int = 4, warmup_steps: int = 10, hierarchical: bool = True, average: bool = True) -> None:
+        check_positive_int(self.name, "rank", rank)
+        check_keyword_type(self.name, "warmup_steps", warmup_steps, int)
+        if warmup_steps < 0:
+            raise ValueError(
+                f"Algorithm {self.name!r}: `warmup_steps` must be at least 0, got {warmup_steps}. Use 0 to exchange"
+                " factors from the first step."
+            )
+        check_keyword_type(self.name, "hierarchical", hierarchical, bool)
+        check_keyword_type(self.name, "average", average, bool)
+        self.rank = rank
+        self.warmup_steps = warmup_steps
+        self.hierarchical = hierarchical
+        self.average = average
+
+
+@dataclass
+class LowRankState(HookState):
+    """State of :func:`low_rank_hook`.
+
+    Beyond :class:`HookState`'s ``groups``, ``counter`` and ``executor``:
+
+    Args:
+        rank: the factors' rank ``r``.
+        warmup_steps: steps all-reduced at full precision before compression starts.
+        average: divide by the number of ranks.
+        hierarchical: whether the user asked for two levels.
+        full_precision_only: hierarchical on one node: every step is a full-precision all-reduce.
+        full_precision: the state of the full-precision all-reduce (warm-up).
+        names: parameter name by ``id`` of the parameter.
+        device: where the factors and errors live.
+        codec: the 8-bit codec.
+        steps: steps whose last bucket has been handed over.
+        errors: error feedback ``e`` (``n x m``) by parameter name, on the ranks that compress.
+        factors: warm-start ``Q`` (``m x r``) by parameter name, on the ranks that compress.
+        last_compressed: whether the last bucket handed over was compressed (``None`` before one).
+    """
+
+    rank: int = 4
+    warmup_steps: int = 10
+    average: bool = True
+    hierarchical: bool = True
+    full_precision_only: bool = False
+    full_precision: GradientAllReduceState | None = None
+    names: dict[int, str] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    codec: MinMaxUInt8Codec = field(default_factory=MinMaxUInt8Codec)
+    steps: int = 0
+    errors: dict[str, Tensor] = field(default_factory=dict)
+    factors: dict[str, Tensor] = field(default_factory=dict)
+    last_compressed: bool | None = None
+    _plans: dict[tuple[str, ...], list[TensorSlot]] = field(default_factory=dict, repr=False)
+
+    def plan(self, parameters: Sequence[Tensor], element_size: int) -> list[TensorSlot]:
+        """Return the slots of a bucket's parameters, in bucket order (cached per layout)."""
+        names = tuple(self.names[id(parameter)] for parameter in parameters)
+        slots = self._plans.get(names)
+        if slots is None:
+            slots, offset = [], 0
+            for name, parameter in zip(names, parameters, strict=True):
+                slots.append(plan_slot(name, offset, parameter.shape, self.rank, element_size, self.codec))
+                offset += parameter.numel()
+            self._plans[names] = slots
+        return slots
+
+    def factor(self, slot: TensorSlot) -> Tensor:
+        """Return the warm-start ``Q`` of ``slot``, created on first use."""
+        q = self.factors.get(slot.name)
+        if q is None:
+            q = self.factors[slot.name] = initial_factor(slot, self.rank, self.device)
+        return q
+
+
+def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce one bucket of gradients through rank-``r`` factors.
+
+    During the first ``warmup_steps`` steps (and always with ``hierarchical=True`` on one node) the bucket is
+    all-reduced at full precision, as ``gradient_allreduce`` does. After that, among the ``N`` participants (the
+    ranks, or the node leaders holding their node's mean or sum when two-level), for every gradient ``G_i`` of
+    participant ``i`` that factors, reshaped to ``n x m``, with its error ``e_i`` (zero at first) and the warm-start
+    ``Q`` (``m x r``, the same on every participant; at first standard normal from :func:`factor_seed`,
+    orthonormalised):
+
+    1. Add the error: ``M_i = G_i + e_i``.
+    2. Project: ``P_i = M_i Q`` (``n x r``).
+    3. First collective, one all-gather per bucket: every participant sends the 8-bit codes of all its ``P_i``
+       (``P_i^T`` flattened, about one range per 1024 elements of a column) followed by the exact bytes of the
+       bucket's gradients that do not factor. Each participant decodes every row and sums in participant order:
+       ``P = sum_i D(C(P_i))``, and for the exact tensors ``G = sum_i G_i`` (divided by ``N`` if ``average``).
+    4. Orthonormalise: ``P_hat = orth(P)`` by Gram-Schmidt, gradient by gradient; a column with nothing left
+       stays zero. ``P``'s scale does not matter, so it is not averaged.
+    5. Project back: ``Q_i = M_i^T P_hat`` (``m x r``).
+    6. Second collective, one all-gather per bucket of the 8-bit codes of all ``Q_i``:
+       ``Q = sum_i D(C(Q_i))``, divided by ``N`` if ``average``.
+    7. Reconstruct: ``G_hat = P_hat Q^T`` is written into the bucket; ``e_i = M_i - G_hat`` and ``Q`` are kept for
+       the next step. If ``G_hat`` is not finite (an overflowing gradient a ``GradScaler`` will skip), ``e_i`` and
+       ``Q`` keep their previous values.
+
+    Every participant decodes the same bytes in the same order, so all of them hold the same ``P_hat``, ``Q`` and
+    ``G_hat``; only ``e_i`` differs between participants.
+
+    Args:
+        state: the groups, counter, executor, codec and per-parameter factors and errors.
+        bucket: the bucket DDP's reducer hands over.
+
+    Returns:
+        A future of the reduced bucket.
+    """
+    compressed = state.steps >= state.warmup_steps and not state.full_precision_only
+    state.last_compressed = compressed
+    if bucket.is_last():
+        state.steps += 1
+    if not compressed:
+        assert state.full_precision is not None
+        return gradient_allreduce_hook(state.full_precision, bucket)
+    buffer = bucket.buffer()
+    slots = state.plan(bucket.parameters(), buffer.element_size())
+    # Looked up at call time, so that a test can observe every bucket's input and output.
+    return state.executor.submit(lambda: reduce_bucket(state, buffer, slots))
+
+
+def reduce_bucket(state: LowRankState, buffer: Tensor, slots: list[TensorSlot]) -> Tensor:
+    """Reduce ``buffer`` (laid out as ``slots``) over all ranks the way ``state`` says and return it (blocking)."""
+    groups = state.groups
+    if groups.is_hierarchical:
+        ranks_per_node = groups.layout.ranks_per_node
+        num_nodes = groups.layout.num_nodes
+
+        def inter_node(node_sum: Tensor) -> None:
+            if state.average:
+                node_sum.div_(ranks_per_node)  # the node's mean; the nodes' mean of means is the global mean
+            low_rank_reduce_(node_sum, slots, groups.inter_node, num_nodes, state)
+
+        return all_reduce_hierarchically(buffer, groups, state.counter, inter_node)
+    return low_rank_reduce_(buffer, slots, groups.flat, groups.world_size, state)
+
+
+def low_rank_reduce_(
+    tensor: Tensor, slots: list[TensorSlot], group: dist.ProcessGroup | None, n: int, state: LowRankState
+) -> Tensor:
+    """Run steps 1-7 of :func:`low_rank_hook` on ``tensor`` among the ``n`` ranks of ``group``, in place.
+
+    Args:
+        tensor: this participant's flat bucket; overwritten with the result.
+        slots: where each gradient lives in ``tensor`` and whether it factors.
+        group: the group to exchange over.
+        n: the size of ``group``.
+        state: the codec, counter, factors and errors.
+
+    Returns:
+        ``tensor``.
+    """
+    codec, rank = state.codec, state.rank
+    factored = [slot for slot in slots if slot.factored]
+    exact = [slot for slot in slots if not slot.factored]
+    views = [tensor[slot.offset : slot.offset + slot.numel].view(slot.rows, slot.cols) for slot in factored]
+    total_bytes = tensor.numel() * tensor.element_size()
+
+    # Steps 1-2.
+    corrected = []
+    for slot, view in zip(factored, views, strict=True):
+        error = state.errors.get(slot.name)
+        # A copy even without an error: ``view`` is overwritten with the result before ``M`` becomes the new error.
+        corrected.append(view.float() + error if error is not None else view.to(torch.float32, copy=True))
+    projections = [m @ state.factor(slot) for slot, m in zip(factored, corrected, strict=True)]
+
+    # Step 3: [exact bytes | P codes], one all-gather.
+    exact_values = torch.cat([tensor[slot.offset : slot.offset + slot.numel] for slot in exact]) if exact else None
+    exact_bytes = 0 if exact_values is None else exact_values.numel() * exact_values.element_size()
+    head = None if exact_values is None else exact_values.view(torch.uint8)
+    p_codes = [_encode(codec, p, slot.p_chunks) for slot, p in zip(factored, projections, strict=True)]
+    # The bucket's full-precision bytes, shared between the two collectives in proportion to what each carries.
+    first_share = exact_bytes + sum(
+        slot.numel * tensor.element_size() * slot.rows // (slot.rows + slot.cols) for slot in factored
+    )
+    gathered, offset = _all_gather_bytes(head, p_codes, group, n, state.counter, first_share)
+    if exact_values is not None:
+        values = gathered[:, :exact_bytes].view(exact_values.dtype)
+        exact_sum = _sum_in_order(values.float())
+        if state.average:
+            exact_sum.div_(n)
+        position = 0
+        for slot in exact:
+            tensor[slot.offset : slot.offset + slot.numel].copy_(exact_sum[position : position + slot.numel])
+            position += slot.numel
+    if not factored:
+        return tensor
+    p_sums = _decode_sums(codec, gathered, offset, [(slot.rows, slot.p_chunks) for slot in factored], rank)
+
+    # Step 4, one gradient at a time: batching by shape would make the rounding depend on the bucket layout.
+    p_hats = [orthonormalise_columns(p.unsqueeze(0))[0] for p in p_sums]
+
+    # Steps 5-6.
+    local_qs = [m.T @ p_hat for m, p_hat in zip(corrected, p_hats, strict=True)]
+    q_codes = [_encode(codec, q, slot.q_chunks) for slot, q in zip(factored, local_qs, strict=True)]
+    gathered, offset = _all_gather_bytes(None, q_codes, group, n, state.counter, total_bytes - first_share)
+    q_sums = _decode_sums(codec, gathered, offset, [(slot.cols, slot.q_chunks) for slot in factored], rank)
+
+    # Step 7.
+    for slot, view, m, p_hat, q in zip(factored, views, corrected, p_hats, q_sums, strict=True):
+        if state.average:
+            q.div_(n)
+        approximation = p_hat @ q.T
+        view.copy_(approximation)
+        # Tested on the device: a host check would synchronise CUDA streams.
+        finite = torch.isfinite(approximation).all()
+        new_error = m.sub_(approximation)
+        previous_error = state.errors.get(slot.name)
+        if previous_error is not None:
+            new_error = torch.where(finite, new_error, previous_error)
+        else:
+            new_error = torch.where(finite, new_error, torch.zeros_like(new_error))
+        state.errors[slot.name] = new_error
+        state.factors[slot.name] = torch.where(finite, q, state.factors[slot.name])
+    return tensor
+
+
+def _encode(codec: MinMaxUInt8Codec, factor: Tensor, num_chunks: int) -> Tensor:
+    """Encode a ``k x r`` factor column by column (``factor^T`` flattened) as flat 8-bit rows."""
+    return codec.compress(factor.T.reshape(-1), num_chunks=num_chunks).view(-1)
+
+
+def _all_gather_bytes(
+    head: Tensor | None,
+    codes: list[Tensor],
+    group: dist.ProcessGroup | None,
+    n: int,
+    counter: CommunicationCounter,
+    uncompressed: int,
+) -> tuple[Tensor, int]:
+    """All-gather ``[head | codes]`` as one byte message; return the ``(n, length)`` rows and where the codes start.
+
+    ``head`` (the exact tensors' bytes) is padded to a whole word and the message to whole words, so that a row's
+    head can be viewed as floats in place.
+    """
+    parts = []
+    start = 0
+    if head is not None:
+        start = head.numel() + -head.numel() % _ALIGNMENT
+        parts += [head, head.new_zeros(start - head.numel())]
+    parts += codes
+    length = sum(part.numel() for part in parts)
+    parts.append(parts[0].new_zeros(-length % _ALIGNMENT))
+    message = torch.cat(parts)
+    gathered = torch.empty((n, message.numel()), dtype=torch.uint8, device=message.device)
+    counter.record("all_gather", message, received=message.numel() * (n - 1), uncompressed=uncompressed)
+    all_gather_into(gathered, message, group)
+    return gathered, start
+
+
+def _decode_sums(
+    codec: MinMaxUInt8Codec, gathered: Tensor, start: int, shapes: list[tuple[int, int]], rank: int
+) -> list[Tensor]:
+    """Decode every participant's factors from ``gathered`` and sum them in participant order.
+
+    Args:
+        codec: the codec.
+        gathered: ``(N, length)`` gathered messages.
+        start: the byte where the first factor's codes start in every row.
+        shapes: ``(k, chunks)`` of each factor, ``k`` its column length, in message order.
+        rank: the factors' rank ``r``.
+
+    Returns:
+        Each factor's sum over participants, ``k x r`` float32.
+    """
+    n = gathered.shape[0]
+    sums = []
+    for k, chunks in shapes:
+        row_bytes = codec.row_bytes(k * rank, chunks)
+        end = start + chunks * row_bytes
+        rows = gathered[:, start:end].reshape(n * chunks, row_bytes)
+        decoded = codec.decompress_rows(rows, dtype=torch.float32).view(n, -1)[:, : k * rank]
+        sums.append(_sum_in_order(decoded).view(rank, k).T)
+        start = end
+    return sums
+
+
+def _sum_in_order(rows: Tensor) -> Tensor:
+    """Sum the rows of ``rows`` (one per participant) from the first to the last, as a new tensor."""
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total.add_(row)
+    return total

@@ -1,0 +1,23 @@
+"""low_rank on CUDA with NCCL (Triton codec where it imports), against the same simulation as on CPU."""
+
+import pytest
+
+from tests.distributed import run_processes
+from tests.engine.test_low_rank import RANK, STEPS, assert_buckets_match, assert_exact_and_rank_r, train_with_low_rank
+
+KWARGS = {"rank": RANK, "warmup_steps": 0, "hierarchical": False}
+
+
+@pytest.mark.gpu
+def test_low_rank_on_one_gpu_matches_the_simulation():
+    """World size 1: the factors still go through the codec and the (one-row) all-gather."""
+    results = run_processes(train_with_low_rank, 1, KWARGS, None, "cuda", backend="nccl")
+    assert_buckets_match(results, [[0]], average=True)
+    assert results[0]["phases"] == [{"compressed": 1.0}] * STEPS
+
+
+@pytest.mark.gpu(count=2)
+def test_low_rank_on_two_gpus_matches_the_simulation():
+    results = run_processes(train_with_low_rank, 2, KWARGS, None, "cuda", backend="nccl")
+    assert_buckets_match(results, [[0], [1]], average=True)
+    assert_exact_and_rank_r(results, average=True)
