@@ -167,7 +167,7 @@ def bagua_algorithm(method: str, steps: int, flat: bool = True) -> tuple[str, di
     keywords: dict[str, Any] = {}
     if rank is not None:
         keywords["rank"] = rank
-    if "warmup_steps" in accepted and name != "qadam":  # qadam's warm-up belongs to QAdamOptimizer
+    if rank is not None and "warmup_steps" in accepted:  # low_rank: PowerSGD's uncompressed start
         keywords["warmup_steps"] = compression_warmup(steps)
     if flat and (name in FLAT or (rank is not None and "hierarchical" in accepted)):
         keywords["hierarchical"] = False

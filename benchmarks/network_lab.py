@@ -192,7 +192,7 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
     keywords: dict[str, Any] = {"hierarchical": variant == "hierarchical"} if variant else {}
     if rank is not None:
         keywords["rank"] = rank
-    if "warmup_steps" in accepted and name != "qadam":
+    if rank is not None and "warmup_steps" in accepted:  # low_rank: compress from the same step as PowerSGD
         keywords["warmup_steps"] = HOOK_WARMUP
     wrapped = BaguaDistributedDataParallel(model, optimizers=[optimizer], algorithm=Algorithm.init(name, **keywords))
     return wrapped, optimizer, wrapped.communication_counter, None

@@ -290,14 +290,13 @@ def combine(
 
 
 def _time_cell(row: dict[str, Any]) -> str:
-    if row["status"] == "not reached":
-        return "not reached"
-    if row["status"].startswith("failed"):
-        return row["status"]
-    if "median_step_s" not in row:
-        return "-"
-    step = f"{row['median_step_s'] * 1e3:.1f} ms [{row['min_step_s'] * 1e3:.1f}, {row['max_step_s'] * 1e3:.1f}]"
-    return f"{row['time_to_target_s']:.1f} s ({step})"
+    step = ""
+    if "median_step_s" in row:
+        step = f"{row['median_step_s'] * 1e3:.1f} ms [{row['min_step_s'] * 1e3:.1f}, {row['max_step_s'] * 1e3:.1f}]"
+    if "time_to_target_s" in row:
+        return f"{row['time_to_target_s']:.3g} s ({step})"
+    # Not reached, or failed: the step time is still shown where it was measured.
+    return f"{row['status']} ({step})" if step else row["status"]
 
 
 def _overhead_cell(row: dict[str, Any]) -> str:
@@ -312,10 +311,11 @@ def _overhead_cell(row: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """The tables: per task and layout, time to target per rate, then the communication overhead per rate."""
     settings = report["settings"]
+    evaluations = ", ".join(f"{task} {every}" for task, every in settings["eval_every"].items())
     lines = [
         f"Time to target = steps to target x median step time. Target: the baseline's final held-out accuracy"
         f" (DDP with SGD; DDP with Adam for qadam), mean over {settings['seeds']} seed(s), less"
-        f" {settings['margin_pts']} points. Steps: the first evaluation (every {settings['eval_every']} steps) at"
+        f" {settings['margin_pts']} points. Steps: the first evaluation (every {evaluations} steps) at"
         " which the method's accuracy, averaged over the seeds, reaches it, on two Gloo processes. Step time: the"
         f" CPU network lab, methods interleaved over {settings['rounds']} rounds, median [min, max] of the rounds."
         " Overhead: step time less the no-communication step (`single`) of the same rounds; for low_rank also as a"
@@ -401,7 +401,6 @@ def chart(report: dict[str, Any], path: Path) -> bool:
             rates = list(dict.fromkeys(r["rate"] for r in chosen))
             names = list(dict.fromkeys(r["method"] for r in chosen))
             width = 0.8 / max(1, len(rates))
-            top = max((r.get("time_to_target_s", 0.0) for r in chosen), default=1.0) or 1.0
             for rate_index, rate in enumerate(rates):
                 xs = [i + rate_index * width for i in range(len(names))]
                 by_method = {r["method"]: r for r in chosen if r["rate"] == rate}
@@ -409,10 +408,14 @@ def chart(report: dict[str, Any], path: Path) -> bool:
                 axis.bar(xs, values, width, label=str(rate), color=colours[(2 * rate_index) % len(colours)])
                 for x, method in zip(xs, names, strict=True):
                     if "time_to_target_s" not in by_method[method]:
-                        axis.text(x, top * 0.02, "x", ha="center", fontsize=8, color="red")
+                        # x in data, y in axes fraction: the mark sits at the bottom whatever the scale.
+                        axis.text(x, 0.02, "x", ha="center", fontsize=8, color="red",
+                                  transform=axis.get_xaxis_transform())  # fmt: skip
             axis.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=60, ha="right",
                             fontsize=6)  # fmt: skip
-            axis.set_ylabel("time to target (s)")
+            if any("time_to_target_s" in r for r in chosen):
+                axis.set_yscale("log")  # the rates differ by orders of magnitude
+            axis.set_ylabel("time to target (s, log scale)")
             axis.set_title(f"{task}, {layout}: time to target (red x: not reached or failed)", fontsize=9)
             axis.legend(fontsize=7)
     figure.suptitle("Time to accuracy on CPU (benchmarks/time_to_accuracy.py)", fontsize=11)

@@ -331,7 +331,7 @@ def _time_to_accuracy() -> tuple[list[str], list[list[str]], list[str]]:
         for rate in rates:
             row = by_key[(task, layout, rate, method)]
             if "time_to_target_s" in row:
-                cells.append(f"{row['time_to_target_s']:.1f} s")
+                cells.append(f"{row['time_to_target_s']:.3g} s")
             else:
                 cells.append(row["status"] if row["status"] != "reached" else "-")
         for rate in rates:
