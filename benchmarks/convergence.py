@@ -84,6 +84,10 @@ from typing_extensions import override
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train import DigitsClassifier, load_data
 
+# The network lab names methods the same way (``low_rank_r4``): one parser for both.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from network_lab import split_rank
+
 log = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).parent / "results"
@@ -150,15 +154,7 @@ def compression_warmup(steps: int) -> int:
     return max(2, steps // 20)
 
 
-def split_rank(method: str) -> tuple[str, int | None]:
-    """``"low_rank_r4"`` -> ``("low_rank", 4)``; a name without an ``_r<k>`` suffix -> ``(name, None)``."""
-    stem, _, suffix = method.rpartition("_r")
-    if stem and suffix.isdigit():
-        return stem, int(suffix)
-    return method, None
-
-
-def bagua_algorithm(method: str, steps: int, flat: bool = True) -> tuple[str, dict[str, Any]]:
+def bagua_algorithm(method: str, steps: int) -> tuple[str, dict[str, Any]]:
     """The engine algorithm name and keywords of a Bagua method, as the convergence runs set them."""
     from lightning_bagua.engine.algorithms.base import algorithm_class
 
@@ -169,7 +165,7 @@ def bagua_algorithm(method: str, steps: int, flat: bool = True) -> tuple[str, di
         keywords["rank"] = rank
     if rank is not None and "warmup_steps" in accepted:  # low_rank: PowerSGD's uncompressed start
         keywords["warmup_steps"] = compression_warmup(steps)
-    if flat and (name in FLAT or (rank is not None and "hierarchical" in accepted)):
+    if name in FLAT or (rank is not None and "hierarchical" in accepted):
         keywords["hierarchical"] = False
     return name, keywords
 

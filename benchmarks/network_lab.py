@@ -134,7 +134,8 @@ def interleaved(methods: list[str], rounds: int) -> list[tuple[int, str]]:
 # ------------------------------------------------------------------------------------------------ one rank
 
 
-def _split_rank(method: str) -> tuple[str, int | None]:
+def split_rank(method: str) -> tuple[str, int | None]:
+    """``"low_rank_r4"`` -> ``("low_rank", 4)``; a name without an ``_r<k>`` suffix -> ``(name, None)``."""
     stem, _, suffix = method.rpartition("_r")
     return (stem, int(suffix)) if stem and suffix.isdigit() else (method, None)
 
@@ -176,7 +177,7 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     if method == "single":
         return model, optimizer, None, None
-    name, rank = _split_rank(base)
+    name, rank = split_rank(base)
     if name in ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_adam"):
         ddp = DistributedDataParallel(model, bucket_cap_mb=10)
         state = None
@@ -223,7 +224,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     if hook_state is not None and hook_state.iter <= hook_state.start_powerSGD_iter:
         raise RuntimeError(f"{method}: PowerSGD never compressed (iteration {hook_state.iter})")
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    name = _split_rank(method.partition(":")[0])[0]
+    name = split_rank(method.partition(":")[0])[0]
     if counter is not None:
         bytes_per_step: float | None = (counter.bytes_sent - bytes_before) / args.steps
     elif name in ("ddp", "ddp_adam"):

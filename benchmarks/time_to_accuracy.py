@@ -95,7 +95,7 @@ def lab_methods(methods: list[str], ranks_per_host: int) -> list[str]:
 
     found = ["single"]
     for method in methods:
-        name, _ = convergence.split_rank(method)
+        name, _ = network_lab.split_rank(method)
         is_algorithm = name in available_algorithms()
         if ranks_per_host > 1 and is_algorithm and "hierarchical" in algorithm_class(name).keywords():
             found += [f"{method}:flat", f"{method}:hierarchical"]
@@ -277,7 +277,7 @@ def combine(
             # Overhead against DDP's PowerSGD hook at the same rank, rate and layout.
             of_layout = [r for r in combined if r["task"] == task and r["layout"] == layout]
             for row in of_layout:
-                _, rank = convergence.split_rank(row["curve_method"])
+                _, rank = network_lab.split_rank(row["curve_method"])
                 reference = next(
                     (r for r in of_layout if r["rate"] == row["rate"] and r["method"] == f"ddp_powersgd_r{rank}"), None
                 )
