@@ -66,7 +66,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,7 @@ METHODS = (
 )
 # DDP with torch's communication hooks, set up as a Lightning user would (``DDPStrategy(ddp_comm_hook=...)``).
 HOOK_METHODS = ("ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4")
+HOOK_TIMEOUT_S = 180  # the collective timeout of the hook methods' process group
 LOW_RANK_RANKS = (1, 4)  # the ranks of ``low_rank`` and of DDP's PowerSGD that are compared
 ADAM_METHODS = frozenset({"ddp_adam", "qadam"})
 # Run with hierarchical=False: on one node the hierarchical form only averages inside the node at full precision.
@@ -390,13 +391,15 @@ def hook_strategy(method: str, steps: int) -> CPUCommHookDDPStrategy:
     """DDP with torch's ``fp16_compress_hook`` or PowerSGD hook (``ddp_powersgd_r<k>``), as a Lightning user sets it."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    # A failed collective of torch's PowerSGD hook on Gloo may hang rather than abort: it ends within minutes.
+    timeout = timedelta(seconds=HOOK_TIMEOUT_S)
     if method == "ddp_fp16":
-        return CPUCommHookDDPStrategy(ddp_comm_state=None, ddp_comm_hook=default_hooks.fp16_compress_hook)
+        return CPUCommHookDDPStrategy(None, default_hooks.fp16_compress_hook, timeout=timeout)
     _, rank = split_rank(method)
     state = powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=compression_warmup(steps)
     )
-    return CPUCommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=powerSGD_hook.powerSGD_hook)
+    return CPUCommHookDDPStrategy(state, powerSGD_hook.powerSGD_hook, timeout=timeout)
 
 
 class CurveRecorder(Callback):

@@ -56,9 +56,10 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ ADAM_METHODS = ("ddp_adam",)  # DDP with Adam: what qadam is compared with
 EXTRA_METHODS = (*ADAM_METHODS, "ddp_powersgd_r1")  # accepted, not in the default list
 RATES = ("100mbit", "1gbit", "10gbit", "unshaped")
 TASKS = ("mlp", "digits", "charlm", "bytemlp")  # mlp: the lab's own model (--width, --depth)
+FAILURE_GRACE_S = 20  # how long the other ranks may take to report after one rank failed
 HOOK_WARMUP = 2  # uncompressed steps of PowerSGD and low_rank before they compress (inside the untimed warm-up)
 
 
@@ -352,6 +354,13 @@ def worker_command(
     return [*command, "--timeout", str(args.timeout), "--world-size", str(args.hosts * args.ranks_per_host)]
 
 
+def headline(error: str) -> str:
+    """The line of an error report that names the cause: the first that mentions an error, else the last."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    causes = [line for line in lines if "rror" in line or "enforce fail" in line]
+    return (causes or lines or [""])[0][:300]
+
+
 def _tail(outputs: list[str]) -> str:
     """The last lines of every rank's output that are not RESULT lines: where a crash shows."""
     lines = [line for output in outputs for line in output.splitlines()[-15:] if not line.startswith("RESULT ")]
@@ -366,30 +375,48 @@ def launch(args: argparse.Namespace, hosts: list[tuple[str, str, str]], schedule
     """Run one worker per rank in its host's namespace through ``schedule``; return each rank's output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     port = random.randrange(20000, 60000)
-    processes = []
-    for rank in range(len(hosts) * args.ranks_per_host):
-        # Consecutive ranks share a host, as a launcher numbers them: hierarchical algorithms see the hosts.
-        namespace, interface, _ = hosts[rank // args.ranks_per_host]
-        local = {"LOCAL_WORLD_SIZE": str(args.ranks_per_host), "LOCAL_RANK": str(rank % args.ranks_per_host)}
-        if args.no_local_world_size:
-            local = {}  # a plain env:// launcher: the engine finds the hosts itself
-        command = ["ip", "netns", "exec", namespace, *worker_command(args, schedule, rank, hosts[0][2], port)]
-        launch_env = {k: v for k, v in env.items() if k not in {"LOCAL_WORLD_SIZE", "LOCAL_RANK"}}
-        processes.append(
-            subprocess.Popen(
-                command,
-                env={**launch_env, "GLOO_SOCKET_IFNAME": interface, **local},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+    with ExitStack() as stack:
+        processes, logs = [], []
+        for rank in range(len(hosts) * args.ranks_per_host):
+            # Consecutive ranks share a host, as a launcher numbers them: hierarchical algorithms see the hosts.
+            namespace, interface, _ = hosts[rank // args.ranks_per_host]
+            local = {"LOCAL_WORLD_SIZE": str(args.ranks_per_host), "LOCAL_RANK": str(rank % args.ranks_per_host)}
+            if args.no_local_world_size:
+                local = {}  # a plain env:// launcher: the engine finds the hosts itself
+            command = ["ip", "netns", "exec", namespace, *worker_command(args, schedule, rank, hosts[0][2], port)]
+            launch_env = {k: v for k, v in env.items() if k not in {"LOCAL_WORLD_SIZE", "LOCAL_RANK"}}
+            # Output to a file, not a pipe: nothing blocks on a full pipe while another rank is waited for.
+            logs.append(stack.enter_context(tempfile.TemporaryFile(mode="w+")))
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    env={**launch_env, "GLOO_SOCKET_IFNAME": interface, **local},
+                    stdout=logs[-1],
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
             )
-        )
-    try:
-        # Every collective has the --timeout; the whole schedule may take that long per entry at most.
-        return [process.communicate(timeout=args.timeout * (len(schedule) + 1))[0] for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
+        try:
+            # Every collective has the --timeout; the whole schedule may take that long per entry at most. Once a rank
+            # has failed, the others get a grace period to report, then are ended: a peer of a failed collective may
+            # wait in a call without a timeout (torch's PowerSGD hook on Gloo does).
+            deadline = time.monotonic() + args.timeout * (len(schedule) + 1)
+            failed_at = None
+            while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
+                if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                    break
+                time.sleep(0.2)
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait()
+        outputs = []
+        for log_file in logs:
+            log_file.seek(0)
+            outputs.append(log_file.read())
+        return outputs
 
 
 def measure(
@@ -426,9 +453,10 @@ def measure(
             remaining = [entry for entry in remaining if entry[1] != method]
         schedule = remaining
     rows = []
+    failed_methods = {failure["method"] for failure in failures}
     for method in methods:
         rounds = [done[(index, method)] for index in range(args.rounds) if (index, method) in done]
-        if not rounds:
+        if not rounds or method in failed_methods:  # a method that failed in any round is shown as failed
             continue
         # The slower rank sets the pace of synchronous training: each round counts its slowest rank's median.
         per_round = [max(r["median_s"] for r in results) for results in rounds]
@@ -494,7 +522,7 @@ def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str]
         cells.append("" if payload is None else f"{payload / 1e6:.2f}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     for (rate, method), failure in failed.items():
-        lines.append(f"\n{method} at {rate} failed: {failure['error'][:300]}")
+        lines.append(f"\n{method} at {rate} failed: {headline(failure['error'])}")
     return "\n".join(lines) + "\n"
 
 

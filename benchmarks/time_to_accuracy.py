@@ -78,8 +78,11 @@ LAYOUTS = ("2x1", "2x2")
 RATES = ("100mbit", "1gbit", "unshaped")
 # Held-out evaluations every k steps in the full run; the quick run, a fifth as long, evaluates twice as often.
 EVAL_EVERY = {"digits": 10, "charlm": 20, "bytemlp": 20}
+# The longest healthy lab collective takes a few seconds; torch's PowerSGD hook can hang on Gloo with several
+# buckets instead of aborting, and this bounds the time such a failure costs.
+LAB_COLLECTIVE_TIMEOUT_S = 120
 # One seed keeps the full run near 40 minutes on two cores; --seeds 2 adds about a quarter of an hour.
-FULL: dict[str, Any] = {"seeds": 1, "rounds": 5, "lab_steps": 4, "lab_warmup": 3, "rates": RATES}
+FULL: dict[str, Any] = {"seeds": 1, "rounds": 5, "lab_steps": 3, "lab_warmup": 3, "rates": RATES}
 QUICK: dict[str, Any] = {"seeds": 1, "rounds": 3, "lab_steps": 2, "lab_warmup": 3, "rates": ("100mbit",)}
 
 
@@ -214,7 +217,8 @@ def run_lab(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[s
             batch = max(1, convergence.SETTINGS[task]["batch"] * 2 // world)
             argv = ["--task", task, "--batch", str(batch), "--hosts", str(hosts), "--ranks-per-host",
                     str(ranks_per_host), "--steps", str(args.lab_steps), "--warmup", str(args.lab_warmup),
-                    "--rounds", str(args.rounds), "--rates", *args.rates, "--methods", *methods]  # fmt: skip
+                    "--rounds", str(args.rounds), "--timeout", str(LAB_COLLECTIVE_TIMEOUT_S), "--rates", *args.rates,
+                    "--methods", *methods]  # fmt: skip
             lab_args = network_lab.parse_args(argv)
             command = "python benchmarks/network_lab.py " + " ".join(argv)
             log.info("lab %s %s: %s", layout, task, command)
@@ -356,7 +360,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "Failures (shown in the tables, not left out):", ""]
         for failure in failures:
             where = "/".join(str(failure[k]) for k in ("task", "layout", "rate", "method", "seed") if k in failure)
-            lines.append(f"- {where}: {failure['error'].strip().splitlines()[-1][:300]}")
+            lines.append(f"- {where}: {network_lab.headline(failure['error'])}")
     return "\n".join(lines) + "\n"
 
 
@@ -374,7 +378,7 @@ def chart(report: dict[str, Any], path: Path) -> bool:
     tasks, layouts = settings["tasks"], settings["layouts"] if settings["lab"] else []
     figure, axes = plt.subplots(1 + len(layouts), len(tasks), figsize=(6 * len(tasks), 4 * (1 + len(layouts))),
                                 squeeze=False)  # fmt: skip
-    colours = plt.get_cmap("tab20").colors
+    colour_map = plt.get_cmap("tab20")
     methods = settings["methods"]
     for column, task in enumerate(tasks):
         axis = axes[0][column]
@@ -384,7 +388,7 @@ def chart(report: dict[str, Any], path: Path) -> bool:
                 continue
             style = "--" if method.startswith("ddp") else "-"
             axis.plot([p["step"] for p in entry["curve"]], [p["acc_pct"] for p in entry["curve"]], style,
-                      color=colours[index % len(colours)], label=method, linewidth=1.2)  # fmt: skip
+                      color=colour_map(index % 20), label=method, linewidth=1.2)  # fmt: skip
         for baseline, style in (("ddp", ":"), ("ddp_adam", "-.")):
             entry = report["curves"].get(f"{task}/{baseline}")
             if entry is not None and entry["target_pct"] is not None:
@@ -405,7 +409,7 @@ def chart(report: dict[str, Any], path: Path) -> bool:
                 xs = [i + rate_index * width for i in range(len(names))]
                 by_method = {r["method"]: r for r in chosen if r["rate"] == rate}
                 values = [by_method[m].get("time_to_target_s", 0.0) for m in names]
-                axis.bar(xs, values, width, label=str(rate), color=colours[(2 * rate_index) % len(colours)])
+                axis.bar(xs, values, width, label=str(rate), color=colour_map((2 * rate_index) % 20))
                 for x, method in zip(xs, names, strict=True):
                     if "time_to_target_s" not in by_method[method]:
                         # x in data, y in axes fraction: the mark sits at the bottom whatever the scale.
