@@ -448,7 +448,7 @@ def measure(
             reported = [f for output in outputs for f in _lines(output, "FAILED")]
             method = reported[0]["method"] if reported else remaining[0][1]
             error = reported[0]["error"] if reported else "a worker ended without a result:\n" + _tail(outputs)
-            print(f"{rate:>9} {method:>28}: FAILED {error.strip().splitlines()[-1][:200]}", flush=True)
+            print(f"{rate:>9} {method:>28}: FAILED {headline(error)}", flush=True)
             failures.append({"rate": rate, "method": method, "round": remaining[0][0], "error": error[-3000:]})
             remaining = [entry for entry in remaining if entry[1] != method]
         schedule = remaining
