@@ -43,9 +43,9 @@ byte model, 0.1M) and ``bytemlp`` (a wide byte perceptron, 2.4M, where the link 
 
 Run it as root (the lab needs network namespaces and ``tc``), on a quiet machine::
 
-    python benchmarks/time_to_accuracy.py            # every task, method, rate and layout (about 40 min, 2 cores)
-    python benchmarks/time_to_accuracy.py --seeds 2  # two seeds for the learning curves (about 55 min)
-    python benchmarks/time_to_accuracy.py --quick    # short runs, one seed, 100mbit only, 3 rounds: a few minutes
+    python benchmarks/time_to_accuracy.py            # every task, method, rate and layout (40-45 min, 2 quiet cores)
+    python benchmarks/time_to_accuracy.py --seeds 2  # two seeds for the learning curves (about 20 min more)
+    python benchmarks/time_to_accuracy.py --quick    # short runs, one seed, 100mbit only, 3 rounds (about 10 min)
 
 It writes ``benchmarks/results/time_to_accuracy_cpu.json`` (machine, versions, command, date, settings, every
 curve, every lab row, every failure, and the combined table), ``time_to_accuracy_cpu.md`` and, with matplotlib,
