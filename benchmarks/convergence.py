@@ -14,6 +14,16 @@ Methods:
   ``BaguaStrategy`` algorithm with the same SGD settings as ``ddp``;
 - ``qadam``: ``lightning_bagua.QAdamOptimizer`` with Adam's learning rate and a warm-up of a fifth of the steps.
 
+More methods, not run by default (name them with ``--methods``; ``benchmarks/time_to_accuracy.py`` runs them all):
+
+- ``ddp_fp16``, ``ddp_powersgd_r1``, ``ddp_powersgd_r4``: DDP with torch's ``fp16_compress_hook`` or PowerSGD hook
+  (rank 1 or 4), passed as a Lightning user does (``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``).
+  Lightning registers DDP hooks on CUDA only, so these run under ``CPUCommHookDDPStrategy``, which registers the
+  hook on CPU too and counts its calls: a run whose hook never ran, or whose PowerSGD never compressed, fails;
+- ``low_rank_r1``, ``low_rank_r4``: the engine's ``low_rank`` algorithm at rank 1 or 4, where the engine has it.
+
+PowerSGD and ``low_rank`` compress after the same uncompressed start, a twentieth of the steps (at least 2).
+
 On one node, ``hierarchical`` would reduce bytegrad, qadam and both decentralized algorithms to a full-precision
 average inside the node, so they run flat (``hierarchical=False``): what is measured is the algorithm itself.
 
@@ -25,6 +35,11 @@ Tasks:
   ``*.py`` files at the top of the standard library directory, sorted by name; the last tenth of the bytes is held
   out), with a small causal convolutional network over 128-byte windows; reported: held-out next-byte accuracy,
   loss (nats per byte) and perplexity.
+- ``bytemlp`` (not run by default): next-byte prediction on the same text from the previous 32 bytes, with a
+  wide perceptron of 2.4M parameters whose compute is small for its size, so communication sets the pace on slow
+  links; held-out: every 32nd position of the held-out tenth.
+
+``--eval-every k`` also scores the held-out set every k steps and keeps the learning curve of every run.
 
 Run it::
 
@@ -37,6 +52,7 @@ matplotlib (``pip install -r requirements/benchmarks.txt``), ``convergence_cpu.p
 """
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -49,24 +65,35 @@ import sysconfig
 import tempfile
 import time
 import warnings
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 # The example is a script, not a package: its folder goes on the path so its model and data are reused, not copied.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train import DigitsClassifier, load_data
 
+# The network lab names methods the same way (``low_rank_r4``): one parser for both.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from network_lab import split_rank
+
 log = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
-TASKS = ("digits", "charlm")
+TASKS = ("digits", "charlm")  # the default; ``bytemlp`` is the larger model where communication binds
+ALL_TASKS = (*TASKS, "bytemlp")
 METHODS = (
     "ddp",
     "gradient_allreduce",
@@ -77,9 +104,13 @@ METHODS = (
     "ddp_adam",
     "qadam",
 )
-BASELINE = {method: "ddp_adam" if method in {"qadam", "ddp_adam"} else "ddp" for method in METHODS}
+# DDP with torch's communication hooks, set up as a Lightning user would (``DDPStrategy(ddp_comm_hook=...)``).
+HOOK_METHODS = ("ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4")
+HOOK_TIMEOUT_S = 180  # the collective timeout of the hook methods' process group
+LOW_RANK_RANKS = (1, 4)  # the ranks of ``low_rank`` and of DDP's PowerSGD that are compared
 ADAM_METHODS = frozenset({"ddp_adam", "qadam"})
-FLAT = {"bytegrad", "qadam", "decentralized", "low_precision_decentralized"}  # run with hierarchical=False
+# Run with hierarchical=False: on one node the hierarchical form only averages inside the node at full precision.
+FLAT = {"bytegrad", "qadam", "decentralized", "low_precision_decentralized"}
 # Variables a surrounding launcher may have set: inherited, they would make a job join that launcher's job.
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME")  # fmt: skip
@@ -88,9 +119,56 @@ LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORL
 SETTINGS: dict[str, dict[str, Any]] = {
     "digits": {"sgd_lr": 0.05, "momentum": 0.9, "adam_lr": 3e-3, "batch": 32, "steps": 230, "quick_steps": 60},
     "charlm": {"sgd_lr": 0.1, "momentum": 0.9, "adam_lr": 3e-3, "batch": 16, "steps": 400, "quick_steps": 80},
+    "bytemlp": {"sgd_lr": 0.05, "momentum": 0.9, "adam_lr": 1e-3, "batch": 64, "steps": 400, "quick_steps": 80},
 }
 CONTEXT = 128  # bytes per language-model window
+BYTEMLP_CONTEXT = 32  # bytes an bytemlp prediction sees
+BYTEMLP_HELD_OUT_STRIDE = 32  # bytemlp scores every 32nd held-out position: an evaluation stays under a second
 TEXT_BYTES = 1_200_000  # bytes of standard-library source read for charlm
+
+
+# ------------------------------------------------------------------------------------------------ the methods
+
+
+def low_rank_available() -> bool:
+    """Whether the engine of this checkout provides the ``low_rank`` algorithm."""
+    from lightning_bagua.engine import available_algorithms
+
+    return "low_rank" in available_algorithms()
+
+
+def available_methods() -> list[str]:
+    """Every method this checkout can run: the default ones, DDP's hooks and ``low_rank`` where the engine has it."""
+    methods = [*METHODS, *HOOK_METHODS]
+    if low_rank_available():
+        methods += [f"low_rank_r{rank}" for rank in LOW_RANK_RANKS]
+    return methods
+
+
+def baseline_of(method: str) -> str:
+    """The DDP run a method is compared with: DDP with Adam for the Adam family, DDP with SGD for the rest."""
+    return "ddp_adam" if method in ADAM_METHODS else "ddp"
+
+
+def compression_warmup(steps: int) -> int:
+    """Uncompressed steps before DDP's PowerSGD and ``low_rank`` compress: a twentieth of the run (torch wants >= 2)."""
+    return max(2, steps // 20)
+
+
+def bagua_algorithm(method: str, steps: int) -> tuple[str, dict[str, Any]]:
+    """The engine algorithm name and keywords of a Bagua method, as the convergence runs set them."""
+    from lightning_bagua.engine.algorithms.base import algorithm_class
+
+    name, rank = split_rank(method)
+    accepted = algorithm_class(name).keywords()
+    keywords: dict[str, Any] = {}
+    if rank is not None:
+        keywords["rank"] = rank
+    if rank is not None and "warmup_steps" in accepted:  # low_rank: PowerSGD's uncompressed start
+        keywords["warmup_steps"] = compression_warmup(steps)
+    if name in FLAT or (rank is not None and "hierarchical" in accepted):
+        keywords["hierarchical"] = False
+    return name, keywords
 
 
 # ------------------------------------------------------------------------------------------------ the tasks
@@ -158,55 +236,192 @@ class CausalConvLM(nn.Module):
         return self.out(x)  # (batch, time, 256)
 
 
-def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> tuple[Any, Dataset, Dataset]:
-    """Return the LightningModule, the training set and the held-out set of ``task`` for ``method``."""
-    from lightning.pytorch import LightningModule
+class ByteContexts(Dataset):
+    """Every ``stride``-th position of ``data`` after the first ``BYTEMLP_CONTEXT``: the bytes before it, and it."""
 
+    def __init__(self, data: bytes, stride: int = 1) -> None:
+        self.data = torch.tensor(list(data), dtype=torch.long)
+        self.stride = stride
+        self.count = (len(data) - BYTEMLP_CONTEXT) // stride
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        position = BYTEMLP_CONTEXT + index * self.stride
+        return self.data[position - BYTEMLP_CONTEXT : position], self.data[position]
+
+
+class ByteMLP(nn.Module):
+    """Next-byte prediction from the previous ``BYTEMLP_CONTEXT`` bytes: embeddings and a wide perceptron (2.4M).
+
+    Most of its parameters sit in two dense 1024-wide layers whose compute is small: its gradient is large for
+    the work of a step, so the link, not the arithmetic, sets the step time on slow links.
+    """
+
+    def __init__(self, embed: int = 32, hidden: int = 1024) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, embed)
+        self.net = nn.Sequential(
+            nn.Linear(BYTEMLP_CONTEXT * embed, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, 256),
+        )
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.net(self.embed(tokens).flatten(1))  # (batch, 256)
+
+
+def task_model(task: str) -> nn.Module:
+    """The bare network of ``task`` (what the network lab times): the digits perceptron, CausalConvLM, ByteMLP."""
     if task == "digits":
+        return DigitsClassifier(lr=SETTINGS["digits"]["adam_lr"]).net
+    if task == "charlm":
+        return CausalConvLM()
+    if task == "bytemlp":
+        return ByteMLP()
+    raise ValueError(f"Unknown task {task!r}; choose one of {ALL_TASKS}.")
 
-        class Digits(DigitsClassifier):
-            def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-                super().test_step(batch, batch_idx)
-                x, y = batch
-                self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True, batch_size=len(y))
 
-            def configure_optimizers(self) -> torch.optim.Optimizer:
-                return make_optimizer(method, self.parameters(), settings, steps)
+def random_batch(task: str, batch: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """A batch of ``task``'s shapes and types, for timing: the work of a step does not depend on the values."""
+    if task == "digits":
+        return torch.randn(batch, 64, generator=generator), torch.randint(10, (batch,), generator=generator)
+    length = CONTEXT if task == "charlm" else BYTEMLP_CONTEXT
+    tokens = torch.randint(256, (batch, length + 1), generator=generator)
+    if task == "charlm":
+        return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1], tokens[:, -1]
 
-        train_set, test_set = load_data()
-        return Digits(lr=settings["adam_lr"]), train_set, test_set
 
-    class CharLM(LightningModule):
-        def __init__(self) -> None:
+def task_loss(output: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy of every task: classes are the last dimension of ``output``."""
+    return F.cross_entropy(output.flatten(0, -2), targets.flatten())
+
+
+def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> tuple[Any, Dataset, Dataset]:
+    """Return the LightningModule, the training set and the held-out set of ``task`` for ``method``.
+
+    Every module scores the held-out set in ``test_step`` (after training) and in ``validation_step`` (the
+    learning curve of ``--eval-every``), with the same metrics: ``*_acc`` and ``*_loss`` averaged over the ranks.
+    """
+
+    class Scored(LightningModule):
+        def __init__(self, network: nn.Module) -> None:
             super().__init__()
-            self.model = CausalConvLM()
+            self.network = network
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.network(x)
 
         def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
             x, y = batch
-            return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+            return task_loss(self(x), y)
+
+        def score(self, batch: tuple[Tensor, Tensor], prefix: str) -> None:
+            x, y = batch
+            logits = self(x).flatten(0, -2)
+            count = y.numel()
+            self.log(f"{prefix}_loss", F.cross_entropy(logits, y.flatten()), sync_dist=True, batch_size=count)
+            accuracy = (logits.argmax(dim=1) == y.flatten()).float().mean()
+            self.log(f"{prefix}_acc", accuracy, sync_dist=True, batch_size=count)
+
+        def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+            self.score(batch, "val")
 
         def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-            x, y = batch
-            logits = self.model(x).flatten(0, 1)
-            count = y.numel()
-            self.log("test_loss", F.cross_entropy(logits, y.flatten()), sync_dist=True, batch_size=count)
-            accuracy = (logits.argmax(dim=1) == y.flatten()).float().mean()
-            self.log("test_acc", accuracy, sync_dist=True, batch_size=count)
+            self.score(batch, "test")
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(method, self.parameters(), settings, steps)
 
+    if task == "digits":
+        # The example's perceptron, data and split; Scored replaces only its steps and optimizer.
+        train_set, test_set = load_data()
+        return Scored(task_model(task)), train_set, test_set
     text, _ = standard_library_text()
     split = len(text) * 9 // 10
-    return CharLM(), ByteWindows(text[:split]), ByteWindows(text[split:])
+    if task == "charlm":
+        return Scored(task_model(task)), ByteWindows(text[:split]), ByteWindows(text[split:])
+    held_out = ByteContexts(text[split:], stride=BYTEMLP_HELD_OUT_STRIDE)
+    return Scored(task_model(task)), ByteContexts(text[:split]), held_out
 
 
 # ------------------------------------------------------------------------------------------------ one job
 
 
+class CPUCommHookDDPStrategy(DDPStrategy):
+    """Lightning's DDP strategy with a communication hook that also runs on CPU.
+
+    ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` registers the hook only on CUDA devices; on CPU it trains
+    plain DDP without a word. This strategy takes the same two arguments, passes them on (so CUDA behaves as
+    Lightning does) and, on any other device, registers the hook itself once DDP has wrapped the model. The hook
+    is wrapped to count its calls and the gradient elements it was handed, so a run can prove the hook ran.
+    """
+
+    def __init__(self, ddp_comm_state: Any, ddp_comm_hook: Callable[..., Any], **kwargs: Any) -> None:
+        self.hook_calls = {"calls": 0, "elements": 0}
+        counted = _counted(ddp_comm_hook, self.hook_calls)
+        super().__init__(ddp_comm_state=ddp_comm_state, ddp_comm_hook=counted, **kwargs)
+        self.comm_state = ddp_comm_state
+        self.comm_hook = counted
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if self.root_device.type != "cuda":
+            assert isinstance(self.model, DistributedDataParallel)
+            self.model.register_comm_hook(self.comm_state, self.comm_hook)
+
+
+def _counted(hook: Callable[..., Any], counter: dict[str, int]) -> Callable[..., Any]:
+    # functools.wraps keeps the hook's name and signature, which DDP checks and logs.
+    @functools.wraps(hook)
+    def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        counter["calls"] += 1
+        counter["elements"] += bucket.buffer().numel()
+        return hook(state, bucket)
+
+    return counted
+
+
+def hook_strategy(method: str, steps: int) -> CPUCommHookDDPStrategy:
+    """DDP with torch's ``fp16_compress_hook`` or PowerSGD hook (``ddp_powersgd_r<k>``), as a Lightning user sets it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    # A failed collective of torch's PowerSGD hook on Gloo may hang rather than abort: it ends within minutes.
+    timeout = timedelta(seconds=HOOK_TIMEOUT_S)
+    if method == "ddp_fp16":
+        return CPUCommHookDDPStrategy(None, default_hooks.fp16_compress_hook, timeout=timeout)
+    _, rank = split_rank(method)
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=compression_warmup(steps)
+    )
+    return CPUCommHookDDPStrategy(state, powerSGD_hook.powerSGD_hook, timeout=timeout)
+
+
+class CurveRecorder(Callback):
+    """Keeps the held-out metrics of every validation run, with the training step they were taken at."""
+
+    def __init__(self) -> None:
+        self.points: list[dict[str, float]] = []
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        metrics = trainer.callback_metrics
+        self.points.append(
+            {"step": trainer.global_step, "acc": float(metrics["val_acc"]), "loss": float(metrics["val_loss"])}
+        )
+
+
 def job(args: argparse.Namespace) -> None:
-    """Train and test one (task, method, seed) on two processes; rank 0 writes the metrics to ``--result-file``."""
-    from lightning.pytorch import Trainer, seed_everything
+    """Train and test one (task, method, seed) on two processes; rank 0 writes the metrics to ``--result-file``.
+
+    With ``--eval-every k`` the held-out set is also scored every k steps, and the curve is part of the result.
+    """
+    from lightning.pytorch import seed_everything
 
     from lightning_bagua import BaguaStrategy
 
@@ -218,10 +433,13 @@ def job(args: argparse.Namespace) -> None:
     module, train_set, test_set = build_task(args.task, args.method, settings, args.steps)
     if args.method in {"ddp", "ddp_adam"}:
         strategy: Any = "ddp"
+    elif args.method in HOOK_METHODS:
+        strategy = hook_strategy(args.method, args.steps)
     else:
-        algorithm = "qadam" if args.method == "qadam" else args.method
-        keywords: dict[str, Any] = {"hierarchical": False} if args.method in FLAT else {}
+        algorithm, keywords = bagua_algorithm(args.method, args.steps)
         strategy = BaguaStrategy(algorithm=algorithm, **keywords)
+    curve = CurveRecorder()
+    evaluate = {"val_check_interval": args.eval_every, "check_val_every_n_epoch": None, "num_sanity_val_steps": 0}
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
@@ -233,18 +451,32 @@ def job(args: argparse.Namespace) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
+        callbacks=[curve],
+        **(evaluate if args.eval_every else {"limit_val_batches": 0}),
     )
+    train_loader = DataLoader(train_set, batch_size=settings["batch"], shuffle=True)
+    held_out = DataLoader(test_set, batch_size=64)
     start = time.perf_counter()
-    trainer.fit(module, DataLoader(train_set, batch_size=settings["batch"], shuffle=True))
+    trainer.fit(module, train_loader, held_out if args.eval_every else None)
     train_s = time.perf_counter() - start
-    (metrics,) = trainer.test(module, DataLoader(test_set, batch_size=64), verbose=False)
+    (metrics,) = trainer.test(module, held_out, verbose=False)
     if trainer.is_global_zero:
-        result = {
+        result: dict[str, Any] = {
             "test_loss": float(metrics["test_loss"]),
             "test_acc": float(metrics["test_acc"]),
             "train_s": train_s,
             "steps": trainer.global_step,
         }
+        if args.eval_every:
+            points = [p for p in curve.points if p["step"] < trainer.global_step]
+            # The last point is the final test: the same held-out set, scored once after the last step.
+            final = {"step": trainer.global_step, "acc": result["test_acc"], "loss": result["test_loss"]}
+            result["curve"] = [*points, final]
+        if isinstance(strategy, CPUCommHookDDPStrategy):
+            result["hook"] = {"name": strategy.comm_hook.__name__, **strategy.hook_calls}
+            if strategy.comm_state is not None:
+                result["hook"]["powersgd_iter"] = strategy.comm_state.iter
+                result["hook"]["powersgd_start_iter"] = strategy.comm_state.start_powerSGD_iter
         Path(args.result_file).write_text(json.dumps(result))
     # Lightning leaves the default process group alive after a run. A `ddp` job never meets BaguaStrategy's at-exit
     # handler that destroys it, so its processes exited with Gloo's threads still running and could abort in
@@ -253,14 +485,18 @@ def job(args: argparse.Namespace) -> None:
         torch.distributed.destroy_process_group()
 
 
-def run_job(task: str, method: str, seed: int, steps: int, timeout: int) -> dict[str, Any]:
-    """Start one job (Lightning starts its second process) and return its metrics, with its wall time."""
+def run_job(task: str, method: str, seed: int, steps: int, timeout: int, eval_every: int = 0) -> dict[str, Any]:
+    """Start one job (Lightning starts its second process) and return its metrics, with its wall time.
+
+    A DDP hook method whose hook never ran (no calls, or PowerSGD never past its uncompressed start) fails here.
+    """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as directory:
         result_file = Path(directory) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--job", "--task", task, "--method", method]
         command += ["--seed", str(seed), "--steps", str(steps), "--result-file", str(result_file)]
+        command += ["--eval-every", str(eval_every)]
         start = time.perf_counter()
         completed = subprocess.run(
             command, cwd=directory, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -269,6 +505,11 @@ def run_job(task: str, method: str, seed: int, steps: int, timeout: int) -> dict
         if completed.returncode != 0 or not result_file.is_file():
             raise RuntimeError(f"{task}/{method}/seed {seed} failed:\n{(completed.stdout + completed.stderr)[-4000:]}")
         result = json.loads(result_file.read_text())
+    hook = result.get("hook")
+    if method in HOOK_METHODS and (hook is None or hook["calls"] == 0):
+        raise RuntimeError(f"{task}/{method}/seed {seed}: the DDP communication hook never ran ({hook})")
+    if hook is not None and "powersgd_iter" in hook and hook["powersgd_iter"] <= hook["powersgd_start_iter"]:
+        raise RuntimeError(f"{task}/{method}/seed {seed}: PowerSGD never left its uncompressed start ({hook})")
     return {"task": task, "method": method, "seed": seed, **result, "wall_s": wall_s}
 
 
@@ -301,7 +542,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "seeds": [r["seed"] for r in chosen],
             }
         for method in methods:
-            baseline = BASELINE.get(method, "ddp")
+            baseline = baseline_of(method)
             row: dict[str, Any] = {"task": task, "method": method, "baseline": baseline, **stats[method]}
             if baseline in stats:
                 base = stats[baseline]
@@ -424,6 +665,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "charlm": {"context_bytes": CONTEXT, "text": standard_library_text()[1] if "charlm" in args.tasks else None},
         "flat_algorithms": sorted(FLAT & set(args.methods)),
         "qadam_warmup_steps": {task: max(1, s // 5) for task, s in steps.items()},
+        "compression_warmup_steps": {task: compression_warmup(s) for task, s in steps.items()},
     }
     report = {
         "benchmark": "convergence of every algorithm against Lightning DDP, two Gloo processes on CPU",
@@ -451,8 +693,8 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=ALL_TASKS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=available_methods())
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1 (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="each task's short run and one seed")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every task (default: per task)")
@@ -464,6 +706,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--eval-every", type=int, default=0, help=argparse.SUPPRESS)
     arguments = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(arguments)
     if args.quick and "--seeds" not in arguments:

@@ -5,20 +5,33 @@ Each host is a network namespace with an address of its own in 127.81.0.0/16 (ro
 namespace. ``tc`` shapes both ends of every link with a token bucket, so every collective that leaves a host
 crosses a link of the chosen rate, as between machines; ranks of one host talk inside its namespace, unshaped,
 as the GPUs of one machine would. For each rate, every method trains the same model for the same steps on every
-rank, and the median step time (after a warm-up) and the payload bytes per step are recorded:
+rank, and the median step time (after a warm-up) and the payload bytes per step are recorded. The methods are
+interleaved: the ranks' workers start once per rate and go round-robin over the methods, ``--rounds`` times (5 by
+default), each round starting one method later; every (round, method) trains a fresh model and is timed by its
+slowest rank's median step. The report gives the median over the rounds and their spread (min, max, quartiles),
+with the machine, the versions and the command. A method that fails (torch's PowerSGD hook, say) is recorded
+with its error, shown as "failed", and the rest goes on.
 
-- ``single``: one process, no communication (the no-communication limit, run outside the namespaces);
+- ``single``: no communication, every rank stepping its own model at the same time (the no-communication limit
+  under the same load as the other methods);
 - ``ddp``: torch's DistributedDataParallel, the engine under Lightning's ``strategy="ddp"``;
 - ``ddp_fp16``: DDP with torch's ``fp16_compress_hook``;
-- ``ddp_powersgd``: DDP with torch's PowerSGD hook (rank 1, after two uncompressed steps);
+- ``ddp_powersgd``, ``ddp_powersgd_r4``: DDP with torch's PowerSGD hook at rank 1 and 4 (after two uncompressed
+  steps, inside the warm-up);
 - every algorithm of :mod:`lightning_bagua.engine` under ``BaguaDistributedDataParallel``, with its defaults;
+  one that takes ``rank`` (``low_rank``) runs at rank 1 and 4 (``low_rank_r1``, ``low_rank_r4``);
   with several ranks per host, each algorithm that takes ``hierarchical`` runs twice instead, as
   ``name:flat`` and ``name:hierarchical`` (reduce inside the host, communicate between hosts' leaders only).
+- ``ddp_adam`` (DDP with Adam, qadam's baseline) and ``ddp_powersgd_r1`` (= ``ddp_powersgd``) on request.
+
+The model is the lab's MLP (``--width``, ``--depth``) or, with ``--task``, the network of a task of
+``benchmarks/convergence.py`` (``digits``, ``charlm``, ``bytemlp``) on random inputs of its shapes.
 
 Run it as root (namespaces and ``tc`` need it)::
 
     python benchmarks/network_lab.py                         # 100 Mbit/s, 1 Gbit/s, 10 Gbit/s and unshaped
-    python benchmarks/network_lab.py --rates 1gbit --steps 5 --methods ddp bytegrad   # a quick look
+    python benchmarks/network_lab.py --rates 1gbit --steps 5 --rounds 2 --methods ddp bytegrad   # a quick look
+    python benchmarks/network_lab.py --task bytemlp --batch 64 --rates 100mbit      # a convergence task's network
     python benchmarks/network_lab.py --ranks-per-host 2 --rates 1gbit 100mbit          # 4 ranks, 2 nodes x 2
     python benchmarks/network_lab.py --hosts 4 --methods ddp decentralized             # 4 ranks, 4 nodes x 1
     python benchmarks/network_lab.py --no-local-world-size --rates 100mbit --methods ddp bytegrad
@@ -31,7 +44,7 @@ It writes ``benchmarks/results/network_lab_cpu.json`` (settings, machine, versio
 ``network_lab_cpu.md`` (the table: step time and its ratio to DDP's), and ``network_lab_cpu.png`` when
 matplotlib is installed (``pip install -r requirements/benchmarks.txt``). Other layouts than 2 hosts x 1 rank
 write ``network_lab_cpu_<hosts>x<ranks per host>.*`` instead, so the two-rank results are never overwritten, and
-runs without ``LOCAL_WORLD_SIZE`` add ``_hosts`` to the name.
+runs without ``LOCAL_WORLD_SIZE`` add ``_hosts`` to the name, and a ``--task`` adds ``_<task>``.
 """
 
 import argparse
@@ -43,9 +56,10 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -56,8 +70,14 @@ from torch import nn
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
-DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd")
+# DDP, with torch's fp16 and PowerSGD hooks; ``ddp_powersgd`` is rank 1, ``ddp_powersgd_r<k>`` rank k.
+DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd_r4")
+ADAM_METHODS = ("ddp_adam",)  # DDP with Adam: what qadam is compared with
+EXTRA_METHODS = (*ADAM_METHODS, "ddp_powersgd_r1")  # accepted, not in the default list
 RATES = ("100mbit", "1gbit", "10gbit", "unshaped")
+TASKS = ("mlp", "digits", "charlm", "bytemlp")  # mlp: the lab's own model (--width, --depth)
+FAILURE_GRACE_S = 20  # how long the other ranks may take to report after one rank failed
+HOOK_WARMUP = 2  # uncompressed steps of PowerSGD and low_rank before they compress (inside the untimed warm-up)
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -69,70 +89,128 @@ def make_model(width: int, depth: int) -> nn.Module:
 
 
 def all_methods(ranks_per_host: int = 1) -> list[str]:
-    """Every method; with several ranks per host, hierarchical-capable algorithms as ``:flat`` and ``:hierarchical``."""
+    """Every method; with several ranks per host, hierarchical-capable algorithms as ``:flat`` and ``:hierarchical``.
+
+    An algorithm that takes ``rank`` (``low_rank``) runs at rank 1 and 4, as ``name_r1`` and ``name_r4``.
+    """
     from lightning_bagua.engine import available_algorithms
     from lightning_bagua.engine.algorithms.base import algorithm_class
 
     methods = ["single", *DDP_METHODS]
     for name in available_algorithms():
+        keywords = algorithm_class(name).keywords()
+        names = [f"{name}_r{rank}" for rank in (1, 4)] if "rank" in keywords else [name]
         # With one rank per host every rank is its node's leader, and both variants would move the same bytes.
-        if ranks_per_host > 1 and "hierarchical" in algorithm_class(name).keywords():
-            methods += [f"{name}:flat", f"{name}:hierarchical"]
+        if ranks_per_host > 1 and "hierarchical" in keywords:
+            methods += [f"{each}:{variant}" for each in names for variant in ("flat", "hierarchical")]
         else:
-            methods.append(name)
+            methods += names
     return methods
 
 
-def layout_name(hosts: int, ranks_per_host: int, from_hosts: bool = False) -> str:
-    """The result files' stem: the two-rank lab keeps its original name."""
+def known_methods(ranks_per_host: int = 1) -> list[str]:
+    """The methods the lab accepts: the default ones, ``EXTRA_METHODS``, and the hierarchical variants at any layout."""
+    return list(dict.fromkeys([*all_methods(ranks_per_host), *EXTRA_METHODS, *all_methods(2)]))
+
+
+def layout_name(hosts: int, ranks_per_host: int, from_hosts: bool = False, task: str = "mlp") -> str:
+    """The result files' stem: the two-rank lab of the lab's own MLP keeps its original name."""
     stem = "network_lab_cpu" if (hosts, ranks_per_host) == (2, 1) else f"network_lab_cpu_{hosts}x{ranks_per_host}"
-    return f"{stem}_hosts" if from_hosts else stem
+    stem = f"{stem}_hosts" if from_hosts else stem
+    return stem if task == "mlp" else f"{stem}_{task}"
+
+
+def interleaved(methods: list[str], rounds: int) -> list[tuple[int, str]]:
+    """The measuring order: every method once per round, each round starting one method later than the last.
+
+    Rotating the order keeps a method from always following the same neighbour (a slow one that heats the
+    machine, or one whose sockets are still draining).
+    """
+    order = []
+    for index in range(rounds):
+        shift = index % len(methods)
+        order += [(index, method) for method in methods[shift:] + methods[:shift]]
+    return order
 
 
 # ------------------------------------------------------------------------------------------------ one rank
 
 
-def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """Return the wrapped model, its optimizer and the engine's communication counter (``None`` for DDP)."""
+def split_rank(method: str) -> tuple[str, int | None]:
+    """``"low_rank_r4"`` -> ``("low_rank", 4)``; a name without an ``_r<k>`` suffix -> ``(name, None)``."""
+    stem, _, suffix = method.rpartition("_r")
+    return (stem, int(suffix)) if stem and suffix.isdigit() else (method, None)
+
+
+def build_model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
+    """The model to time and its loss: the lab's own MLP, or a convergence task's network (same seed every time)."""
+    if args.task == "mlp":
+        return make_model(args.width, args.depth), nn.functional.mse_loss
+    torch.manual_seed(0)
+    return convergence_module().task_model(args.task), convergence_module().task_loss
+
+
+def convergence_module() -> Any:
+    """``benchmarks/convergence.py``, which holds the task models (imported on first use: it imports Lightning)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import convergence
+
+    return convergence
+
+
+def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    """Return the wrapped model, its optimizer, the engine's communication counter and the DDP hook's state.
+
+    The counter is ``None`` outside the engine; the hook state is PowerSGD's (``None`` for other methods).
+    """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, QAdamOptimizer
+    from lightning_bagua.engine.algorithms.base import algorithm_class
 
-    if method.partition(":")[0] == "qadam":
+    base, _, variant = method.partition(":")
+    if base == "qadam":
         # Measured after its warm-up, in the compressed phase that the algorithm is chosen for.
         optimizer: torch.optim.Optimizer = QAdamOptimizer(model.parameters(), lr=1e-4, warmup_steps=warmup)
+    elif base in ADAM_METHODS:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     if method == "single":
-        return model, optimizer, None
-    if method in DDP_METHODS:
+        return model, optimizer, None, None
+    name, rank = split_rank(base)
+    if name in ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_adam"):
         ddp = DistributedDataParallel(model, bucket_cap_mb=10)
-        if method == "ddp_fp16":
+        state = None
+        if name == "ddp_fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif method == "ddp_powersgd":
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        elif name == "ddp_powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank or 1, start_powerSGD_iter=HOOK_WARMUP
+            )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return ddp, optimizer, None
-    name, _, variant = method.partition(":")
-    keywords = {"hierarchical": variant == "hierarchical"} if variant else {}
+        return ddp, optimizer, None, state
+    accepted = algorithm_class(name).keywords()
+    keywords: dict[str, Any] = {"hierarchical": variant == "hierarchical"} if variant else {}
+    if rank is not None:
+        keywords["rank"] = rank
+    if rank is not None and "warmup_steps" in accepted:  # low_rank: compress from the same step as PowerSGD
+        keywords["warmup_steps"] = HOOK_WARMUP
     wrapped = BaguaDistributedDataParallel(model, optimizers=[optimizer], algorithm=Algorithm.init(name, **keywords))
-    return wrapped, optimizer, wrapped.communication_counter
+    return wrapped, optimizer, wrapped.communication_counter, None
 
 
-def worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    if args.method != "single":
-        os.environ.update(
-            {"MASTER_ADDR": args.master, "MASTER_PORT": str(args.port), "RANK": str(args.rank)}
-            | {"WORLD_SIZE": str(args.world_size)}
-        )
-        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.timeout))
-    model = make_model(args.width, args.depth)
-    wrapped, optimizer, counter = wrap(args.method, model, args.warmup)
+def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
+    """Train a fresh model with ``method`` for the warm-up and the timed steps; return this rank's figures."""
+    model, loss_function = build_model(args)
+    wrapped, optimizer, counter, hook_state = wrap(method, model, args.warmup)
     generator = torch.Generator().manual_seed(args.rank)
-    inputs = torch.randn(args.batch, args.width, generator=generator)
-    targets = torch.randn(args.batch, 1, generator=generator)
+    if args.task == "mlp":
+        inputs = torch.randn(args.batch, args.width, generator=generator)
+        targets = torch.randn(args.batch, 1, generator=generator)
+    else:
+        inputs, targets = convergence_module().random_batch(args.task, args.batch, generator)
     times: list[float] = []
     bytes_before = 0
     for step in range(args.warmup + args.steps):
@@ -140,36 +218,64 @@ def worker(args: argparse.Namespace) -> None:
             bytes_before = counter.bytes_sent if counter is not None else 0
         start = time.perf_counter()
         optimizer.zero_grad()
-        loss = nn.functional.mse_loss(wrapped(inputs), targets)
+        loss = loss_function(wrapped(inputs), targets)
         loss.backward()
         optimizer.step()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+    if hook_state is not None and hook_state.iter <= hook_state.start_powerSGD_iter:
+        raise RuntimeError(f"{method}: PowerSGD never compressed (iteration {hook_state.iter})")
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    name = split_rank(method.partition(":")[0])[0]
     if counter is not None:
         bytes_per_step: float | None = (counter.bytes_sent - bytes_before) / args.steps
-    elif args.method == "ddp":
+    elif name in ("ddp", "ddp_adam"):
         bytes_per_step = parameter_bytes
-    elif args.method == "ddp_fp16":
+    elif name == "ddp_fp16":
         bytes_per_step = parameter_bytes / 2
     else:
         bytes_per_step = None  # PowerSGD's payload depends on the layer shapes; not counted here
     # The node layout the engine used (from LOCAL_WORLD_SIZE, or found from the hosts without it).
     groups = getattr(wrapped, "communication_groups", None)
     layout = None if groups is None else [groups.layout.num_nodes, groups.layout.ranks_per_node, groups.layout.source]
-    if args.method != "single":
-        if hasattr(wrapped, "close"):
-            wrapped.close()
-        dist.destroy_process_group()
-    result = {
+    close = getattr(wrapped, "close", None)  # the engine's wrapper stops its communication threads
+    if close is not None:
+        close()
+    return {
         "rank": args.rank,
+        "method": method,
         "median_s": statistics.median(times),
         "mean_s": statistics.fmean(times),
         "bytes_per_step": bytes_per_step,
         "parameter_bytes": parameter_bytes,
         "engine_layout": layout,
+        "powersgd_iter": None if hook_state is None else hook_state.iter,
     }
-    print("RESULT " + json.dumps(result), flush=True)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Time every (round, method) of ``--schedule`` in order, one RESULT line each; a failure ends the worker.
+
+    ``single`` steps each rank's model without communication, all ranks at once, as the methods do: the
+    no-communication limit under the same load. A barrier separates the methods, so every rank starts the next
+    one together.
+    """
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"MASTER_ADDR": args.master, "MASTER_PORT": str(args.port), "RANK": str(args.rank)}
+        | {"WORLD_SIZE": str(args.world_size)}
+    )
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.timeout))
+    for index, method in json.loads(args.schedule):
+        try:
+            result = time_method(args, method)
+        except Exception as error:  # reported, then the worker ends: its peers' collectives fail with it
+            failure = {"rank": args.rank, "round": index, "method": method, "error": f"{type(error).__name__}: {error}"}
+            print("FAILED " + json.dumps(failure), flush=True)
+            os._exit(3)  # no clean-up that could wait on peers stuck in the failed collective
+        print("RESULT " + json.dumps({"round": index, **result}), flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------ the lab
@@ -184,7 +290,7 @@ def shape(namespace: str, interface: str, rate: str) -> None:
     if rate == "unshaped":
         return
     # A token bucket of 10 ms at the rate (at least 64 KiB) lets TCP fill the link without bursting past it.
-    burst = max(64 * 1024, _bits_per_second(rate) // 8 // 100)
+    burst = max(64 * 1024, bits_per_second(rate) // 8 // 100)
     run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
         "rate", rate, "burst", str(burst), "latency", "100ms")  # fmt: skip
 
@@ -230,7 +336,7 @@ def lab_hosts(rate: str, count: int) -> Iterator[list[tuple[str, str, str]]]:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
 
 
-def _bits_per_second(rate: str) -> int:
+def bits_per_second(rate: str) -> int:
     units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
     for unit, factor in units.items():
         if rate.endswith(unit):
@@ -238,66 +344,145 @@ def _bits_per_second(rate: str) -> int:
     raise ValueError(f"Unknown rate {rate!r}: write it as tc does, e.g. 100mbit or 1gbit, or 'unshaped'.")
 
 
-def worker_command(args: argparse.Namespace, method: str, rank: int, master: str, port: int) -> list[str]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method, "--rank", str(rank)]
-    command += ["--master", master, "--port", str(port), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+def worker_command(
+    args: argparse.Namespace, schedule: list[tuple[int, str]], rank: int, master: str, port: int
+) -> list[str]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--schedule", json.dumps(schedule)]
+    command += ["--rank", str(rank), "--master", master, "--port", str(port), "--task", args.task]
+    command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
     return [*command, "--timeout", str(args.timeout), "--world-size", str(args.hosts * args.ranks_per_host)]
 
 
-def parse_results(outputs: list[str], method: str) -> list[dict[str, Any]]:
-    results = []
-    for output in outputs:
-        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            raise RuntimeError(f"{method}: a worker printed no result:\n{output[-3000:]}")
-        results.append(json.loads(lines[-1][len("RESULT ") :]))
-    return results
+def headline(error: str) -> str:
+    """The line of an error report that names the cause: the first that mentions an error, else the last."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    causes = [line for line in lines if "rror" in line or "enforce fail" in line]
+    return (causes or lines or [""])[0][:300]
 
 
-def measure(args: argparse.Namespace, rate: str, method: str, hosts: list[tuple[str, str, str]]) -> dict[str, Any]:
+def _tail(outputs: list[str]) -> str:
+    """The last lines of every rank's output that are not RESULT lines: where a crash shows."""
+    lines = [line for output in outputs for line in output.splitlines()[-15:] if not line.startswith("RESULT ")]
+    return "\n".join(lines)[-3000:]
+
+
+def _lines(output: str, tag: str) -> list[dict[str, Any]]:
+    return [json.loads(line[len(tag) + 1 :]) for line in output.splitlines() if line.startswith(tag + " ")]
+
+
+def launch(args: argparse.Namespace, hosts: list[tuple[str, str, str]], schedule: list[tuple[int, str]]) -> list[str]:
+    """Run one worker per rank in its host's namespace through ``schedule``; return each rank's output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    if method == "single":
-        command = worker_command(args, method, 0, "127.0.0.1", 0)
-        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
-        ranks = parse_results([completed.stdout + completed.stderr], method)
-    else:
-        port = random.randrange(20000, 60000)
-        processes = []
+    port = random.randrange(20000, 60000)
+    with ExitStack() as stack:
+        processes, logs = [], []
         for rank in range(len(hosts) * args.ranks_per_host):
             # Consecutive ranks share a host, as a launcher numbers them: hierarchical algorithms see the hosts.
             namespace, interface, _ = hosts[rank // args.ranks_per_host]
             local = {"LOCAL_WORLD_SIZE": str(args.ranks_per_host), "LOCAL_RANK": str(rank % args.ranks_per_host)}
             if args.no_local_world_size:
                 local = {}  # a plain env:// launcher: the engine finds the hosts itself
-            command = ["ip", "netns", "exec", namespace, *worker_command(args, method, rank, hosts[0][2], port)]
+            command = ["ip", "netns", "exec", namespace, *worker_command(args, schedule, rank, hosts[0][2], port)]
             launch_env = {k: v for k, v in env.items() if k not in {"LOCAL_WORLD_SIZE", "LOCAL_RANK"}}
+            # Output to a file, not a pipe: nothing blocks on a full pipe while another rank is waited for.
+            logs.append(stack.enter_context(tempfile.TemporaryFile(mode="w+")))
             processes.append(
                 subprocess.Popen(
                     command,
                     env={**launch_env, "GLOO_SOCKET_IFNAME": interface, **local},
-                    stdout=subprocess.PIPE,
+                    stdout=logs[-1],
                     stderr=subprocess.STDOUT,
                     text=True,
                 )
             )
         try:
-            outputs = [process.communicate(timeout=args.timeout)[0] for process in processes]
+            # Every collective has the --timeout; the whole schedule may take that long per entry at most. Once a rank
+            # has failed, the others get a grace period to report, then are ended: a peer of a failed collective may
+            # wait in a call without a timeout (torch's PowerSGD hook on Gloo does).
+            deadline = time.monotonic() + args.timeout * (len(schedule) + 1)
+            failed_at = None
+            while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
+                if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                    break
+                time.sleep(0.2)
         finally:
             for process in processes:
                 process.kill()
-        ranks = parse_results(outputs, method)
-    slowest = max(ranks, key=lambda r: r["median_s"])
-    return {
-        "rate": rate,
-        "method": method,
-        "median_step_s": slowest["median_s"],  # the slower rank sets the pace of synchronous training
-        "per_rank_median_s": [r["median_s"] for r in ranks],
-        "bytes_per_step": ranks[0]["bytes_per_step"],
-        "parameter_bytes": ranks[0]["parameter_bytes"],
-        # [nodes, ranks per node, where that came from] as the engine saw it; None outside the engine.
-        "engine_layout": ranks[0].get("engine_layout"),
-    }
+                process.wait()
+        outputs = []
+        for log_file in logs:
+            log_file.seek(0)
+            outputs.append(log_file.read())
+        return outputs
+
+
+def measure(
+    args: argparse.Namespace, rate: str, methods: list[str], hosts: list[tuple[str, str, str]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Time ``methods`` interleaved over ``args.rounds`` rounds at ``rate``; return the rows and the failures.
+
+    The workers run the whole schedule in one launch. A method that fails ends that launch: it is recorded as a
+    failure with its error and dropped, and the rest of the schedule runs in a fresh launch.
+    """
+    schedule = interleaved(methods, args.rounds)
+    done: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    failures: list[dict[str, Any]] = []
+    while schedule:
+        outputs = launch(args, hosts, schedule)
+        ranks = len(outputs)
+        by_entry: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for output in outputs:
+            for result in _lines(output, "RESULT"):
+                by_entry.setdefault((result["round"], result["method"]), []).append(result)
+        for results in by_entry.values():
+            results.sort(key=lambda r: r["rank"])
+        finished = {entry for entry, results in by_entry.items() if len(results) == ranks}
+        done.update({entry: by_entry[entry] for entry in finished})
+        remaining = [entry for entry in schedule if entry not in finished]
+        if remaining:
+            # The ranks run the schedule in order: the first entry some rank did not finish is the one that failed.
+            # A rank that raised says so; one that aborted inside Gloo (PowerSGD's size mismatch) prints no line.
+            reported = [f for output in outputs for f in _lines(output, "FAILED")]
+            method = reported[0]["method"] if reported else remaining[0][1]
+            error = reported[0]["error"] if reported else "a worker ended without a result:\n" + _tail(outputs)
+            print(f"{rate:>9} {method:>28}: FAILED {headline(error)}", flush=True)
+            failures.append({"rate": rate, "method": method, "round": remaining[0][0], "error": error[-3000:]})
+            remaining = [entry for entry in remaining if entry[1] != method]
+        schedule = remaining
+    rows = []
+    failed_methods = {failure["method"] for failure in failures}
+    for method in methods:
+        rounds = [done[(index, method)] for index in range(args.rounds) if (index, method) in done]
+        if not rounds or method in failed_methods:  # a method that failed in any round is shown as failed
+            continue
+        # The slower rank sets the pace of synchronous training: each round counts its slowest rank's median.
+        per_round = [max(r["median_s"] for r in results) for results in rounds]
+        quartiles = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else [per_round[0]] * 3
+        first = rounds[0][0]
+        by_rank = list(zip(*rounds, strict=True))  # per rank: its result of every round
+        rows.append(
+            {
+                "rate": rate,
+                "method": method,
+                "median_step_s": statistics.median(per_round),
+                "min_step_s": min(per_round),
+                "max_step_s": max(per_round),
+                "q1_step_s": quartiles[0],
+                "q3_step_s": quartiles[2],
+                "rounds_step_s": per_round,
+                "per_rank_median_s": [statistics.median(r["median_s"] for r in ranked) for ranked in by_rank],
+                "bytes_per_step": first["bytes_per_step"],
+                "parameter_bytes": first["parameter_bytes"],
+                # [nodes, ranks per node, where that came from] as the engine saw it; None outside the engine.
+                "engine_layout": first.get("engine_layout"),
+            }
+        )
+        print(f"{rate:>9} {method:>28}: {rows[-1]['median_step_s'] * 1e3:9.1f} ms"
+              f" [{rows[-1]['min_step_s'] * 1e3:.1f}, {rows[-1]['max_step_s'] * 1e3:.1f}]", flush=True)  # fmt: skip
+    return rows, failures
 
 
 def describe(hosts: int, ranks_per_host: int, from_hosts: bool = False) -> str:
@@ -310,28 +495,34 @@ def describe(hosts: int, ranks_per_host: int, from_hosts: bool = False) -> str:
 
 def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str], report: dict[str, Any]) -> str:
     by_key = {(r["rate"], r["method"]): r for r in results}
-    hosts, ranks_per_host = report["settings"]["hosts"], report["settings"]["ranks_per_host"]
-    from_hosts = report["settings"].get("no_local_world_size", False)
+    settings = report["settings"]
+    hosts, ranks_per_host = settings["hosts"], settings["ranks_per_host"]
+    from_hosts = settings.get("no_local_world_size", False)
     lines = [
-        f"Median step time in ms (ratio to DDP's at the same rate), {describe(hosts, ranks_per_host, from_hosts)}.",
+        f"Median step time in ms over {settings['rounds']} interleaved rounds [min, max] (ratio of the medians to"
+        f" DDP's at the same rate), {describe(hosts, ranks_per_host, from_hosts)}; task {settings['task']}.",
         f"Written by `{report['command']}`;"
-        f" the numbers are in `{layout_name(hosts, ranks_per_host, from_hosts)}.json`.",
+        f" the numbers are in `{layout_name(hosts, ranks_per_host, from_hosts, settings['task'])}.json`.",
         "",
         "| method | " + " | ".join(rates) + " | payload MB/step |",
         "|---|" + "---|" * len(rates) + "---|",
     ]
+    failed = {(f["rate"], f["method"]): f for f in report.get("failures", [])}
     for method in methods:
         cells = []
         for rate in rates:
             row, ddp = by_key.get((rate, method)), by_key.get((rate, "ddp"))
             if row is None:
-                cells.append("")
+                cells.append("failed" if (rate, method) in failed else "")
                 continue
             ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp else ""
-            cells.append(f"{row['median_step_s'] * 1e3:.1f}{ratio}")
+            spread = f" [{row['min_step_s'] * 1e3:.1f}, {row['max_step_s'] * 1e3:.1f}]" if "min_step_s" in row else ""
+            cells.append(f"{row['median_step_s'] * 1e3:.1f}{spread}{ratio}")
         payload = next((by_key[(rate, method)]["bytes_per_step"] for rate in rates if (rate, method) in by_key), None)
         cells.append("" if payload is None else f"{payload / 1e6:.2f}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    for (rate, method), failure in failed.items():
+        lines.append(f"\n{method} at {rate} failed: {headline(failure['error'])}")
     return "\n".join(lines) + "\n"
 
 
@@ -363,73 +554,94 @@ def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], p
     return True
 
 
-def orchestrate(args: argparse.Namespace) -> None:
+def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Measure every method at every rate of ``args`` and return the report (settings, machine, results)."""
     if os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None:
         raise SystemExit("network_lab.py needs root, iproute2 and tc (network namespaces and shaping).")
     if args.hosts < 2 or args.ranks_per_host < 1:
         raise SystemExit("The lab needs at least two hosts and one rank per host.")
-    known = all_methods(args.ranks_per_host)
-    methods = args.methods or known
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}.")
+    known = known_methods(args.ranks_per_host)
+    methods = args.methods or all_methods(args.ranks_per_host)
     unknown = sorted(set(methods) - set(known))
     if unknown:
         raise SystemExit(f"Unknown methods {unknown}; choose from {known}.")
     for rate in args.rates:
         if rate != "unshaped":
-            _bits_per_second(rate)
-    results = []
+            bits_per_second(rate)
+    results, failures = [], []
+    started = time.perf_counter()
     for rate in args.rates:
         with lab_hosts(rate, args.hosts) as hosts:
-            for method in methods:
-                if method == "single" and results and any(r["method"] == "single" for r in results):
-                    single = next(r for r in results if r["method"] == "single")
-                    results.append({**single, "rate": rate})  # no link involved: measured once
-                    continue
-                row = measure(args, rate, method, hosts)
-                results.append(row)
-                print(f"{rate:>9} {method:>28}: {row['median_step_s'] * 1e3:9.1f} ms", flush=True)
-    report = {
+            rows, failed = measure(args, rate, methods, hosts)
+        results += rows
+        failures += failed
+    return {
         "benchmark": (
             f"{describe(args.hosts, args.ranks_per_host, args.no_local_world_size)}, one network namespace per host,"
-            " tc-shaped"
+            " tc-shaped; methods interleaved (round-robin, rotated each round)"
         ),
-        "command": "python benchmarks/network_lab.py " + " ".join(sys.argv[1:]),
+        "command": command,
         "settings": {
-            k: v for k, v in vars(args).items() if k not in {"worker", "rank", "master", "port", "method", "world_size"}
-        },
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            # Other work on the machine slows the unshaped and 10 Gbit/s runs most: recorded, not hidden.
-            "load_average_1_5_15": os.getloadavg(),
-        },
+            k: v
+            for k, v in vars(args).items()
+            if k not in {"worker", "rank", "master", "port", "schedule", "world_size", "argv", "out"}
+        }
+        | {"methods": methods, "hook_warmup_steps": HOOK_WARMUP},
+        "machine": machine(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "total_wall_s": time.perf_counter() - started,
         "results": results,
+        "failures": failures,
     }
-    table = markdown(results, args.rates, methods, report)
+
+
+def machine() -> dict[str, Any]:
+    """Python, torch, Lightning, the platform and the load when the report was written."""
+    import lightning
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        # Other work on the machine slows the unshaped and 10 Gbit/s runs most: recorded, not hidden.
+        "load_average_1_5_15": os.getloadavg(),
+    }
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    report = lab_report(args, "python benchmarks/network_lab.py " + " ".join(args.argv))
+    methods = report["settings"]["methods"]
+    table = markdown(report["results"], args.rates, methods, report)
     if args.no_save:
         print(table)
         return
-    RESULTS.mkdir(exist_ok=True)
-    stem = layout_name(args.hosts, args.ranks_per_host, args.no_local_world_size)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{stem}.md").write_text(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = layout_name(args.hosts, args.ranks_per_host, args.no_local_world_size, args.task)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table)
     title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
-    chart(results, args.rates, methods, RESULTS / f"{stem}.png", title)
+    chart(report["results"], args.rates, methods, out / f"{stem}.png", title)
     print(table)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates (100mbit, 1gbit, ...) or unshaped")
     parser.add_argument("--methods", nargs="+", default=None, help="default: all")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method and round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (more than 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the methods (default: 5)")
+    parser.add_argument("--task", default="mlp", choices=TASKS, help="the model: the lab's MLP or a convergence task's")
     parser.add_argument("--width", type=int, default=1024, help="hidden width (1024 and depth 2: 2.1M parameters)")
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--timeout", type=int, default=600, help="seconds a run (and a collective) may take")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds a collective may take")
     parser.add_argument("--hosts", type=int, default=2, help="network namespaces (more than 2: joined by a bridge)")
     parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks per host: LOCAL_WORLD_SIZE, unshaped")
     parser.add_argument(
@@ -437,14 +649,20 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="launch as a plain env:// launcher does, without LOCAL_WORLD_SIZE: the engine finds the hosts itself",
     )
+    parser.add_argument("--out", default=str(RESULTS), help="results folder (default: benchmarks/results)")
     parser.add_argument("--no-save", action="store_true", help="print the table, write nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", default="[]", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
-    return parser.parse_args()
+    arguments = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(arguments)
+    if args.warmup <= HOOK_WARMUP:
+        parser.error(f"--warmup must exceed {HOOK_WARMUP} (PowerSGD and low_rank compress after it), got {args.warmup}")
+    args.argv = arguments
+    return args
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""The benchmark suite's own plumbing: a tiny convergence run and the targets check, on a temporary folder."""
+"""The benchmark suite's own plumbing: tiny convergence, time-to-accuracy and lab runs, and the targets check."""
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
@@ -47,3 +50,55 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     assert by_name["Accuracy within 1 point of ddp: gradient_allreduce on digits"]["measured"] is not None
     assert by_name["Bytes per step within 10% of the theoretical count: bytegrad"]["status"] == "pass"
     assert "| target | bar | measured | status | detail | source |" in (out / "targets.md").read_text()
+
+
+def test_time_to_accuracy_tiny_curves_with_cpu_hooks(tmp_path: Path) -> None:
+    # DDP and DDP + torch's PowerSGD hook on digits, six steps scored every three: two Lightning jobs, no lab.
+    out = tmp_path / "results"
+    command = ["--tasks", "digits", "--methods", "ddp", "ddp_powersgd_r1", "--steps", "6", "--eval-every", "3"]
+    completed = run(str(BENCHMARKS / "time_to_accuracy.py"), *command, "--seeds", "1", "--no-lab", "--out", str(out))
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "time_to_accuracy_cpu.json").read_text())
+    assert {"command", "settings", "machine", "date", "curves", "combined", "runs"} <= set(report)
+    assert report["curve_failures"] == []
+    runs = {r["method"]: r for r in report["runs"]}
+    assert [p["step"] for p in runs["ddp"]["curve"]] == [3, 6]
+    # Lightning registers DDP hooks on CUDA only: the benchmark's strategy registered it on CPU, and it compressed.
+    hook = runs["ddp_powersgd_r1"]["hook"]
+    assert hook["name"] == "powerSGD_hook"
+    assert hook["calls"] >= 6
+    assert hook["powersgd_iter"] > hook["powersgd_start_iter"]
+    assert "hook" not in runs["ddp"]
+    ddp = report["curves"]["digits/ddp"]
+    assert ddp["target_pct"] == ddp["final_acc_pct"] - 0.5
+    assert ddp["steps_to_target"] in (3, 6)  # DDP reaches its own final accuracy by its last step at the latest
+    rows = {r["method"]: r for r in report["combined"]}
+    assert set(rows) == {"ddp", "ddp_powersgd_r1"}
+    assert rows["ddp_powersgd_r1"]["status"] in {"reached", "not reached"}
+    assert "python benchmarks/time_to_accuracy.py" in (out / "time_to_accuracy_cpu.md").read_text()
+
+
+def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("network_lab", BENCHMARKS / "network_lab.py")
+    assert spec is not None
+    assert spec.loader is not None
+    lab_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab_module)
+    # Round-robin, each round starting one method later.
+    order = lab_module.interleaved(["a", "b", "c"], 4)
+    assert [method for _, method in order] == list("abcbcacababc")
+    assert [index for index, _ in order] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("the rest needs root, iproute2 and tc (network namespaces and shaping)")
+    out = tmp_path / "results"
+    lab = [str(BENCHMARKS / "network_lab.py"), "--task", "digits", "--rates", "unshaped", "--rounds", "2"]
+    completed = run(*lab, "--steps", "1", "--methods", "single", "ddp", "ddp_powersgd_r4", "--out", str(out))
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "network_lab_cpu_digits.json").read_text())
+    assert report["failures"] == []
+    assert {"python", "torch", "lightning", "platform", "cpu_count"} <= set(report["machine"])
+    assert [row["method"] for row in report["results"]] == ["single", "ddp", "ddp_powersgd_r4"]
+    for row in report["results"]:
+        assert len(row["rounds_step_s"]) == 2
+        assert row["min_step_s"] <= row["median_step_s"] <= row["max_step_s"]
+    assert "over 2 interleaved rounds [min, max]" in (out / "network_lab_cpu_digits.md").read_text()

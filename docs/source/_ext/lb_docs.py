@@ -14,12 +14,14 @@ Directives:
     The measured codec throughput and the link speed below which ``bytegrad`` pays off, from
     ``codec_throughput_*.json``.
 ``benchmark-table``
-    A summary of one results file (argument: its name without ``.json``); ``convergence`` and ``targets`` read
-    ``convergence_cpu.json`` and ``targets.json``.
+    A summary of one results file (argument: its name without ``.json``); ``convergence``, ``targets`` and
+    ``time_to_accuracy`` read ``convergence_cpu.json``, ``targets.json`` and ``time_to_accuracy_cpu.json``.
+    ``time_to_accuracy`` also shows its chart, and, while its results file is missing, the command that writes it.
 
-The charts ``_generated/codec_break_even.png``, ``_generated/convergence_cpu.png`` and ``_generated/targets.png``
-are drawn from the same results when the build starts (the last two by ``benchmarks/convergence.py``'s and
-``benchmarks/suite.py``'s own chart functions).
+The charts ``_generated/codec_break_even.png``, ``_generated/convergence_cpu.png``, ``_generated/targets.png`` and
+``_generated/time_to_accuracy_cpu.png`` are drawn from the same results when the build starts (the last three by
+``benchmarks/convergence.py``'s, ``benchmarks/suite.py``'s and ``benchmarks/time_to_accuracy.py``'s own chart
+functions).
 """
 
 import json
@@ -315,6 +317,35 @@ def _convergence() -> tuple[list[str], list[list[str]], list[str]]:
     return header, rows, [data["command"]]
 
 
+def _time_to_accuracy() -> tuple[list[str], list[list[str]], list[str]]:
+    data = _load("time_to_accuracy_cpu")
+    rates = list(data["settings"]["rates"]) if data["settings"]["lab"] else []
+    by_key = {(r["task"], r["layout"], r["rate"], r["method"]): r for r in data["combined"]}
+    rows = []
+    for key in dict.fromkeys((r["task"], r["layout"], r["method"]) for r in data["combined"]):
+        task, layout, method = key
+        cells = [task, layout, method]
+        first = by_key[(task, layout, rates[0] if rates else None, method)]
+        steps = first["steps_to_target"]
+        cells.append(str(steps) if steps is not None else first["status"])
+        for rate in rates:
+            row = by_key[(task, layout, rate, method)]
+            if "time_to_target_s" in row:
+                cells.append(f"{row['time_to_target_s']:.3g} s")
+            else:
+                cells.append(row["status"] if row["status"] != "reached" else "-")
+        for rate in rates:
+            row = by_key[(task, layout, rate, method)]
+            cell = f"{row['overhead_s'] * 1e3:.1f} ms" if "overhead_s" in row else "-"
+            if row.get("overhead_vs_powersgd") is not None:
+                cell += f" ({row['overhead_vs_powersgd']:.2f}x)"
+            cells.append(cell)
+        rows.append(cells)
+    header = ["task", "layout", "method", "steps to target"]
+    header += [f"time to target, {rate}" for rate in rates] + [f"overhead / step, {rate}" for rate in rates]
+    return header, rows, [data["command"]]
+
+
 def _targets() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("targets")
     rows = []
@@ -341,7 +372,10 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "sampler_balance": _sampler_balance,
     "cached_dataset": _cached_dataset,
     "startup_time": _startup_time,
+    "time_to_accuracy": _time_to_accuracy,
 }
+# Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
+NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}
 # Kinds whose function reads the results file named by the ``:results:`` option (a stem in benchmarks/results/).
 TAKES_RESULTS_FILE = {"network_lab"}
 
@@ -360,11 +394,22 @@ class BenchmarkTable(SphinxDirective):
         results = self.options.get("results")
         if results is not None and name not in TAKES_RESULTS_FILE:
             raise self.error(f"Benchmark {name!r} takes no :results: option.")
+        if name in NOT_YET_MEASURED and not (RESULTS / f"{NOT_YET_MEASURED[name][0]}.json").is_file():
+            stem, command = NOT_YET_MEASURED[name]
+            note = nodes.paragraph(classes=["lb-source"])
+            note += nodes.Text(f"Not measured yet: benchmarks/results/{stem}.json is written by ")
+            note += nodes.literal(text=command)
+            note += nodes.Text(".")
+            return [note]
         header, rows, commands = BENCHMARKS[name]() if results is None else BENCHMARKS[name](results)
         for path in RESULTS.glob(f"{name}*.json"):
             self.env.note_dependency(str(path))
         files = f"benchmarks/results/{name}*.json" if results is None else f"benchmarks/results/{results}.json"
-        return [table(header, rows), _source_note(commands, files)]
+        found: list[nodes.Node] = [table(header, rows), _source_note(commands, files)]
+        if name in NOT_YET_MEASURED and (GENERATED / f"{NOT_YET_MEASURED[name][0]}.png").is_file():
+            # A leading slash: relative to the source folder, from any page.
+            found.append(nodes.image(uri=f"/_generated/{NOT_YET_MEASURED[name][0]}.png", alt=f"{name} chart"))
+        return found
 
 
 def draw_codec_chart(app: Sphinx) -> None:
@@ -408,10 +453,11 @@ def draw_codec_chart(app: Sphinx) -> None:
 
 
 def draw_benchmark_charts(app: Sphinx) -> None:
-    """Draw the convergence and targets charts from their JSON with the benchmark scripts' own chart functions."""
+    """Draw the convergence, targets and time-to-accuracy charts from their JSON with the scripts' chart functions."""
     import importlib.util
 
-    for script, name in (("convergence", "convergence_cpu"), ("suite", "targets")):
+    charts = (("convergence", "convergence_cpu"), ("suite", "targets"), ("time_to_accuracy", "time_to_accuracy_cpu"))
+    for script, name in charts:
         path = RESULTS / f"{name}.json"
         if not path.is_file():
             continue

@@ -1,0 +1,541 @@
+"""Time to accuracy: how long each method takes to reach DDP's held-out accuracy, per link rate and layout.
+
+"Faster per step" says nothing about a method that needs more steps. This benchmark measures the two factors
+separately on the same task models and multiplies them:
+
+1. **Steps to target** (``benchmarks/convergence.py``): every method trains every task on two Gloo processes
+   under Lightning, with the same seeds, data order, optimizer settings and schedule, and the held-out set is
+   scored every ``k`` steps. The target of a task is its DDP baseline's final held-out accuracy (the mean over the
+   seeds) less a margin (``--margin``, 0.5 points by default); the baseline is DDP with SGD for the SGD methods
+   and DDP with Adam for ``qadam``. A method's steps to target are the first evaluation at which its accuracy,
+   averaged over the seeds, reaches the target; a method that never does is shown as "not reached".
+2. **Step time** (``benchmarks/network_lab.py``): the same task networks, the same per-rank batch, timed on
+   network-namespace hosts joined by ``tc``-shaped links (two hosts of one rank, and two hosts of two ranks),
+   every method interleaved with the others (round-robin, rotated each round) over ``--rounds`` rounds; the
+   median over the rounds is used, and the spread (min, max, quartiles) is reported with it.
+
+**Time to target = steps to target x median step time** (uncompressed warm-up steps are counted at the
+compressed step's time). The **communication overhead** of a method is its median step time less the
+``single`` step (every rank stepping without communication, measured in the same rounds); for a method at a
+PowerSGD rank (``low_rank_r<k>``) it is also given as a ratio to ``ddp_powersgd_r<k>``'s at the same rate.
+
+Methods: ``ddp``, ``ddp_fp16`` (torch's ``fp16_compress_hook``), ``ddp_powersgd_r1`` and ``ddp_powersgd_r4``
+(torch's PowerSGD hook, set up as a Lightning user would with ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``;
+Lightning registers hooks on CUDA only, so convergence.py registers them on CPU itself and checks that they ran),
+``gradient_allreduce``, ``bytegrad``, ``decentralized``, ``low_precision_decentralized``, ``async``, ``ddp_adam``
+and ``qadam``, and ``low_rank_r1`` and ``low_rank_r4`` where the engine has ``low_rank``. In the two-by-two
+layout every algorithm that takes ``hierarchical`` is timed as ``:flat`` and ``:hierarchical``.
+
+The learning curves come from two processes (a per-process batch of B). The two-by-two lab halves the per-rank
+batch, so four ranks see the same global batch: DDP, gradient_allreduce and every ``:hierarchical`` variant (an
+exact average inside a host, compression between the two hosts) compute what the two-process run computed; a
+``:flat`` compressed method over four ranks compresses differently, and its two-process curve is an
+approximation.
+
+Torch's PowerSGD hook aborts on Gloo with a size mismatch when DDP's gradient spans more than one bucket
+("Received data size doesn't match expected size"). Under Lightning's defaults (a first bucket of 1 MB) that is
+the case for ``bytemlp``: its training fails, and the failure is reported (not left out). The lab's DDP uses
+10 MB buckets (the engine's bucket size), where ``bytemlp``'s gradient is one bucket, so its step time and
+overhead are still measured. A method that fails on one seed is not started again on the task's other seeds.
+
+Tasks (convergence.py): ``digits`` (the example's perceptron, 9k parameters), ``charlm`` (a causal convolutional
+byte model, 0.1M) and ``bytemlp`` (a wide byte perceptron, 2.4M, where the link sets the pace on slow links).
+
+Run it as root (the lab needs network namespaces and ``tc``), on a quiet machine::
+
+    python benchmarks/time_to_accuracy.py            # every task, method, rate and layout (40-45 min, 2 quiet cores)
+    python benchmarks/time_to_accuracy.py --seeds 2  # two seeds for the learning curves (about 20 min more)
+    python benchmarks/time_to_accuracy.py --quick    # short runs, one seed, 100mbit only, 3 rounds (about 10 min)
+
+It writes ``benchmarks/results/time_to_accuracy_cpu.json`` (machine, versions, command, date, settings, every
+curve, every lab row, every failure, and the combined table), ``time_to_accuracy_cpu.md`` and, with matplotlib,
+``time_to_accuracy_cpu.png``.
+"""
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import convergence
+import network_lab
+
+log = logging.getLogger(__name__)
+
+RESULTS = Path(__file__).parent / "results"
+STEM = "time_to_accuracy_cpu"
+TASKS = ("digits", "charlm", "bytemlp")
+LAYOUTS = ("2x1", "2x2")
+RATES = ("100mbit", "1gbit", "unshaped")
+# Held-out evaluations every k steps in the full run; the quick run, a fifth as long, evaluates twice as often.
+EVAL_EVERY = {"digits": 10, "charlm": 20, "bytemlp": 20}
+# The longest healthy lab collective takes a few seconds; torch's PowerSGD hook can hang on Gloo with several
+# buckets instead of aborting, and this bounds the time such a failure costs.
+LAB_COLLECTIVE_TIMEOUT_S = 120
+# One seed keeps the full run near 40 minutes on two cores; --seeds 2 adds about a quarter of an hour.
+FULL: dict[str, Any] = {"seeds": 1, "rounds": 5, "lab_steps": 3, "lab_warmup": 3, "rates": RATES}
+QUICK: dict[str, Any] = {"seeds": 1, "rounds": 3, "lab_steps": 2, "lab_warmup": 3, "rates": ("100mbit",)}
+
+
+def methods_to_run() -> list[str]:
+    """Every method convergence.py can run in this checkout (``low_rank`` only where the engine has it)."""
+    return convergence.available_methods()
+
+
+def lab_methods(methods: list[str], ranks_per_host: int) -> list[str]:
+    """The lab's names for ``methods``: ``single`` first; with several ranks per host, hierarchical variants."""
+    from lightning_bagua.engine import available_algorithms
+    from lightning_bagua.engine.algorithms.base import algorithm_class
+
+    found = ["single"]
+    for method in methods:
+        name, _ = network_lab.split_rank(method)
+        is_algorithm = name in available_algorithms()
+        if ranks_per_host > 1 and is_algorithm and "hierarchical" in algorithm_class(name).keywords():
+            found += [f"{method}:flat", f"{method}:hierarchical"]
+        else:
+            found.append(method)
+    return found
+
+
+def curve_of(lab_method: str) -> str:
+    """The convergence method whose learning curve a lab method uses (``bytegrad:hierarchical`` -> ``bytegrad``)."""
+    return lab_method.partition(":")[0]
+
+
+# ------------------------------------------------------------------------------------------------ the curves
+
+
+def run_curves(args: argparse.Namespace, steps: dict[str, int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Train every (task, seed, method) with held-out evaluations; return the runs and the failures.
+
+    A method that fails on one seed of a task is not started again on its other seeds (the failures seen, torch's
+    PowerSGD hook aborting on Gloo, do not depend on the seed); the skipped seeds are listed with the failure.
+    """
+    runs, failures = [], []
+    for task in args.tasks:
+        failed: dict[str, dict[str, Any]] = {}
+        for seed in range(args.seeds):
+            for method in args.methods:
+                if method in failed:
+                    failed[method]["skipped_seeds"].append(seed)
+                    continue
+                try:
+                    run = convergence.run_job(task, method, seed, steps[task], args.timeout, args.eval_every[task])
+                except (RuntimeError, subprocess.TimeoutExpired) as error:
+                    log.error("%s %s seed %d failed: %s", task, method, seed, str(error)[-2000:])
+                    failed[method] = {"task": task, "method": method, "seed": seed, "error": str(error)[-2000:],
+                                      "skipped_seeds": []}  # fmt: skip
+                    failures.append(failed[method])
+                    continue
+                runs.append(run)
+                log.info("curve %s %-22s seed %d: final accuracy %.2f %% (%.0f s)", task, method, seed,
+                         100 * run["test_acc"], run["wall_s"])  # fmt: skip
+    return runs, failures
+
+
+def mean_curve(runs: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Accuracy (percent) and loss at every evaluated step, averaged over the runs (seeds) that have that step."""
+    by_step: dict[int, list[dict[str, float]]] = {}
+    for run in runs:
+        for point in run["curve"]:
+            by_step.setdefault(int(point["step"]), []).append(point)
+    return [
+        {
+            "step": step,
+            "acc_pct": 100 * statistics.fmean(p["acc"] for p in points),
+            "loss": statistics.fmean(p["loss"] for p in points),
+            "seeds": len(points),
+        }
+        for step, points in sorted(by_step.items())
+    ]
+
+
+def first_reaching(curve: list[dict[str, float]], target_pct: float) -> int | None:
+    """The first evaluated step whose accuracy reaches ``target_pct``; ``None`` if none does."""
+    return next((int(p["step"]) for p in curve if p["acc_pct"] >= target_pct), None)
+
+
+def steps_to_target(runs: list[dict[str, Any]], margin: float) -> dict[str, dict[str, Any]]:
+    """Per (task, method): the target, the mean curve, steps to target (mean curve and per seed), final accuracy."""
+    found: dict[str, dict[str, Any]] = {}
+    for task in dict.fromkeys(r["task"] for r in runs):
+        of_task = [r for r in runs if r["task"] == task]
+        finals = {}
+        for baseline in ("ddp", "ddp_adam"):
+            chosen = [100 * r["test_acc"] for r in of_task if r["method"] == baseline]
+            if chosen:
+                finals[baseline] = statistics.fmean(chosen)
+        for method in dict.fromkeys(r["method"] for r in of_task):
+            chosen = [r for r in of_task if r["method"] == method]
+            baseline = convergence.baseline_of(method)
+            curve = mean_curve(chosen)
+            entry: dict[str, Any] = {
+                "task": task,
+                "method": method,
+                "baseline": baseline,
+                "final_acc_pct": statistics.fmean(100 * r["test_acc"] for r in chosen),
+                "seeds": [r["seed"] for r in chosen],
+                "curve": curve,
+                "target_pct": None,
+                "steps_to_target": None,
+                "steps_to_target_per_seed": {},
+            }
+            if baseline in finals:
+                target = finals[baseline] - margin
+                entry["baseline_final_acc_pct"] = finals[baseline]
+                entry["target_pct"] = target
+                entry["steps_to_target"] = first_reaching(curve, target)
+                entry["steps_to_target_per_seed"] = {
+                    str(r["seed"]): first_reaching(mean_curve([r]), target) for r in chosen
+                }
+            found[f"{task}/{method}"] = entry
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ the lab
+
+
+def run_lab(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Time every task's network with every method at every rate and layout; return rows, failures, commands."""
+    rows, failures, commands = [], [], []
+    for layout in args.layouts:
+        hosts, ranks_per_host = (int(part) for part in layout.split("x"))
+        world = hosts * ranks_per_host
+        methods = lab_methods(args.methods, ranks_per_host)
+        for task in args.tasks:
+            # The two-process curves' global batch, split over this layout's ranks.
+            batch = max(1, convergence.SETTINGS[task]["batch"] * 2 // world)
+            argv = ["--task", task, "--batch", str(batch), "--hosts", str(hosts), "--ranks-per-host",
+                    str(ranks_per_host), "--steps", str(args.lab_steps), "--warmup", str(args.lab_warmup),
+                    "--rounds", str(args.rounds), "--timeout", str(LAB_COLLECTIVE_TIMEOUT_S), "--rates", *args.rates,
+                    "--methods", *methods]  # fmt: skip
+            lab_args = network_lab.parse_args(argv)
+            command = "python benchmarks/network_lab.py " + " ".join(argv)
+            log.info("lab %s %s: %s", layout, task, command)
+            report = network_lab.lab_report(lab_args, command)
+            commands.append(command)
+            rows += [{"task": task, "layout": layout, "batch_per_rank": batch, **row} for row in report["results"]]
+            failures += [{"task": task, "layout": layout, **failure} for failure in report["failures"]]
+    return rows, failures, commands
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+
+def combine(
+    curves: dict[str, dict[str, Any]],
+    lab_rows: list[dict[str, Any]],
+    lab_failures: list[dict[str, Any]],
+    curve_failures: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """One row per (task, layout, rate, method): steps to target, step time and its spread, time, overhead."""
+    by_key = {(r["task"], r["layout"], r["rate"], r["method"]): r for r in lab_rows}
+    lab_failed = {(f["task"], f["layout"], f["rate"], f["method"]): f["error"] for f in lab_failures}
+    curve_failed = {(f["task"], f["method"]): f["error"] for f in curve_failures}
+    combined = []
+    for task in args.tasks:
+        for layout in args.layouts:
+            ranks_per_host = int(layout.split("x")[1])
+            for rate in args.rates if args.lab else [None]:
+                single = by_key.get((task, layout, rate, "single"))
+                for method in lab_methods(args.methods, ranks_per_host)[1:]:
+                    curve = curves.get(f"{task}/{curve_of(method)}")
+                    lab = by_key.get((task, layout, rate, method))
+                    row: dict[str, Any] = {"task": task, "layout": layout, "rate": rate, "method": method}
+                    row["curve_method"] = curve_of(method)
+                    if curve is None:
+                        error = curve_failed.get((task, curve_of(method)), "no learning curve")
+                        row |= {"status": "failed (training)", "error": error[-500:], "steps_to_target": None}
+                    else:
+                        reached = curve["steps_to_target"] is not None
+                        row |= {
+                            "status": "reached" if reached else "not reached",
+                            "steps_to_target": curve["steps_to_target"],
+                            "target_pct": curve["target_pct"],
+                            "final_acc_pct": curve["final_acc_pct"],
+                        }
+                    if lab is not None:
+                        row |= {k: lab[k] for k in ("median_step_s", "min_step_s", "max_step_s", "q1_step_s",
+                                                     "q3_step_s", "bytes_per_step")}  # fmt: skip
+                        if row["steps_to_target"] is not None:
+                            row["time_to_target_s"] = row["steps_to_target"] * lab["median_step_s"]
+                        if single is not None:
+                            row["overhead_s"] = lab["median_step_s"] - single["median_step_s"]
+                    elif rate is not None:
+                        error = lab_failed.get((task, layout, rate, method), "not measured")
+                        row["lab_error"] = error[-500:]
+                        if row["status"] == "reached":
+                            row["status"] = "failed (step time)"
+                    combined.append(row)
+            # Overhead against DDP's PowerSGD hook at the same rank, rate and layout.
+            of_layout = [r for r in combined if r["task"] == task and r["layout"] == layout]
+            for row in of_layout:
+                _, rank = network_lab.split_rank(row["curve_method"])
+                reference = next(
+                    (r for r in of_layout if r["rate"] == row["rate"] and r["method"] == f"ddp_powersgd_r{rank}"), None
+                )
+                if rank is not None and reference is not None and "overhead_s" in row and "overhead_s" in reference:
+                    row["powersgd_reference"] = reference["method"]
+                    row["overhead_vs_powersgd"] = (
+                        row["overhead_s"] / reference["overhead_s"] if reference["overhead_s"] > 0 else None
+                    )
+    return combined
+
+
+def _time_cell(row: dict[str, Any]) -> str:
+    step = ""
+    if "median_step_s" in row:
+        step = f"{row['median_step_s'] * 1e3:.1f} ms [{row['min_step_s'] * 1e3:.1f}, {row['max_step_s'] * 1e3:.1f}]"
+    if "time_to_target_s" in row:
+        return f"{row['time_to_target_s']:.3g} s ({step})"
+    # Not reached, or failed: the step time is still shown where it was measured.
+    return f"{row['status']} ({step})" if step else row["status"]
+
+
+def _overhead_cell(row: dict[str, Any]) -> str:
+    if "overhead_s" not in row:
+        return "-"
+    cell = f"{row['overhead_s'] * 1e3:.1f} ms"
+    if row.get("overhead_vs_powersgd") is not None:
+        cell += f" ({row['overhead_vs_powersgd']:.2f}x {row['powersgd_reference']})"
+    return cell
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The tables: per task and layout, time to target per rate, then the communication overhead per rate."""
+    settings = report["settings"]
+    evaluations = ", ".join(f"{task} {every}" for task, every in settings["eval_every"].items())
+    lines = [
+        f"Time to target = steps to target x median step time. Target: the baseline's final held-out accuracy"
+        f" (DDP with SGD; DDP with Adam for qadam), mean over {settings['seeds']} seed(s), less"
+        f" {settings['margin_pts']} points. Steps: the first evaluation (every {evaluations} steps) at"
+        " which the method's accuracy, averaged over the seeds, reaches it, on two Gloo processes. Step time: the"
+        f" CPU network lab, methods interleaved over {settings['rounds']} rounds, median [min, max] of the rounds."
+        " Overhead: step time less the no-communication step (`single`) of the same rounds; for low_rank also as a"
+        " ratio to DDP + PowerSGD at the same rank. Warm-up steps are counted at the compressed step's time.",
+        f"Written by `{report['command']}`; every curve and measurement is in `{STEM}.json`.",
+    ]
+    rows = report["combined"]
+    for task in settings["tasks"]:
+        targets = sorted({(r["curve_method"], r.get("target_pct")) for r in rows if r["task"] == task})
+        target_text = ", ".join(
+            f"{baseline}: {target:.2f} %"
+            for baseline, target in sorted(
+                {(convergence.baseline_of(m), t) for m, t in targets if t is not None}, key=lambda item: item[0]
+            )
+        )
+        for layout in settings["layouts"]:
+            chosen = [r for r in rows if r["task"] == task and r["layout"] == layout]
+            rates = list(dict.fromkeys(r["rate"] for r in chosen))
+            methods = list(dict.fromkeys(r["method"] for r in chosen))
+            by_key = {(r["rate"], r["method"]): r for r in chosen}
+            lines += ["", f"### {task}, {layout} (hosts x ranks per host); target {target_text or '-'}", ""]
+            lines += ["| method | final accuracy % | steps to target | " + " | ".join(str(r) for r in rates) + " |"]
+            lines += ["|---|---|---|" + "---|" * len(rates)]
+            for method in methods:
+                first = by_key[(rates[0], method)]
+                final = f"{first['final_acc_pct']:.2f}" if "final_acc_pct" in first else "-"
+                steps = first["steps_to_target"] if first["steps_to_target"] is not None else first["status"]
+                cells = [_time_cell(by_key[(rate, method)]) for rate in rates]
+                lines.append(f"| {method} | {final} | {steps} | " + " | ".join(cells) + " |")
+            if rates and rates[0] is not None:
+                lines += ["", f"Communication overhead per step, {task}, {layout}:", ""]
+                lines += ["| method | " + " | ".join(str(r) for r in rates) + " |", "|---|" + "---|" * len(rates)]
+                for method in methods:
+                    cells = [_overhead_cell(by_key[(rate, method)]) for rate in rates]
+                    lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    failures = report["curve_failures"] + report["lab_failures"]
+    if failures:
+        lines += ["", "Failures (shown in the tables, not left out):", ""]
+        for failure in failures:
+            where = "/".join(str(failure[k]) for k in ("task", "layout", "rate", "method", "seed") if k in failure)
+            lines.append(f"- {where}: {network_lab.headline(failure['error'])}")
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict[str, Any], path: Path) -> bool:
+    """Learning curves with the target (top row) and time to target per rate (one row per layout), per task."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no chart")
+        return False
+    settings = report["settings"]
+    tasks, layouts = settings["tasks"], settings["layouts"] if settings["lab"] else []
+    figure, axes = plt.subplots(1 + len(layouts), len(tasks), figsize=(6 * len(tasks), 4 * (1 + len(layouts))),
+                                squeeze=False)  # fmt: skip
+    colour_map = plt.get_cmap("tab20")
+    methods = settings["methods"]
+    for column, task in enumerate(tasks):
+        axis = axes[0][column]
+        for index, method in enumerate(methods):
+            entry = report["curves"].get(f"{task}/{method}")
+            if entry is None:
+                continue
+            style = "--" if method.startswith("ddp") else "-"
+            axis.plot([p["step"] for p in entry["curve"]], [p["acc_pct"] for p in entry["curve"]], style,
+                      color=colour_map(index % 20), label=method, linewidth=1.2)  # fmt: skip
+        for baseline, style in (("ddp", ":"), ("ddp_adam", "-.")):
+            entry = report["curves"].get(f"{task}/{baseline}")
+            if entry is not None and entry["target_pct"] is not None:
+                axis.axhline(entry["target_pct"], color="black", linestyle=style, linewidth=0.8,
+                             label=f"target ({baseline})")  # fmt: skip
+        axis.set_title(f"{task}: held-out accuracy, mean over seeds", fontsize=10)
+        axis.set_xlabel("step")
+        axis.set_ylabel("accuracy (%)")
+        if column == 0:
+            axis.legend(fontsize=6, ncol=2)
+        for row_index, layout in enumerate(layouts, start=1):
+            axis = axes[row_index][column]
+            chosen = [r for r in report["combined"] if r["task"] == task and r["layout"] == layout]
+            rates = list(dict.fromkeys(r["rate"] for r in chosen))
+            names = list(dict.fromkeys(r["method"] for r in chosen))
+            width = 0.8 / max(1, len(rates))
+            for rate_index, rate in enumerate(rates):
+                xs = [i + rate_index * width for i in range(len(names))]
+                by_method = {r["method"]: r for r in chosen if r["rate"] == rate}
+                values = [by_method[m].get("time_to_target_s", 0.0) for m in names]
+                axis.bar(xs, values, width, label=str(rate), color=colour_map((2 * rate_index) % 20))
+                for x, method in zip(xs, names, strict=True):
+                    if "time_to_target_s" not in by_method[method]:
+                        # x in data, y in axes fraction: the mark sits at the bottom whatever the scale.
+                        axis.text(x, 0.02, "x", ha="center", fontsize=8, color="red",
+                                  transform=axis.get_xaxis_transform())  # fmt: skip
+            axis.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=60, ha="right",
+                            fontsize=6)  # fmt: skip
+            if any("time_to_target_s" in r for r in chosen):
+                axis.set_yscale("log")  # the rates differ by orders of magnitude
+            axis.set_ylabel("time to target (s, log scale)")
+            axis.set_title(f"{task}, {layout}: time to target (red x: not reached or failed)", fontsize=9)
+            axis.legend(fontsize=7)
+    figure.suptitle("Time to accuracy on CPU (benchmarks/time_to_accuracy.py)", fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the curves, then the lab, combine them and write the report; return it."""
+    if args.lab and (os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None):
+        raise SystemExit("The lab needs root, iproute2 and tc; run as root, or pass --no-lab for the curves only.")
+    started = time.perf_counter()
+    defaults = {task: convergence.SETTINGS[task]["quick_steps" if args.quick else "steps"] for task in args.tasks}
+    steps = dict.fromkeys(args.tasks, args.steps) if args.steps is not None else defaults
+    runs, curve_failures = run_curves(args, steps)
+    curves = steps_to_target(runs, args.margin)
+    lab_rows, lab_failures, lab_commands = run_lab(args) if args.lab else ([], [], [])
+    settings = {
+        "tasks": args.tasks,
+        "methods": args.methods,
+        "low_rank_available": convergence.low_rank_available(),
+        "layouts": args.layouts,
+        "rates": args.rates,
+        "lab": args.lab,
+        "seeds": args.seeds,
+        "quick": args.quick,
+        "steps": steps,
+        "eval_every": args.eval_every,
+        "margin_pts": args.margin,
+        "rounds": args.rounds,
+        "lab_steps": args.lab_steps,
+        "lab_warmup": args.lab_warmup,
+        "per_task": {task: convergence.SETTINGS[task] for task in args.tasks},
+        "compression_warmup_steps": {task: convergence.compression_warmup(s) for task, s in steps.items()},
+        "qadam_warmup_steps": {task: max(1, s // 5) for task, s in steps.items()},
+        "curve_processes": 2,
+        "lab_commands": lab_commands,
+    }
+    report = {
+        "benchmark": "time to accuracy: steps to DDP's accuracy (two Gloo processes) x step time (CPU network lab)",
+        "command": "python benchmarks/time_to_accuracy.py" + "".join(f" {a}" for a in args.argv),
+        "settings": settings,
+        "machine": network_lab.machine(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "total_wall_s": time.perf_counter() - started,
+        "curves": curves,
+        "combined": combine(curves, lab_rows, lab_failures, curve_failures, args),
+        "lab": lab_rows,
+        "runs": runs,
+        "curve_failures": curve_failures,
+        "lab_failures": lab_failures,
+    }
+    table = markdown(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{STEM}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{STEM}.md").write_text(table)
+    chart(report, out / f"{STEM}.png")
+    print(table)
+    return report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=convergence.ALL_TASKS)
+    parser.add_argument("--methods", nargs="+", default=None, help="convergence methods (default: every one)")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="hosts x ranks per host")
+    parser.add_argument("--rates", nargs="+", default=None, help=f"tc rates or unshaped (default: {' '.join(RATES)})")
+    parser.add_argument("--seeds", type=int, default=None, help=f"seeds 0 .. n-1 (default: {FULL['seeds']})")
+    parser.add_argument("--rounds", type=int, default=None, help=f"interleaved lab rounds (default: {FULL['rounds']})")
+    parser.add_argument("--margin", type=float, default=0.5, help="accuracy points below DDP's final (default: 0.5)")
+    parser.add_argument("--quick", action="store_true", help="short runs, one seed, 100mbit, 3 rounds")
+    parser.add_argument("--steps", type=int, default=None, help="training steps of every task (default: per task)")
+    parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: per task)")
+    parser.add_argument("--lab-steps", type=int, default=None, help="timed lab steps per method and round")
+    parser.add_argument("--lab-warmup", type=int, default=None, help="untimed lab steps before them (more than 2)")
+    parser.add_argument("--no-lab", dest="lab", action="store_false", help="learning curves only (no root needed)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds one training run may take")
+    parser.add_argument("--out", default=str(RESULTS), help="results folder (default: benchmarks/results)")
+    arguments = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(arguments)
+    preset = QUICK if args.quick else FULL
+    args.seeds = preset["seeds"] if args.seeds is None else args.seeds
+    args.rounds = preset["rounds"] if args.rounds is None else args.rounds
+    args.lab_steps = preset["lab_steps"] if args.lab_steps is None else args.lab_steps
+    args.lab_warmup = preset["lab_warmup"] if args.lab_warmup is None else args.lab_warmup
+    args.rates = list(preset["rates"]) if args.rates is None else args.rates
+    known = methods_to_run()
+    args.methods = known if args.methods is None else args.methods
+    unknown = [m for m in args.methods if m not in known]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {known}")
+    baselines = {convergence.baseline_of(m) for m in args.methods}
+    if not baselines <= set(args.methods):
+        parser.error(f"the targets need the baselines {sorted(baselines)} among --methods; add them")
+    for rate in args.rates:
+        if rate != "unshaped":
+            network_lab.bits_per_second(rate)
+    if args.seeds < 1 or args.rounds < 1:
+        parser.error(f"--seeds and --rounds must be at least 1, got {args.seeds} and {args.rounds}")
+    every = {task: EVAL_EVERY[task] // (2 if args.quick else 1) for task in args.tasks}
+    args.eval_every = every if args.eval_every is None else dict.fromkeys(args.tasks, args.eval_every)
+    args.argv = arguments
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()
