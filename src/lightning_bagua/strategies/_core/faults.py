@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_bagua.engine._torch_compat import default_store
+from lightning_bagua.engine._torch_compat import default_store, store_has_key
 
 __all__ = [
     "DIAGNOSIS_WINDOW_S",
@@ -189,7 +189,7 @@ def diagnose_failure(exception: BaseException, rank: int, world_size: int, scope
         deadline = time.monotonic() + window_s
         while True:
             for other in range(world_size):
-                if other not in reports and store.check([f"{prefix}/{other}"]):
+                if other not in reports and store_has_key(store, f"{prefix}/{other}"):
                     reports[other] = store.get(f"{prefix}/{other}").decode(errors="replace")
             if len(reports) == world_size or time.monotonic() >= deadline:
                 break
