@@ -6,13 +6,20 @@ function was checked on torch 2.2 and 2.13 (the floor and the newest that ran); 
 this module changes.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-__all__ = ["default_store", "mark_optimizer_stepped", "queue_backward_callback", "store_has_key"]
+__all__ = [
+    "default_store",
+    "first_bucket_capped_at",
+    "mark_optimizer_stepped",
+    "queue_backward_callback",
+    "store_has_key",
+]
 
 # A value no key of the store holds: `store_has_key` compares against it.
 _NO_VALUE = "\0lightning_bagua: no value\0"
@@ -79,3 +86,30 @@ def store_has_key(store: dist.Store, key: str) -> bool:
     if hasattr(store, "check"):
         return bool(store.check([key]))
     return store.compare_set(key, _NO_VALUE, _NO_VALUE) != _NO_VALUE.encode()
+
+
+@contextmanager
+def first_bucket_capped_at(bucket_cap_mb: float) -> Iterator[None]:
+    """Make a DDP reducer built inside the block cap its first bucket at ``bucket_cap_mb`` too, as it caps the others.
+
+    A reducer rebuilds its buckets after the first step, in the order gradients became ready, with a size limit
+    for the first bucket of its own:
+
+    - torch 2.2 and 2.4 (checked): the limit is ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) whatever
+      ``bucket_cap_mb`` says, read when the reducer is built. So a smaller ``bucket_cap_mb`` left the first
+      bucket at 1 MiB, and a model under 1 MiB in one bucket; the block sets the module global to the cap.
+    - torch 2.13 (checked): an explicit ``bucket_cap_mb`` is also the first bucket's limit and the global is not
+      read; setting it changes nothing.
+
+    Args:
+        bucket_cap_mb: the bucket size the reducer is given, in MiB.
+
+    Yields:
+        Nothing; the global is restored on leaving.
+    """
+    default = dist._DEFAULT_FIRST_BUCKET_BYTES
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(bucket_cap_mb * 1024 * 1024)
+    try:
+        yield
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = default
