@@ -42,8 +42,11 @@ unittest: setup
 
 test: lint typecheck unittest
 
-# The whole suite on the lowest declared versions (requirements/floor.txt pins them; torch is the lowest CPU build
-# the floor was tested with, since older CPU builds are not on PyPI).
+# The floor environment follows requirements/floor.txt: a changed floor reinstalls it.
+$(FLOOR_VENV)/.installed: requirements/floor.txt
+
+# The whole suite on the lowest declared versions, which requirements/floor.txt pins. Its torch comes from
+# TORCH_CPU_INDEX_URL where set (a CPU build), else from PyPI, whose Linux wheel is a CUDA build that runs on CPU too.
 floor:
 	$(MAKE) unittest VENV=$(FLOOR_VENV) TORCH_CPU_VERSION=$$(sed -n 's/^torch==//p' requirements/floor.txt) \
 		PIP_INSTALL_ARGS="-c requirements/floor.txt" PYTEST_ARGS="$(PYTEST_ARGS)"

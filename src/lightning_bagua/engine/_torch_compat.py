@@ -1,16 +1,28 @@
 """The torch private APIs the project relies on, in one place, each with why it is needed and what was checked.
 
-Everything else in the package uses torch's public API. Each function here was checked on torch 2.4 (the declared
-floor) through 2.14; when torch changes one of them, only this module changes.
+Everything else in the package uses torch's public API, as far back as torch 2.2 (the declared floor), except where
+an older release lacks it: then the function here has one branch per group of releases, each naming them. Each
+function was checked on torch 2.2 and 2.13 (the floor and the newest that ran); when torch changes one of them, only
+this module changes.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-__all__ = ["default_store", "mark_optimizer_stepped", "queue_backward_callback"]
+__all__ = [
+    "default_store",
+    "first_bucket_capped_at",
+    "mark_optimizer_stepped",
+    "queue_backward_callback",
+    "store_has_key",
+]
+
+# A value no key of the store holds: `store_has_key` compares against it.
+_NO_VALUE = "\0lightning_bagua: no value\0"
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -53,3 +65,51 @@ def mark_optimizer_stepped(optimizer: Optimizer) -> None:
         optimizer: the optimizer that just stepped.
     """
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def store_has_key(store: dist.Store, key: str) -> bool:
+    """Return whether ``key`` is set in ``store``, without waiting for it to be set.
+
+    - torch with ``Store.check`` in its Python API (2.4 on; 2.13 checked): that method.
+    - torch without it (2.2 checked): ``compare_set`` with a value no key holds as both the expected and the new
+      value. For a key that is set it returns the key's value and changes nothing; for a missing key it returns
+      the expected value and, that value not being empty, does not create the key. Every store type answers it
+      without blocking (TCP, file and hash stores checked, each behind a ``PrefixStore``).
+
+    Args:
+        store: the store to look in.
+        key: the key.
+
+    Returns:
+        Whether the key is set.
+    """
+    if hasattr(store, "check"):
+        return bool(store.check([key]))
+    return store.compare_set(key, _NO_VALUE, _NO_VALUE) != _NO_VALUE.encode()
+
+
+@contextmanager
+def first_bucket_capped_at(bucket_cap_mb: float) -> Iterator[None]:
+    """Make a DDP reducer built inside the block cap its first bucket at ``bucket_cap_mb`` too, as it caps the others.
+
+    A reducer rebuilds its buckets after the first step, in the order gradients became ready, with a size limit
+    for the first bucket of its own:
+
+    - torch 2.2 and 2.4 (checked): the limit is ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) whatever
+      ``bucket_cap_mb`` says, read when the reducer is built. So a smaller ``bucket_cap_mb`` left the first
+      bucket at 1 MiB, and a model under 1 MiB in one bucket; the block sets the module global to the cap.
+    - torch 2.13 (checked): an explicit ``bucket_cap_mb`` is also the first bucket's limit and the global is not
+      read; setting it changes nothing.
+
+    Args:
+        bucket_cap_mb: the bucket size the reducer is given, in MiB.
+
+    Yields:
+        Nothing; the global is restored on leaving.
+    """
+    default = dist._DEFAULT_FIRST_BUCKET_BYTES
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(bucket_cap_mb * 1024 * 1024)
+    try:
+        yield
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = default

@@ -12,6 +12,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_bagua.engine._torch_compat import first_bucket_capped_at
 from lightning_bagua.engine.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from lightning_bagua.engine.bucket_layout import BucketLayout
@@ -157,14 +158,16 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             raise TypeError(f"`telemetry` must be a bool, got {telemetry!r} ({type(telemetry).__name__}).")
         _merge_ignored_parameters(module)
         _refuse_sparse_gradients(module)
-        super().__init__(
-            module,
-            process_group=process_group,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
-            bucket_cap_mb=default_bucket_cap_mb() if bucket_cap_mb is None else bucket_cap_mb,
-            **ddp_kwargs,
-        )
+        reducer_cap_mb = default_bucket_cap_mb() if bucket_cap_mb is None else bucket_cap_mb
+        with first_bucket_capped_at(reducer_cap_mb):
+            super().__init__(
+                module,
+                process_group=process_group,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                find_unused_parameters=find_unused_parameters,
+                bucket_cap_mb=reducer_cap_mb,
+                **ddp_kwargs,
+            )
         # What `rewrapped()` needs to build an equal wrapper with another bucket size or algorithm.
         self._bagua_init_kwargs: dict[str, Any] = {
             "process_group": process_group,

@@ -29,6 +29,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bagua._lightning_compat import (
+    SCHEDULER_NOT_PASSED,
+    fabric_load_checkpoint_keywords,
+    fabric_setup_result,
+)
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
 from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
@@ -139,24 +144,25 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
 
     @override
     def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[Module, list[Optimizer], Any | None]:
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = SCHEDULER_NOT_PASSED
+    ) -> tuple[Any, ...]:
         """Wrap the module, bind the optimizers to its engine, and start the algorithm.
 
         Args:
             module: the module to wrap.
             optimizers: the optimizers over its parameters.
-            scheduler: an LR scheduler, passed through.
+            scheduler: an LR scheduler, passed through (Fabric passes one from 2.6 on).
 
         Returns:
-            The wrapped module, the optimizers and the scheduler.
+            The wrapped module and the optimizers, and the scheduler where Fabric passed one.
         """
+        schedulers = [] if scheduler is None or scheduler is SCHEDULER_NOT_PASSED else [scheduler]
         # Checked before wrapping, so that a wrong optimizer fails before the engine creates communicators.
-        self._check_optimizers(optimizers, [] if scheduler is None else [scheduler])
+        self._check_optimizers(optimizers, schedulers)
         wrapped = self._wrap(module)
         optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
         wrapped.bagua_algorithm_impl.start()
-        return wrapped, optimizers, scheduler
+        return fabric_setup_result(wrapped, optimizers, scheduler)
 
     @override
     def setup_module(self, module: Module) -> BaguaDistributedDataParallel:
@@ -286,12 +292,13 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             path: the checkpoint to read.
             state: what to restore, as for ``fabric.load``.
             strict: whether every requested key must be in the checkpoint.
-            weights_only: passed to ``torch.load``.
+            weights_only: passed to ``torch.load`` (Fabric passes it from 2.6 on).
 
         Returns:
             The checkpoint's items that were not restored into ``state``; the whole checkpoint if ``state`` is empty.
         """
-        remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        keywords = fabric_load_checkpoint_keywords(weights_only)
+        remainder = super().load_checkpoint(path, state=state, strict=strict, **keywords)
         if not isinstance(state, dict) or not state:
             return remainder
         saved = bagua_checkpoint.module_entries(remainder, default_name="model")

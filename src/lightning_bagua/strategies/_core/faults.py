@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_bagua.engine._torch_compat import default_store
+from lightning_bagua.engine._torch_compat import default_store, store_has_key
 
 __all__ = [
     "CHILDREN_GRACE_S",
@@ -349,7 +349,7 @@ def diagnose_failure(
         deadline = time.monotonic() + window_s
         while window_s > 0:
             for other in range(world_size):
-                if other not in reports and store.check([f"{prefix}/{other}"]):
+                if other not in reports and store_has_key(store, f"{prefix}/{other}"):
                     reports[other] = store.get(f"{prefix}/{other}").decode(errors="replace")
             if len(reports) == world_size or time.monotonic() >= deadline:
                 break
