@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_bagua.engine._codec_segments import SegmentLayout
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -318,6 +319,9 @@ class LowRankState(HookState):
     factors: dict[str, Tensor] = field(default_factory=dict)
     last_compressed: bool | None = None
     _plans: dict[tuple[str, ...], list[TensorSlot]] = field(default_factory=dict, repr=False)
+    _bucket_plans: dict[tuple[Any, ...], "_BucketPlan"] = field(default_factory=dict, repr=False)
+    # ``M`` of every factored parameter (its error plus its gradient), a buffer kept between steps.
+    _scratch: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     def plan(self, parameters: Sequence[Tensor], element_size: int) -> list[TensorSlot]:
         """Return the slots of a bucket's parameters, in bucket order (cached per layout)."""
@@ -331,12 +335,68 @@ class LowRankState(HookState):
             self._plans[names] = slots
         return slots
 
+    def bucket_plan(self, slots: list[TensorSlot], tensor: Tensor) -> "_BucketPlan":
+        """Return how a bucket laid out as ``slots`` travels (cached per layout, dtype and device)."""
+        key = (tuple(slots), tensor.dtype, tensor.device)
+        plan = self._bucket_plans.get(key)
+        if plan is None:
+            plan = self._bucket_plans[key] = _plan_bucket(slots, tensor, self.rank, self.codec)
+        return plan
+
     def factor(self, slot: TensorSlot) -> Tensor:
         """Return the warm-start ``Q`` of ``slot``, created on first use."""
         q = self.factors.get(slot.name)
         if q is None:
             q = self.factors[slot.name] = initial_factor(slot, self.rank, self.device)
         return q
+
+    def corrected(self, slot: TensorSlot, gradient: Tensor) -> Tensor:
+        """Return ``M = G + e`` of ``slot`` (``e = 0`` at first) in float32, in the slot's scratch buffer.
+
+        A buffer apart from the error: the error must survive a step whose result is not finite.
+        """
+        m = self._scratch.get(slot.name)
+        if m is None:
+            m = self._scratch[slot.name] = torch.empty(slot.rows, slot.cols, dtype=torch.float32, device=self.device)
+        error = self.errors.get(slot.name)
+        if error is None:
+            m.copy_(gradient)
+        else:
+            torch.add(gradient, error, out=m)
+        return m
+
+    def finish(self, slot: TensorSlot, gradient: Tensor, m: Tensor, p_hat: Tensor, q: Tensor) -> None:
+        """Write ``G_hat = P_hat Q^T`` into ``gradient``; keep ``e = M - G_hat`` and ``Q`` if ``G_hat`` is finite.
+
+        ``G_hat`` is finite when ``P_hat`` is (its columns have norm one or zero) and ``Q``'s entries are below
+        ``float32 max / r``, which bounds every entry of ``G_hat``: a check of the small factors, not of ``n x m``
+        elements.
+        """
+        if gradient.dtype == torch.float32:
+            torch.mm(p_hat, q.T, out=gradient)
+            m.addmm_(p_hat, q.T, alpha=-1.0)  # M becomes the new error in place
+        else:
+            approximation = p_hat @ q.T
+            gradient.copy_(approximation)
+            m.sub_(approximation)
+        q = q.contiguous()
+        bound = torch.finfo(torch.float32).max / self.rank
+        # NaN fails the comparison, so a NaN in Q (or in P_hat, which spreads into Q) reads as not finite.
+        finite = (q.abs().amax() < bound) & torch.isfinite(p_hat).all()
+        previous = self.errors.get(slot.name)
+        if m.device.type == "cpu":
+            if bool(finite):
+                # Swap: the new error is M's buffer, and the old error's buffer holds the next M.
+                self.errors[slot.name] = m
+                if previous is None:
+                    del self._scratch[slot.name]
+                else:
+                    self._scratch[slot.name] = previous
+                self.factors[slot.name] = q
+            return
+        # On CUDA a host check would synchronise the streams.
+        self.errors[slot.name] = torch.where(finite, m, previous if previous is not None else torch.zeros_like(m))
+        self.factors[slot.name] = torch.where(finite, q, self.factors[slot.name])
 
 
 def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -362,7 +422,11 @@ def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
        ``Q = sum_i D(C(Q_i))``, divided by ``N`` if ``average``.
     7. Reconstruct: ``G_hat = P_hat Q^T`` is written into the bucket; ``e_i = M_i - G_hat`` and ``Q`` are kept for
        the next step. If ``G_hat`` is not finite (an overflowing gradient a ``GradScaler`` will skip), ``e_i`` and
-       ``Q`` keep their previous values.
+       ``Q`` keep their previous values (checked on the factors: ``P_hat`` finite and ``|Q| < float32 max / r``).
+
+    The host work per bucket does not grow with the number of gradients in it: each message's factors are encoded
+    in one pass (:class:`~lightning_bagua.engine._codec_segments.SegmentLayout`, the same bytes as one codec call
+    per factor) and the factors are written straight into it, and ``M_i`` lives in a buffer kept between steps.
 
     Every participant decodes the same bytes in the same order, so all of them hold the same ``P_hat``, ``Q`` and
     ``G_hat``; only ``e_i`` differs between participants.
@@ -418,129 +482,137 @@ def low_rank_reduce_(
     Returns:
         ``tensor``.
     """
-    codec, rank = state.codec, state.rank
-    factored = [slot for slot in slots if slot.factored]
-    exact = [slot for slot in slots if not slot.factored]
-    views = [tensor[slot.offset : slot.offset + slot.numel].view(slot.rows, slot.cols) for slot in factored]
-    total_bytes = tensor.numel() * tensor.element_size()
+    plan = state.bucket_plan(slots, tensor)
+    rank = state.rank
+    views = [tensor[slot.offset : slot.offset + slot.numel].view(slot.rows, slot.cols) for slot in plan.factored]
 
-    # Steps 1-2.
-    corrected = []
-    for slot, view in zip(factored, views, strict=True):
-        error = state.errors.get(slot.name)
-        # A copy even without an error: ``view`` is overwritten with the result before ``M`` becomes the new error.
-        corrected.append(view.float() + error if error is not None else view.to(torch.float32, copy=True))
-    projections = [m @ state.factor(slot) for slot, m in zip(factored, corrected, strict=True)]
+    # Steps 1-2: M_i into the slot's scratch, P_i^T straight into the flat factor buffer.
+    corrected = [state.corrected(slot, view) for slot, view in zip(plan.factored, views, strict=True)]
+    p_flat = torch.empty(plan.p_elements, dtype=torch.float32, device=tensor.device)
+    for slot, m, offset in zip(plan.factored, corrected, plan.p_offsets, strict=True):
+        torch.mm(state.factor(slot).T, m.T, out=p_flat[offset : offset + slot.rows * rank].view(rank, slot.rows))
 
     # Step 3: [exact bytes | P codes], one all-gather.
-    exact_values = torch.cat([tensor[slot.offset : slot.offset + slot.numel] for slot in exact]) if exact else None
-    exact_bytes = 0 if exact_values is None else exact_values.numel() * exact_values.element_size()
-    head = None if exact_values is None else exact_values.view(torch.uint8)
-    p_codes = [_encode(codec, p, slot.p_chunks) for slot, p in zip(factored, projections, strict=True)]
-    # The bucket's full-precision bytes, shared between the two collectives in proportion to what each carries.
-    first_share = exact_bytes + sum(
-        slot.numel * tensor.element_size() * slot.rows // (slot.rows + slot.cols) for slot in factored
-    )
-    gathered, offset = _all_gather_bytes(head, p_codes, group, n, state.counter, first_share)
-    if exact_values is not None:
-        values = gathered[:, :exact_bytes].view(exact_values.dtype)
-        exact_sum = _sum_in_order(values.float())
+    message = torch.zeros(plan.first_message_bytes, dtype=torch.uint8, device=tensor.device)
+    if plan.exact_index is not None:
+        message[: plan.exact_bytes] = tensor.take(plan.exact_index).view(torch.uint8)
+    if plan.p_layout is not None:
+        plan.p_layout.encode_into(p_flat, message)
+    gathered = _all_gather_bytes(message, group, n, state.counter, plan.first_share)
+    if plan.exact_index is not None:
+        exact_sum = _sum_in_order(gathered[:, : plan.exact_bytes].view(tensor.dtype).float())
         if state.average:
             exact_sum.div_(n)
-        position = 0
-        for slot in exact:
-            tensor[slot.offset : slot.offset + slot.numel].copy_(exact_sum[position : position + slot.numel])
-            position += slot.numel
-    if not factored:
+        tensor.index_copy_(0, plan.exact_index, exact_sum.to(tensor.dtype))
+    if plan.p_layout is None or plan.q_layout is None:
         return tensor
-    p_sums = _decode_sums(codec, gathered, offset, [(slot.rows, slot.p_chunks) for slot in factored], rank)
+    p_sums = plan.p_layout.decode_sum(gathered)
 
     # Step 4, one gradient at a time: batching by shape would make the rounding depend on the bucket layout.
-    p_hats = [orthonormalise_columns(p.unsqueeze(0))[0] for p in p_sums]
+    p_hats = [
+        orthonormalise_columns(p_sums[offset : offset + slot.rows * rank].view(rank, slot.rows).T.unsqueeze(0))[0]
+        for slot, offset in zip(plan.factored, plan.p_offsets, strict=True)
+    ]
 
-    # Steps 5-6.
-    local_qs = [m.T @ p_hat for m, p_hat in zip(corrected, p_hats, strict=True)]
-    q_codes = [_encode(codec, q, slot.q_chunks) for slot, q in zip(factored, local_qs, strict=True)]
-    gathered, offset = _all_gather_bytes(None, q_codes, group, n, state.counter, total_bytes - first_share)
-    q_sums = _decode_sums(codec, gathered, offset, [(slot.cols, slot.q_chunks) for slot in factored], rank)
+    # Steps 5-6: Q_i^T = P_hat^T M_i straight into the flat factor buffer.
+    q_flat = torch.empty(plan.q_elements, dtype=torch.float32, device=tensor.device)
+    for slot, m, p_hat, offset in zip(plan.factored, corrected, p_hats, plan.q_offsets, strict=True):
+        torch.mm(p_hat.T, m, out=q_flat[offset : offset + slot.cols * rank].view(rank, slot.cols))
+    message = torch.zeros(plan.second_message_bytes, dtype=torch.uint8, device=tensor.device)
+    plan.q_layout.encode_into(q_flat, message)
+    gathered = _all_gather_bytes(message, group, n, state.counter, plan.bucket_bytes - plan.first_share)
+    q_sums = plan.q_layout.decode_sum(gathered)
+    if state.average:
+        q_sums.div_(n)
 
     # Step 7.
-    for slot, view, m, p_hat, q in zip(factored, views, corrected, p_hats, q_sums, strict=True):
-        if state.average:
-            q.div_(n)
-        approximation = p_hat @ q.T
-        view.copy_(approximation)
-        # Tested on the device: a host check would synchronise CUDA streams.
-        finite = torch.isfinite(approximation).all()
-        new_error = m.sub_(approximation)
-        previous_error = state.errors.get(slot.name)
-        if previous_error is not None:
-            new_error = torch.where(finite, new_error, previous_error)
-        else:
-            new_error = torch.where(finite, new_error, torch.zeros_like(new_error))
-        state.errors[slot.name] = new_error
-        state.factors[slot.name] = torch.where(finite, q, state.factors[slot.name])
+    for slot, view, m, p_hat, offset in zip(plan.factored, views, corrected, p_hats, plan.q_offsets, strict=True):
+        q = q_sums[offset : offset + slot.cols * rank].view(rank, slot.cols).T
+        state.finish(slot, view, m, p_hat, q)
     return tensor
 
 
-def _encode(codec: MinMaxUInt8Codec, factor: Tensor, num_chunks: int) -> Tensor:
-    """Encode a ``k x r`` factor column by column (``factor^T`` flattened) as flat 8-bit rows."""
-    return codec.compress(factor.T.reshape(-1), num_chunks=num_chunks).view(-1)
+@dataclass
+class _BucketPlan:
+    """How one bucket layout travels: the factored slots, the exact tensors' elements and both messages' layouts."""
+
+    factored: list[TensorSlot]
+    exact_index: Tensor | None
+    exact_bytes: int
+    p_offsets: list[int]
+    q_offsets: list[int]
+    p_layout: SegmentLayout | None
+    q_layout: SegmentLayout | None
+    first_message_bytes: int
+    second_message_bytes: int
+    first_share: int
+    bucket_bytes: int
+
+    @property
+    def p_elements(self) -> int:
+        return 0 if self.p_layout is None else self.p_layout.elements
+
+    @property
+    def q_elements(self) -> int:
+        return 0 if self.q_layout is None else self.q_layout.elements
+
+
+def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinMaxUInt8Codec) -> _BucketPlan:
+    """Lay out both messages of a bucket: ``[exact bytes | pad | P codes | pad]`` and ``[Q codes | pad]``."""
+    factored = [slot for slot in slots if slot.factored]
+    exact = [slot for slot in slots if not slot.factored]
+    element_size = tensor.element_size()
+    exact_index = None
+    if exact:
+        exact_index = torch.cat([torch.arange(slot.offset, slot.offset + slot.numel) for slot in exact])
+        exact_index = exact_index.to(tensor.device)
+    exact_bytes = sum(slot.numel for slot in exact) * element_size
+    start = exact_bytes + -exact_bytes % _ALIGNMENT
+    p_layout = q_layout = None
+    p_offsets, q_offsets = (
+        _offsets([slot.rows * rank for slot in factored]),
+        _offsets([slot.cols * rank for slot in factored]),
+    )
+    if factored:
+        p_layout = SegmentLayout([(slot.rows * rank, slot.p_chunks) for slot in factored], start, codec.eps)
+        q_layout = SegmentLayout([(slot.cols * rank, slot.q_chunks) for slot in factored], 0, codec.eps)
+    first = start + (0 if p_layout is None else p_layout.nbytes)
+    second = 0 if q_layout is None else q_layout.nbytes
+    # The bucket's full-precision bytes, shared between the two collectives in proportion to what each carries.
+    first_share = exact_bytes + sum(
+        slot.numel * element_size * slot.rows // (slot.rows + slot.cols) for slot in factored
+    )
+    return _BucketPlan(
+        factored=factored,
+        exact_index=exact_index,
+        exact_bytes=exact_bytes,
+        p_offsets=p_offsets,
+        q_offsets=q_offsets,
+        p_layout=p_layout,
+        q_layout=q_layout,
+        first_message_bytes=first + -first % _ALIGNMENT,
+        second_message_bytes=second + -second % _ALIGNMENT,
+        first_share=first_share,
+        bucket_bytes=tensor.numel() * element_size,
+    )
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += size
+    return offsets
 
 
 def _all_gather_bytes(
-    head: Tensor | None,
-    codes: list[Tensor],
-    group: dist.ProcessGroup | None,
-    n: int,
-    counter: CommunicationCounter,
-    uncompressed: int,
-) -> tuple[Tensor, int]:
-    """All-gather ``[head | codes]`` as one byte message; return the ``(n, length)`` rows and where the codes start.
-
-    ``head`` (the exact tensors' bytes) is padded to a whole word and the message to whole words, so that a row's
-    head can be viewed as floats in place.
-    """
-    parts = []
-    start = 0
-    if head is not None:
-        start = head.numel() + -head.numel() % _ALIGNMENT
-        parts += [head, head.new_zeros(start - head.numel())]
-    parts += codes
-    length = sum(part.numel() for part in parts)
-    parts.append(parts[0].new_zeros(-length % _ALIGNMENT))
-    message = torch.cat(parts)
+    message: Tensor, group: dist.ProcessGroup | None, n: int, counter: CommunicationCounter, uncompressed: int
+) -> Tensor:
+    """All-gather one byte message; return the ``(n, length)`` rows."""
     gathered = torch.empty((n, message.numel()), dtype=torch.uint8, device=message.device)
     counter.record("all_gather", message, received=message.numel() * (n - 1), uncompressed=uncompressed)
     all_gather_into(gathered, message, group)
-    return gathered, start
-
-
-def _decode_sums(
-    codec: MinMaxUInt8Codec, gathered: Tensor, start: int, shapes: list[tuple[int, int]], rank: int
-) -> list[Tensor]:
-    """Decode every participant's factors from ``gathered`` and sum them in participant order.
-
-    Args:
-        codec: the codec.
-        gathered: ``(N, length)`` gathered messages.
-        start: the byte where the first factor's codes start in every row.
-        shapes: ``(k, chunks)`` of each factor, ``k`` its column length, in message order.
-        rank: the factors' rank ``r``.
-
-    Returns:
-        Each factor's sum over participants, ``k x r`` float32.
-    """
-    n = gathered.shape[0]
-    sums = []
-    for k, chunks in shapes:
-        row_bytes = codec.row_bytes(k * rank, chunks)
-        end = start + chunks * row_bytes
-        rows = gathered[:, start:end].reshape(n * chunks, row_bytes)
-        decoded = codec.decompress_rows(rows, dtype=torch.float32).view(n, -1)[:, : k * rank]
-        sums.append(_sum_in_order(decoded).view(rank, k).T)
-        start = end
-    return sums
+    return gathered
 
 
 def _sum_in_order(rows: Tensor) -> Tensor:

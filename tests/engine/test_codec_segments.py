@@ -1,0 +1,91 @@
+"""SegmentLayout: many tensors through the codec at once, byte for byte what one codec call per tensor writes."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_bagua.engine._codec_segments import SegmentLayout
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
+
+CODEC = MinMaxUInt8Codec(backend="torch")
+
+
+def random_segments(generator: torch.Generator) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """Segments of random sizes and chunk counts (chunks may outnumber elements), values of random scales."""
+    segments, values = [], []
+    for _ in range(int(torch.randint(1, 7, (1,), generator=generator))):
+        numel = int(torch.randint(1, 2500, (1,), generator=generator))
+        chunks = int(torch.randint(1, 9, (1,), generator=generator))
+        segments.append((numel, chunks))
+        scale = float(torch.rand(1, generator=generator)) * 100
+        values.append(torch.randn(numel, generator=generator) * scale + scale)
+    return segments, values
+
+
+def one_call_per_segment(segments: list[tuple[int, int]], values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([CODEC.compress(x, chunks).view(-1) for x, (_, chunks) in zip(values, segments, strict=True)])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_message_is_the_codec_calls_concatenated(seed):
+    generator = torch.Generator().manual_seed(seed)
+    segments, values = random_segments(generator)
+    if seed % 3 == 0:
+        values[0][len(values[0]) // 2] = math.inf  # a non-finite chunk: NaN header, zero codes
+    if seed % 4 == 0:
+        values[-1].fill_(2.5)  # constant chunks: zero codes, exact header
+    layout = SegmentLayout(segments, start=16, eps=CODEC.eps)
+    message = torch.full((16 + layout.nbytes + 5,), 7, dtype=torch.uint8)
+    message[16 : 16 + layout.nbytes] = 0  # header bytes 8-31 are the caller's zeros
+    layout.encode_into(torch.cat(values), message)
+
+    expected = one_call_per_segment(segments, values)
+    assert layout.nbytes == expected.numel()
+    assert torch.equal(message[16 : 16 + layout.nbytes], expected)
+    # Bytes outside the layout are left alone.
+    assert torch.equal(message[:16], torch.full((16,), 7, dtype=torch.uint8))
+    assert torch.equal(message[16 + layout.nbytes :], torch.full((5,), 7, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("participants", [1, 2, 4])
+def test_decode_sum_adds_the_decoded_segments_in_participant_order(participants):
+    generator = torch.Generator().manual_seed(participants)
+    segments, _ = random_segments(generator)
+    layout = SegmentLayout(segments, start=8, eps=CODEC.eps)
+    rows, expected = [], []
+    for _ in range(participants):
+        values = [torch.randn(numel, generator=generator) for numel, _ in segments]
+        message = torch.zeros(8 + layout.nbytes, dtype=torch.uint8)
+        layout.encode_into(torch.cat(values), message)
+        rows.append(message)
+        expected.append(
+            torch.cat(
+                [
+                    CODEC.decompress(CODEC.compress(x, chunks), numel, torch.float32)
+                    for x, (numel, chunks) in zip(values, segments, strict=True)
+                ]
+            )
+        )
+    total = expected[0].clone()
+    for decoded in expected[1:]:
+        total = total + decoded  # first to last, as the rows arrive
+    torch.testing.assert_close(layout.decode_sum(torch.stack(rows)), total, rtol=0, atol=0)
+
+
+def test_a_non_finite_segment_decodes_to_nan_and_leaves_the_others():
+    layout = SegmentLayout([(10, 1), (20, 2)], start=0, eps=CODEC.eps)
+    values = torch.linspace(-1, 1, 30)
+    values[3] = math.nan
+    message = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.encode_into(values, message)
+    decoded = layout.decode_sum(message.unsqueeze(0))
+    assert torch.isnan(decoded[:10]).all()
+    assert torch.isfinite(decoded[10:]).all()
+    torch.testing.assert_close(decoded[10:], values[10:], rtol=0, atol=2 / 255)
+
+
+@pytest.mark.parametrize("segments", [[], [(0, 1)], [(5, 0)]])
+def test_empty_segments_are_refused(segments):
+    with pytest.raises(ValueError, match="at least one element and one chunk"):
+        SegmentLayout(segments, start=0, eps=CODEC.eps)
