@@ -363,16 +363,19 @@ def test_the_blocked_backend_writes_and_decodes_the_torch_backends_bytes(dtype, 
     )
 
 
-def test_auto_picks_the_blocked_backend_on_cpu(monkeypatch):
+def test_auto_picks_the_blocked_backend_on_cpu_for_chunks_of_a_block_or_more(monkeypatch):
     calls = []
     monkeypatch.setattr(_codec_blocked, "compress", lambda *args: calls.append(args) or torch.zeros(1, 1))
-    MinMaxUInt8Codec().compress(torch.ones(3))
+    MinMaxUInt8Codec().compress(torch.ones(_codec_blocked.BLOCK))
+    assert len(calls) == 1
+    # Smaller chunks take the vectorised ops: the blocked kernels' per-chunk Python loop would dominate.
+    MinMaxUInt8Codec().compress(torch.ones(4 * _codec_blocked.BLOCK), num_chunks=8)
     assert len(calls) == 1
 
 
 def test_the_blocked_backend_refuses_non_cpu_tensors():
     with pytest.raises(ValueError, match="'blocked' backend runs on CPU tensors"):
-        MinMaxUInt8Codec(backend="blocked")._kernels(torch.device("meta"))
+        MinMaxUInt8Codec(backend="blocked")._kernels(torch.device("meta"), 1)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])

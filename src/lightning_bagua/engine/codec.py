@@ -159,7 +159,7 @@ class MinMaxUInt8Codec:
             # Nothing to encode: headers of zeros (lo = hi = 0.0) and no codes.
             return torch.zeros((num_chunks, self.HEADER_BYTES), dtype=torch.uint8, device=tensor.device)
         tensor = tensor.contiguous()
-        kernels = self._kernels(tensor.device)
+        kernels = self._kernels(tensor.device, length)
         if kernels is not None:
             return kernels.compress(tensor, num_chunks, length, self.eps, self.HEADER_BYTES)
         return self._compress_torch(tensor, num_chunks, length)
@@ -231,7 +231,7 @@ class MinMaxUInt8Codec:
             return out
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device)
+        kernels = self._kernels(encoded.device, length)
         if kernels is not None and hasattr(kernels, "decode_sum"):
             kernels.decode_sum(encoded, out, self.eps, self.HEADER_BYTES)
         else:
@@ -254,7 +254,7 @@ class MinMaxUInt8Codec:
             return out
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device)
+        kernels = self._kernels(encoded.device, length)
         if kernels is not None and hasattr(kernels, "decode_add"):
             kernels.decode_add(encoded, out, self.eps, self.HEADER_BYTES)
         else:
@@ -269,8 +269,8 @@ class MinMaxUInt8Codec:
                 f" {tuple(out.shape)} on {out.device}."
             )
 
-    def _kernels(self, device: torch.device) -> ModuleType | None:
-        """The kernel module for tensors on ``device``, or ``None`` for the vectorised torch ops."""
+    def _kernels(self, device: torch.device, length: int) -> ModuleType | None:
+        """The kernels for chunks of ``length`` elements on ``device``, or ``None`` for the vectorised torch ops."""
         if self.backend == "torch":
             return None
         if self.backend == "triton":
@@ -285,7 +285,9 @@ class MinMaxUInt8Codec:
                 )
             return _codec_blocked
         if device.type == "cpu":
-            return _codec_blocked
+            # The blocked kernels loop over chunks in Python: below a block per chunk, the vectorised ops are faster
+            # (``benchmarks/codec_throughput.py --cpu --chunks 8 256 --backends torch blocked``).
+            return _codec_blocked if length >= _codec_blocked.BLOCK else None
         return _triton_kernels() if device.type == "cuda" and _triton_available() else None
 
     def _check_encoded(self, encoded: Tensor, dtype: torch.dtype) -> tuple[int, int]:
@@ -304,7 +306,7 @@ class MinMaxUInt8Codec:
             return
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device)
+        kernels = self._kernels(encoded.device, encoded.shape[1] - self.HEADER_BYTES)
         if kernels is not None:
             kernels.decode(encoded, out, numel, self.eps, self.HEADER_BYTES)
         else:
