@@ -16,11 +16,11 @@ Methods:
 
 More methods, not run by default (name them with ``--methods``; ``benchmarks/time_to_accuracy.py`` runs them all):
 
-- ``ddp_fp16``, ``ddp_powersgd_r1``, ``ddp_powersgd_r4``: DDP with torch's ``fp16_compress_hook`` or PowerSGD hook
+- ``ddp_fp16``, ``ddp_powersgd_r1``, ``_r4``, ``_r8``: DDP with torch's ``fp16_compress_hook`` or PowerSGD hook
   (rank 1 or 4), passed as a Lightning user does (``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``).
   Lightning registers DDP hooks on CUDA only, so these run under ``CPUCommHookDDPStrategy``, which registers the
   hook on CPU too and counts its calls: a run whose hook never ran, or whose PowerSGD never compressed, fails;
-- ``low_rank_r1``, ``low_rank_r4``: the engine's ``low_rank`` algorithm at rank 1 or 4, where the engine has it.
+- ``low_rank_r1``, ``_r4``, ``_r8``: the engine's ``low_rank`` algorithm at rank 1, 4 or 8, where the engine has it.
 
 PowerSGD and ``low_rank`` compress after the same uncompressed start, a twentieth of the steps (at least 2).
 
@@ -86,7 +86,7 @@ from train import DigitsClassifier, load_data
 
 # The network lab names methods the same way (``low_rank_r4``): one parser for both.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from network_lab import split_rank
+from network_lab import LOW_RANK_RANKS, split_rank
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,8 @@ METHODS = (
     "qadam",
 )
 # DDP with torch's communication hooks, set up as a Lightning user would (``DDPStrategy(ddp_comm_hook=...)``).
-HOOK_METHODS = ("ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4")
+HOOK_METHODS = ("ddp_fp16", *(f"ddp_powersgd_r{rank}" for rank in LOW_RANK_RANKS))
 HOOK_TIMEOUT_S = 180  # the collective timeout of the hook methods' process group
-LOW_RANK_RANKS = (1, 4)  # the ranks of ``low_rank`` and of DDP's PowerSGD that are compared
 ADAM_METHODS = frozenset({"ddp_adam", "qadam"})
 # Run with hierarchical=False: on one node the hierarchical form only averages inside the node at full precision.
 FLAT = {"bytegrad", "qadam", "decentralized", "low_precision_decentralized"}

@@ -16,10 +16,10 @@ with its error, shown as "failed", and the rest goes on.
   under the same load as the other methods);
 - ``ddp``: torch's DistributedDataParallel, the engine under Lightning's ``strategy="ddp"``;
 - ``ddp_fp16``: DDP with torch's ``fp16_compress_hook``;
-- ``ddp_powersgd``, ``ddp_powersgd_r4``: DDP with torch's PowerSGD hook at rank 1 and 4 (after two uncompressed
-  steps, inside the warm-up);
+- ``ddp_powersgd``, ``ddp_powersgd_r4``, ``ddp_powersgd_r8``: DDP with torch's PowerSGD hook at rank 1, 4 and 8
+  (after two uncompressed steps, inside the warm-up);
 - every algorithm of :mod:`lightning_bagua.engine` under ``BaguaDistributedDataParallel``, with its defaults;
-  one that takes ``rank`` (``low_rank``) runs at rank 1 and 4 (``low_rank_r1``, ``low_rank_r4``);
+  one that takes ``rank`` (``low_rank``) runs at rank 1, 4 and 8 (``low_rank_r1``, ``low_rank_r4``, ``low_rank_r8``);
   with several ranks per host, each algorithm that takes ``hierarchical`` runs twice instead, as
   ``name:flat`` and ``name:hierarchical`` (reduce inside the host, communicate between hosts' leaders only).
 - ``ddp_adam`` (DDP with Adam, qadam's baseline) and ``ddp_powersgd_r1`` (= ``ddp_powersgd``) on request.
@@ -71,7 +71,8 @@ from torch import nn
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
 # DDP, with torch's fp16 and PowerSGD hooks; ``ddp_powersgd`` is rank 1, ``ddp_powersgd_r<k>`` rank k.
-DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd_r4")
+LOW_RANK_RANKS = (1, 4, 8)  # the ranks of ``low_rank`` and of DDP's PowerSGD that are compared
+DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd", *(f"ddp_powersgd_r{rank}" for rank in LOW_RANK_RANKS if rank > 1))
 ADAM_METHODS = ("ddp_adam",)  # DDP with Adam: what qadam is compared with
 EXTRA_METHODS = (*ADAM_METHODS, "ddp_powersgd_r1")  # accepted, not in the default list
 RATES = ("100mbit", "1gbit", "10gbit", "unshaped")
@@ -91,7 +92,7 @@ def make_model(width: int, depth: int) -> nn.Module:
 def all_methods(ranks_per_host: int = 1) -> list[str]:
     """Every method; with several ranks per host, hierarchical-capable algorithms as ``:flat`` and ``:hierarchical``.
 
-    An algorithm that takes ``rank`` (``low_rank``) runs at rank 1 and 4, as ``name_r1`` and ``name_r4``.
+    An algorithm that takes ``rank`` (``low_rank``) runs at every rank of ``LOW_RANK_RANKS``, as ``name_r<k>``.
     """
     from lightning_bagua.engine import available_algorithms
     from lightning_bagua.engine.algorithms.base import algorithm_class
@@ -99,7 +100,7 @@ def all_methods(ranks_per_host: int = 1) -> list[str]:
     methods = ["single", *DDP_METHODS]
     for name in available_algorithms():
         keywords = algorithm_class(name).keywords()
-        names = [f"{name}_r{rank}" for rank in (1, 4)] if "rank" in keywords else [name]
+        names = [f"{name}_r{rank}" for rank in LOW_RANK_RANKS] if "rank" in keywords else [name]
         # With one rank per host every rank is its node's leader, and both variants would move the same bytes.
         if ranks_per_host > 1 and "hierarchical" in keywords:
             methods += [f"{each}:{variant}" for each in names for variant in ("flat", "hierarchical")]

@@ -19,11 +19,11 @@ compressed step's time). The **communication overhead** of a method is its media
 ``single`` step (every rank stepping without communication, measured in the same rounds); for a method at a
 PowerSGD rank (``low_rank_r<k>``) it is also given as a ratio to ``ddp_powersgd_r<k>``'s at the same rate.
 
-Methods: ``ddp``, ``ddp_fp16`` (torch's ``fp16_compress_hook``), ``ddp_powersgd_r1`` and ``ddp_powersgd_r4``
+Methods: ``ddp``, ``ddp_fp16`` (torch's ``fp16_compress_hook``), ``ddp_powersgd_r1``, ``_r4`` and ``_r8``
 (torch's PowerSGD hook, set up as a Lightning user would with ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``;
 Lightning registers hooks on CUDA only, so convergence.py registers them on CPU itself and checks that they ran),
 ``gradient_allreduce``, ``bytegrad``, ``decentralized``, ``low_precision_decentralized``, ``async``, ``ddp_adam``
-and ``qadam``, and ``low_rank_r1`` and ``low_rank_r4`` where the engine has ``low_rank``. In the two-by-two
+and ``qadam``, and ``low_rank_r1``, ``_r4`` and ``_r8`` where the engine has ``low_rank``. In the two-by-two
 layout every algorithm that takes ``hierarchical`` is timed as ``:flat`` and ``:hierarchical``.
 
 The learning curves come from two processes (a per-process batch of B). The two-by-two lab halves the per-rank

@@ -347,7 +347,7 @@ def test_bad_keywords_name_the_value(kwargs, error, shown):
 def test_bad_state_names_the_keys():
     algorithm = LowRankAlgorithm(rank=RANK)
     assert repr(algorithm) == "LowRankAlgorithm(rank=2, warmup_steps=10, hierarchical=True, average=True)"
-    assert Algorithm.init("low_rank") == LowRankAlgorithm(rank=4, warmup_steps=10, hierarchical=True, average=True)
+    assert Algorithm.init("low_rank") == LowRankAlgorithm(rank=8, warmup_steps=10, hierarchical=True, average=True)
     # Checked without a process group: the impl validates against the shapes it was given.
     from lightning_bagua.engine.algorithms.base import AlgorithmContext
     from lightning_bagua.engine.communication import (

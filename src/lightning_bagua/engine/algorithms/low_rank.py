@@ -267,7 +267,7 @@ class LowRankAlgorithm(Algorithm):
     single_node_effect = "nothing is compressed: every bucket is all-reduced at full precision"
     impl_class = LowRankImpl
 
-    def __init__(self, rank: int = 4, warmup_steps: int = 10, hierarchical: bool = True, average: bool = True) -> None:
+    def __init__(self, rank: int = 8, warmup_steps: int = 10, hierarchical: bool = True, average: bool = True) -> None:
         check_positive_int(self.name, "rank", rank)
         check_keyword_type(self.name, "warmup_steps", warmup_steps, int)
         if warmup_steps < 0:
@@ -305,7 +305,7 @@ class LowRankState(HookState):
         last_compressed: whether the last bucket handed over was compressed (``None`` before one).
     """
 
-    rank: int = 4
+    rank: int = 8
     warmup_steps: int = 10
     average: bool = True
     hierarchical: bool = True
