@@ -181,6 +181,38 @@ def test_executor_runs_cpu_jobs_in_submission_order_off_the_calling_thread():
     assert not any(thread.name == "bagua-communication" for thread in threading.enumerate())
 
 
+def test_executor_runs_the_last_job_inline_only_when_nothing_is_unfinished():
+    executor = OrderedExecutor(torch.device("cpu"))
+    order: list[tuple[int, str]] = []
+    release = threading.Event()
+
+    def job(index: int) -> torch.Tensor:
+        if index == 0:
+            release.wait(5)
+        order.append((index, threading.current_thread().name))
+        return torch.tensor([index])
+
+    # Behind an unfinished job, the last bucket queues: it must not overtake it.
+    first = executor.submit(lambda: job(0))
+    second = executor.submit(lambda: job(1), last=True)
+    release.set()
+    assert [int(first.wait()), int(second.wait())] == [0, 1]
+    assert order == [(0, "bagua-communication"), (1, "bagua-communication")]
+    # With nothing unfinished it runs in the calling thread, its future already complete; a failure still
+    # reaches the future instead of the caller.
+    inline = executor.submit(lambda: job(2), last=True)
+    assert inline.done()
+    assert int(inline.wait()) == 2
+    assert order[-1] == (2, threading.current_thread().name)
+
+    def failing() -> torch.Tensor:
+        raise RuntimeError("collective timed out")
+
+    with pytest.raises(RuntimeError, match="collective timed out"):
+        executor.submit(failing, last=True).wait()
+    executor.close()
+
+
 def test_executor_hands_a_failed_job_to_the_future_and_keeps_working():
     executor = OrderedExecutor(torch.device("cpu"))
 

@@ -459,7 +459,8 @@ class OrderedExecutor:
     needs several dependent collectives per bucket must issue them in that same order on every rank, yet
     without blocking backward. On CUDA the collectives are asynchronous with respect to the host already, so
     jobs run inline; on CPU (Gloo) a job blocks while it communicates, so jobs run on one worker thread per
-    executor, first in first out, and backward carries on meanwhile.
+    executor, first in first out, and backward carries on meanwhile. The step's last bucket runs in the
+    submitting thread when the worker has nothing unfinished: backward is over, so there is nothing to overlap.
 
     Args:
         device: the device the gradients live on.
@@ -470,17 +471,21 @@ class OrderedExecutor:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Tensor], torch.futures.Future] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._unfinished = 0  # jobs queued or running on the worker
 
     @property
     def runs_inline(self) -> bool:
         """Whether jobs run in the submitting thread (on CUDA)."""
         return self._device.type == "cuda"
 
-    def submit(self, job: Callable[[], Tensor]) -> torch.futures.Future:
+    def submit(self, job: Callable[[], Tensor], last: bool = False) -> torch.futures.Future:
         """Queue ``job`` and return a future of its result; an exception in the job fails the future.
 
         Args:
             job: a callable that issues the collectives, waits for them, and returns the result tensor.
+            last: the job is the step's last bucket. If no earlier job is unfinished it runs in the submitting
+                thread: backward has nothing left to overlap with it, and on a loaded CPU each hand-over to the
+                worker and back can cost a scheduler time slice.
 
         Returns:
             A future completed with the job's tensor (wrapped for DDP's reducer on CUDA).
@@ -490,6 +495,13 @@ class OrderedExecutor:
             future.set_result(job())
             return future
         future = torch.futures.Future()
+        with self._lock:
+            inline = last and self._unfinished == 0
+            if not inline:
+                self._unfinished += 1
+        if inline:
+            _run_into(job, future)
+            return future
         self._ensure_worker()
         self._queue.put((job, future))
         return future
@@ -514,12 +526,19 @@ class OrderedExecutor:
             if item is None:
                 return
             job, future = item
-            try:
-                result = job()
-            except BaseException as error:  # a failed collective must reach the reducer, not die with the thread
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+            _run_into(job, future)
+            with self._lock:
+                self._unfinished -= 1
+
+
+def _run_into(job: Callable[[], Tensor], future: torch.futures.Future) -> None:
+    """Run ``job`` and complete ``future`` with its result or its exception."""
+    try:
+        result = job()
+    except BaseException as error:  # a failed collective must reach the reducer, not die with the thread
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def all_reduce_hierarchically(

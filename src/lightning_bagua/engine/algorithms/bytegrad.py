@@ -92,7 +92,7 @@ def bytegrad_hook(state: ByteGradState, bucket: dist.GradBucket) -> torch.future
     """
     buffer = bucket.buffer()
     # Looked up at call time, so that a test can observe every bucket's input and output.
-    return state.executor.submit(lambda: reduce_bucket(state, buffer))
+    return state.executor.submit(lambda: reduce_bucket(state, buffer), last=bucket.is_last())
 
 
 def reduce_bucket(state: ByteGradState, buffer: Tensor) -> Tensor:

@@ -93,7 +93,7 @@ def gradient_allreduce_hook(
     if state.average:
         buffer.div_(state.groups.world_size)
     if state.groups.is_hierarchical:
-        return state.executor.submit(lambda: _all_reduce_two_level(state, buffer))
+        return state.executor.submit(lambda: _all_reduce_two_level(state, buffer), last=bucket.is_last())
     state.counter.record("all_reduce", buffer)
     work = dist.all_reduce(buffer, group=state.groups.flat, async_op=True)
     return work.get_future().then(_first_tensor)

@@ -448,7 +448,7 @@ def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
     buffer = bucket.buffer()
     slots = state.plan(bucket.parameters(), buffer.element_size())
     # Looked up at call time, so that a test can observe every bucket's input and output.
-    return state.executor.submit(lambda: reduce_bucket(state, buffer, slots))
+    return state.executor.submit(lambda: reduce_bucket(state, buffer, slots), last=bucket.is_last())
 
 
 def reduce_bucket(state: LowRankState, buffer: Tensor, slots: list[TensorSlot]) -> Tensor:

@@ -400,7 +400,7 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
         optimizer.set_synchronized_momentum(params, momentum)
         return buffer
 
-    return state.executor.submit(job)
+    return state.executor.submit(job, last=bucket.is_last())
 
 
 def check_qadam_configuration(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any]) -> None:
