@@ -89,3 +89,21 @@ def test_a_non_finite_segment_decodes_to_nan_and_leaves_the_others():
 def test_empty_segments_are_refused(segments):
     with pytest.raises(ValueError, match="at least one element and one chunk"):
         SegmentLayout(segments, start=0, eps=CODEC.eps)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_message_and_the_sums_are_those_of_the_cpu():
+    generator = torch.Generator().manual_seed(99)
+    segments, values = random_segments(generator)
+    values[0][0] = math.nan
+    layout = SegmentLayout(segments, start=8, eps=CODEC.eps)
+    flat = torch.cat(values)
+    on_cpu = torch.zeros(8 + layout.nbytes, dtype=torch.uint8)
+    layout.encode_into(flat, on_cpu)
+    on_gpu = torch.zeros(8 + layout.nbytes, dtype=torch.uint8, device="cuda")
+    layout.encode_into(flat.cuda(), on_gpu)
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    rows = torch.stack([on_cpu, on_cpu])
+    torch.testing.assert_close(
+        layout.decode_sum(rows.cuda()).cpu(), layout.decode_sum(rows), rtol=0, atol=0, equal_nan=True
+    )
