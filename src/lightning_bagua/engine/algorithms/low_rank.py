@@ -14,7 +14,8 @@ than torch's ``powerSGD_hook`` in four ways:
   the ranks' collectives can never interleave differently.
 
 Quantisation acts per tensor (every factor has its own codec chunks), so the result does not depend on how the
-reducer cut the gradients into buckets: the error-feedback and warm-start state is kept per parameter name.
+reducer cut the gradients into buckets beyond float rounding (the orthonormalisation is batched over a bucket's
+gradients of the same row count): the error-feedback and warm-start state is kept per parameter name.
 """
 
 import logging
@@ -365,24 +366,25 @@ class LowRankState(HookState):
             torch.add(gradient, error, out=m)
         return m
 
-    def finish(self, slot: TensorSlot, gradient: Tensor, m: Tensor, p_hat: Tensor, q: Tensor) -> None:
-        """Write ``G_hat = P_hat Q^T`` into ``gradient``; keep ``e = M - G_hat`` and ``Q`` if ``G_hat`` is finite.
+    def finish(self, slot: TensorSlot, gradient: Tensor, m: Tensor, p_hat: Tensor, q: Tensor, finite: Tensor) -> None:
+        """Write ``G_hat = P_hat Q^T`` into ``gradient``; keep ``e = M - G_hat`` and ``Q`` if ``finite``.
 
-        ``G_hat`` is finite when ``P_hat`` is (its columns have norm one or zero) and ``Q``'s entries are below
-        ``float32 max / r``, which bounds every entry of ``G_hat``: a check of the small factors, not of ``n x m``
-        elements.
+        Args:
+            slot: the gradient's slot.
+            gradient: its view in the bucket.
+            m: its ``M``, which becomes the new error in place.
+            p_hat: ``P_hat`` (``n x r``).
+            q: ``Q`` (``m x r``), averaged if ``average``.
+            finite: a boolean scalar tensor, whether the bucket's results are finite (see :func:`_finite`).
         """
         if gradient.dtype == torch.float32:
             torch.mm(p_hat, q.T, out=gradient)
-            m.addmm_(p_hat, q.T, alpha=-1.0)  # M becomes the new error in place
+            m.addmm_(p_hat, q.T, alpha=-1.0)
         else:
             approximation = p_hat @ q.T
             gradient.copy_(approximation)
             m.sub_(approximation)
         q = q.contiguous()
-        bound = torch.finfo(torch.float32).max / self.rank
-        # NaN fails the comparison, so a NaN in Q (or in P_hat, which spreads into Q) reads as not finite.
-        finite = (q.abs().amax() < bound) & torch.isfinite(p_hat).all()
         previous = self.errors.get(slot.name)
         if m.device.type == "cpu":
             if bool(finite):
@@ -422,7 +424,8 @@ def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
        ``Q = sum_i D(C(Q_i))``, divided by ``N`` if ``average``.
     7. Reconstruct: ``G_hat = P_hat Q^T`` is written into the bucket; ``e_i = M_i - G_hat`` and ``Q`` are kept for
        the next step. If ``G_hat`` is not finite (an overflowing gradient a ``GradScaler`` will skip), ``e_i`` and
-       ``Q`` keep their previous values (checked on the factors: ``P_hat`` finite and ``|Q| < float32 max / r``).
+       ``Q`` of the bucket's gradients keep their previous values (checked on the factors: ``P`` finite and
+       ``|Q| < float32 max / r``).
 
     The host work per bucket does not grow with the number of gradients in it: each message's factors are encoded
     in one pass (:class:`~lightning_bagua.engine._codec_segments.SegmentLayout`, the same bytes as one codec call
@@ -508,11 +511,16 @@ def low_rank_reduce_(
         return tensor
     p_sums = plan.p_layout.decode_sum(gathered)
 
-    # Step 4, one gradient at a time: batching by shape would make the rounding depend on the bucket layout.
-    p_hats = [
-        orthonormalise_columns(p_sums[offset : offset + slot.rows * rank].view(rank, slot.rows).T.unsqueeze(0))[0]
-        for slot, offset in zip(plan.factored, plan.p_offsets, strict=True)
-    ]
+    # Step 4, batched over the gradients with the same number of rows: a few launches per bucket, not per gradient.
+    p_hats: list[Tensor] = [p_sums] * len(plan.factored)
+    for members in plan.same_rows:
+        rows = plan.factored[members[0]].rows
+        columns = [p_sums[plan.p_offsets[i] : plan.p_offsets[i] + rows * rank].view(rank, rows).T for i in members]
+        # A lone gradient is orthonormalised in place, as a batch of one: no copy.
+        stacked = torch.stack(columns) if len(columns) > 1 else columns[0].unsqueeze(0)
+        orthonormalise_columns(stacked)
+        for position, i in enumerate(members):
+            p_hats[i] = stacked[position]
 
     # Steps 5-6: Q_i^T = P_hat^T M_i straight into the flat factor buffer.
     q_flat = torch.empty(plan.q_elements, dtype=torch.float32, device=tensor.device)
@@ -526,10 +534,23 @@ def low_rank_reduce_(
         q_sums.div_(n)
 
     # Step 7.
+    finite = _finite(p_sums, q_sums, rank)
     for slot, view, m, p_hat, offset in zip(plan.factored, views, corrected, p_hats, plan.q_offsets, strict=True):
         q = q_sums[offset : offset + slot.cols * rank].view(rank, slot.cols).T
-        state.finish(slot, view, m, p_hat, q)
+        state.finish(slot, view, m, p_hat, q, finite)
     return tensor
+
+
+def _finite(p_sums: Tensor, q_sums: Tensor, rank: int) -> Tensor:
+    """Whether every ``G_hat = P_hat Q^T`` of a bucket is finite, from its factors alone (a boolean scalar tensor).
+
+    ``P_hat`` is finite where ``P`` is (its columns have norm one or zero), so each entry of ``G_hat`` is at most
+    ``r`` times ``Q``'s largest entry: ``|Q| < float32 max / r`` keeps it finite. NaN fails the comparison. One
+    check per bucket: a non-finite gradient (a step a ``GradScaler`` skips) leaves the whole bucket's state as it
+    was.
+    """
+    bound = torch.finfo(torch.float32).max / rank
+    return torch.isfinite(p_sums).all() & (q_sums.abs().amax() < bound)
 
 
 @dataclass
@@ -537,6 +558,7 @@ class _BucketPlan:
     """How one bucket layout travels: the factored slots, the exact tensors' elements and both messages' layouts."""
 
     factored: list[TensorSlot]
+    same_rows: list[list[int]]  # indices into ``factored`` grouped by row count, for batched orthonormalisation
     exact_index: Tensor | None
     exact_bytes: int
     p_offsets: list[int]
@@ -582,8 +604,12 @@ def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinM
     first_share = exact_bytes + sum(
         slot.numel * element_size * slot.rows // (slot.rows + slot.cols) for slot in factored
     )
+    same_rows: dict[int, list[int]] = {}
+    for index, slot in enumerate(factored):
+        same_rows.setdefault(slot.rows, []).append(index)
     return _BucketPlan(
         factored=factored,
+        same_rows=list(same_rows.values()),
         exact_index=exact_index,
         exact_bytes=exact_bytes,
         p_offsets=p_offsets,
