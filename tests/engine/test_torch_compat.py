@@ -1,13 +1,15 @@
-"""`_torch_compat.store_has_key` on every store type, through both of its branches, without waiting."""
+"""`_torch_compat`: `store_has_key` on every store type, through both of its branches, without waiting;
+`destroy_process_group` while a Python callback of the group's work is still pending."""
 
 import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from lightning_bagua.engine._torch_compat import store_has_key
-from tests.distributed import free_port
+from lightning_bagua.engine._torch_compat import destroy_process_group, store_has_key
+from tests.distributed import free_port, run_processes
 
 
 class _StoreWithoutCheck:
@@ -41,3 +43,23 @@ def test_store_has_key_answers_at_once_and_creates_nothing(tmp_path, kind, witho
     assert store_has_key(looked_at, "rank1")  # type: ignore[arg-type]
     assert not store_has_key(looked_at, "rank0")  # type: ignore[arg-type]
     assert store.get("rank1") == b"RuntimeError: boom"
+
+
+def _free_a_group_whose_work_has_a_python_callback(rank: int, world_size: int) -> float:
+    group = dist.new_group(list(range(world_size)))
+    tensor = torch.ones(4)
+    if rank == 1:
+        time.sleep(2)  # rank 0 frees its group while its all-reduce still waits for this rank
+        dist.all_reduce(tensor, group=group)
+        return tensor.sum().item()
+    future = dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda done: done.value()[0] * 2)
+    destroy_process_group(group)
+    # The last reference: freeing the group joins its Gloo worker, which runs and then lets go of the callback
+    # above once rank 1 joins. On torch 2.2 with `dist.destroy_process_group` this line never returned.
+    del group
+    return future.wait().sum().item()
+
+
+def test_freeing_a_destroyed_group_waits_for_its_python_callbacks_without_deadlock():
+    # On a deadlock rank 0 never reports: the call fails after its timeout (twice over, as it waits for the exit).
+    assert run_processes(_free_a_group_whose_work_has_a_python_callback, 2, timeout=30) == [16.0, 8.0]

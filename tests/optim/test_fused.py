@@ -6,12 +6,14 @@ import warnings
 
 import pytest
 import torch
+from packaging.version import Version
 from torch import nn
 
 from lightning_bagua import fuse_optimizer
 from tests.distributed import assert_ranks_identical, run_processes
 
 STEPS = 24
+TORCH = Version(torch.__version__).release
 # Odd sizes, a 0-d and a 1-element tensor, a size-1 dimension, and a channels-last 4-d tensor.
 SHAPES = [(7,), (3, 5), (), (1,), (33,), (2, 3, 4), (17, 19), (129,), (4, 1, 3), (2, 3, 2, 2)]
 
@@ -52,7 +54,14 @@ def assert_same_state(reference: torch.optim.Optimizer, fused: torch.optim.Optim
     for index, entries in expected["state"].items():
         assert entries.keys() == actual["state"][index].keys()
         for key, value in entries.items():
-            assert_same([value], [actual["state"][index][key]], exact)
+            other = actual["state"][index][key]
+            if isinstance(value, torch.Tensor):
+                assert_same([value], [other], exact)
+            else:
+                # torch 2.2 keeps some entries as None (SGD's momentum_buffer without momentum) or as Python
+                # numbers (the step of RMSprop, Adadelta, Rprop); the fused optimizer must keep the same.
+                assert type(other) is type(value), (index, key, value, other)
+                assert other == value, (index, key, value, other)
 
 
 CASES = [
@@ -103,6 +112,9 @@ def test_fused_steps_equal_unfused_steps_bitwise(case):
     assert len(storages) == 1, pointers
 
 
+@pytest.mark.skipif(
+    TORCH < (2, 4), reason="torch 2.4 added fused=True on CPU (Adam, AdamW, SGD, Adagrad); these tests run on CPU"
+)
 @pytest.mark.parametrize(
     ("cls", "kwargs"),
     [
@@ -429,7 +441,10 @@ class MyAdam(torch.optim.Adam):
     [
         lambda params: torch.optim.LBFGS(params),
         lambda params: torch.optim.SparseAdam(params),
-        lambda params: torch.optim.Adafactor(params),
+        pytest.param(
+            lambda params: torch.optim.Adafactor(params),
+            marks=pytest.mark.skipif(TORCH < (2, 5), reason="torch 2.5 added torch.optim.Adafactor"),
+        ),
         lambda params: MyAdam(params),
     ],
     ids=["LBFGS", "SparseAdam", "Adafactor", "subclass"],

@@ -6,15 +6,18 @@ function was checked on torch 2.2 and 2.13 (the floor and the newest that ran); 
 this module changes.
 """
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 from torch.optim import Optimizer
 
 __all__ = [
     "default_store",
+    "destroy_process_group",
     "first_bucket_capped_at",
     "mark_optimizer_stepped",
     "queue_backward_callback",
@@ -23,6 +26,10 @@ __all__ = [
 
 # A value no key of the store holds: `store_has_key` compares against it.
 _NO_VALUE = "\0lightning_bagua: no value\0"
+
+# Whether the Python `ProcessGroup` object frees its C++ group with the GIL released: from torch 2.8 on
+# (pytorch/pytorch#154976); see `destroy_process_group`.
+_GROUP_FREED_WITHOUT_GIL = Version(torch.__version__).release >= (2, 8)
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -113,3 +120,31 @@ def first_bucket_capped_at(bucket_cap_mb: float) -> Iterator[None]:
         yield
     finally:
         dist._DEFAULT_FIRST_BUCKET_BYTES = default
+
+
+def destroy_process_group(group: dist.ProcessGroup) -> None:
+    """Destroy ``group`` as ``dist.destroy_process_group`` does, so that freeing it later cannot deadlock.
+
+    When the last reference to a group goes, its Gloo backend's destructor joins the backend's worker threads. A
+    worker may still be finishing a work whose future had a Python callback (a communication hook's ``then``),
+    and it needs the GIL to let go of that callback.
+
+    - torch 2.2 to 2.7 (2.2 checked): the Python ``ProcessGroup`` object frees the C++ group with the GIL held, so
+      such a worker and the thread freeing the group wait for each other forever. It happened at eight Gloo ranks
+      on a loaded machine, as the frame holding a finished model's groups unwound. The backends' own Python objects
+      are freed with the GIL released (torch binds ``ProcessGroupGloo`` and ``ProcessGroupNCCL`` so, unlike
+      ``ProcessGroup``): a reference to each backend is kept until the group's Python object is gone, so that the
+      backend is freed last, through its own object, without the GIL. ``ProcessGroup._get_backend`` and
+      ``_device_types`` are private; both exist from torch 2.1 through 2.13.
+    - torch 2.8 and later (2.13 checked): the ``ProcessGroup`` object is freed with the GIL released; torch's
+      function is enough.
+
+    Args:
+        group: a group from ``dist.new_group``, or what it returns on ranks outside the group.
+    """
+    if not _GROUP_FREED_WITHOUT_GIL and isinstance(group, dist.ProcessGroup):
+        backends = {id(backend): backend for backend in map(group._get_backend, group._device_types)}
+        # Called when the group's Python object is freed, after it let go of the C++ group; `clear` drops the
+        # last references to the backends there, which free them without the GIL.
+        weakref.finalize(group, list(backends.values()).clear)
+    dist.destroy_process_group(group)

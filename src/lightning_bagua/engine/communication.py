@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_bagua.engine._torch_compat import destroy_process_group
+
 __all__ = [
     "CommunicationCounter",
     "CommunicationGroups",
@@ -448,7 +450,7 @@ class CommunicationGroups:
         """Destroy the communicators this object created; safe to call twice."""
         if dist.is_initialized():
             for group in self._owned:
-                dist.destroy_process_group(group)
+                destroy_process_group(group)
         self._owned.clear()
 
 

@@ -166,6 +166,15 @@ class _Run:
     ``scalars`` (one 0-d tensor each). Each parameter's own state entries are views into those buffers, and its
     scalar entries views into a ``[len(params)]`` table per key, so that ``optimizer.state`` stays complete and in
     torch's format, and one copy per key brings the scalars up to date after a fused step.
+
+    The state takes whatever form the optimizer gives it, since that form differs between torch releases:
+
+    - A scalar entry the optimizer keeps as a Python number rather than a 0-d tensor (the step count of
+      ``RMSprop``, ``Adadelta`` and ``Rprop`` in torch 2.2, checked; a 0-d tensor in the releases after
+      pytorch/pytorch#122007 of March 2024, 2.13 checked) is kept in ``numbers``, and every parameter's entry is
+      that number.
+    - A parameter-shaped entry the optimizer sets to ``None`` (``SGD``'s ``momentum_buffer`` without momentum in
+      torch 2.2, checked; later releases, 2.13 checked, record no entry) is ``None`` for every parameter too.
     """
 
     def __init__(
@@ -188,6 +197,7 @@ class _Run:
         self.scalars: dict[str, Tensor] = {}
         self.tables: dict[str, Tensor] = {}
         self.table_views: dict[str, list[Tensor]] = {}
+        self.numbers: dict[str, int | float] = {}
         # Per-parameter state may no longer be views of the buffers (after load_state_dict(), step(), or a
         # tensor-by-tensor fuse_step); verified before the next fused step.
         self.state_dirty = True
@@ -257,8 +267,14 @@ class _Run:
                                f" {sorted(self.elementwise_keys | self.scalar_keys)}.")  # fmt: skip
         for key in keys & self.scalar_keys:
             values = [entry[key] for entry in entries]
+            if all(_is_number(value) for value in values):
+                if any(value != values[0] for value in values[1:]):
+                    return False  # e.g. step counts differ: one update cannot serve all
+                self._set_number(key, values[0], state)
+                continue
             if not all(isinstance(value, Tensor) and value.numel() == 1 for value in values):
                 return False
+            self.numbers.pop(key, None)
             table = self.tables.get(key)
             if table is None or table.dtype != values[0].dtype or table.device != values[0].device:
                 self._set_scalar(key, values[0].detach().reshape(()).clone(), state)
@@ -289,10 +305,12 @@ class _Run:
             del self.states[key], self.state_views[key]
         for key in set(self.scalars) - keys:
             del self.scalars[key], self.tables[key], self.table_views[key]
+        for key in set(self.numbers) - keys:
+            del self.numbers[key]
         return True
 
-    def flat_state(self) -> dict[str, Tensor]:
-        return {**self.states, **self.scalars}
+    def flat_state(self) -> dict[str, Tensor | int | float]:
+        return {**self.states, **self.scalars, **self.numbers}
 
     # ------------------------------------------------------------------------------------------ after a step
 
@@ -300,12 +318,22 @@ class _Run:
         """Take over what the step left in the flat tensor's state: new buffers, and the scalars' new values."""
         for key, value in flat_state.items():
             if key in self.elementwise_keys:
-                if value is None or value is self.states.get(key):
+                if value is None:
+                    # No buffer (SGD without momentum on torch 2.2): the parameters' entries say so as torch's do.
+                    self.states.pop(key, None)
+                    self.state_views.pop(key, None)
+                    for p in self.params:
+                        state[p][key] = None
+                    continue
+                if value is self.states.get(key):
                     continue
                 if not isinstance(value, Tensor) or value.shape != self.flat.shape:
                     raise RuntimeError(f"The optimizer left state {key!r} of an unexpected kind for a flat tensor.")
                 self._set_elementwise(key, value, state)
+            elif key in self.scalar_keys and _is_number(value):
+                self._set_number(key, value, state)
             elif key in self.scalar_keys:
+                self.numbers.pop(key, None)
                 if value is not self.scalars.get(key):
                     self._set_scalar(key, value, state)
                 self.tables[key].copy_(value.expand_as(self.tables[key]))
@@ -325,6 +353,15 @@ class _Run:
             if values is not None and values[i] is not None:
                 view.copy_(values[i])  # type: ignore[arg-type]
             state[p][key] = view
+
+    def _set_number(self, key: str, value: float, state: dict[Any, Any]) -> None:
+        # A number cannot be viewed, so each parameter gets the value itself; the next step replaces it in the
+        # flat tensor's state rather than changing it in place, and `absorb` hands the new one out again.
+        if key in self.scalars:
+            del self.scalars[key], self.tables[key], self.table_views[key]
+        self.numbers[key] = value
+        for p in self.params:
+            state[p][key] = value
 
     def _set_scalar(self, key: str, value: Tensor, state: dict[Any, Any]) -> None:
         self.scalars[key] = value
@@ -524,7 +561,7 @@ class _Fuser:
             for group, tensors in zip(groups, presented, strict=True):
                 group["params"] = tensors
             for run in fused:
-                if run.states or run.scalars:
+                if run.states or run.scalars or run.numbers:
                     state[run.flat] = run.flat_state()
             # The class's step, not `optimizer.step`: that may be routed to fuse_step itself.
             type(optimizer).step(optimizer)
@@ -555,6 +592,11 @@ def _copy_all(targets: list[Tensor], sources: list[Tensor]) -> None:
         return
     for target, source in zip(targets, sources, strict=True):
         target.copy_(source)
+
+
+def _is_number(value: object) -> bool:
+    """Whether ``value`` is a scalar state entry kept as a Python number (see :class:`_Run`)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

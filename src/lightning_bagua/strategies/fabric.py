@@ -44,7 +44,7 @@ from lightning_bagua.strategies._core.arguments import (
     telemetry_metrics,
 )
 from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
-from lightning_bagua.strategies._core.faults import install_failure_hook
+from lightning_bagua.strategies._core.faults import fail_at_exit, install_failure_hook
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
 
 __all__ = ["BaguaStrategy"]
@@ -332,7 +332,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             # Fabric has no end of run at which it tears its strategy down; engines still open when the script
             # ends are closed before the process group goes (atexit runs this before the earlier-registered
             # handler that destroys the group).
-            atexit.register(self._close_engines)
+            atexit.register(self._close_engines_at_exit)
             self._closes_at_exit = True
         if any(_updates(optimizer, wrapped) for optimizer in self._bagua_optimizers):
             self._bind(wrapped)
@@ -370,6 +370,24 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         optimizers = [optimizer for optimizer in self._bagua_optimizers if _updates(optimizer, wrapped)]
         self._check_optimizers(optimizers, [])
         wrapped.bind_optimizers(optimizers)
+
+    def _close_engines_at_exit(self) -> None:
+        """Close the engines still open when the script ends; a failure that surfaces here ends the process with 1.
+
+        Stopping an algorithm can raise a failure of its background work that nothing reported before: async
+        averaging's thread may learn that a peer died only now, when the training loop has already finished (it
+        never waits for the peers). Python would print the exception and exit with 0, so it goes through the same
+        diagnosis as an exception that ends the script (its note names the ranks that died), and then the process
+        ends with exit code 1.
+        """
+        try:
+            self._close_engines()
+        except Exception as error:  # not swallowed: reported with its diagnosis, and the process exits with 1
+            try:
+                self._handle_failure(error, script_ends=True)
+            except Exception:  # the error being reported is what must reach the screen, and the exit code
+                log.exception("lightning_bagua: diagnosing a failure at exit failed too")
+            fail_at_exit(error, self.global_rank, self.launcher)
 
     def _close_engines(self) -> None:
         modules, self._bagua_modules = self._bagua_modules, []

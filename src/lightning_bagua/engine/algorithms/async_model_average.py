@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_bagua.engine._torch_compat import queue_backward_callback
+from lightning_bagua.engine._torch_compat import destroy_process_group, queue_backward_callback
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -348,7 +348,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             if self.running:
                 log.warning("The async averaging thread is still blocked in a collective; its group is left alive.")
             elif group is not None and dist.is_initialized():
-                dist.destroy_process_group(group)
+                destroy_process_group(group)
 
     # --------------------------------------------------------------------------------------- one averaging round
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -29,6 +29,7 @@ __all__ = [
     "diagnose_failure",
     "end_children_when_the_script_fails",
     "end_launched_children",
+    "fail_at_exit",
     "init_restarted_process_group",
     "install_failure_hook",
     "join_failed_message",
@@ -221,7 +222,7 @@ def next_failure_scope() -> int:
     return next(_SCOPES)
 
 
-def leave_the_job(exception: BaseException, rank: int, launcher: Any) -> None:
+def leave_the_job(exception: BaseException, rank: int, launcher: Any) -> NoReturn:
     """End the children ``launcher`` started, print ``exception`` (with its notes), and end this process (exit code 1).
 
     For a rank that raised alone: its peers wait for it in a collective that cannot fail while this process lives,
@@ -233,7 +234,27 @@ def leave_the_job(exception: BaseException, rank: int, launcher: Any) -> None:
         rank: this process's rank.
         launcher: the strategy's launcher, or ``None``.
     """
-    end_launched_children(launcher, f"rank {rank} raised alone")
+    _end_process(exception, launcher, f"rank {rank} raised alone")
+
+
+def fail_at_exit(exception: BaseException, rank: int, launcher: Any) -> NoReturn:
+    """End this process with exit code 1 for ``exception``, raised while the interpreter exits; print it first.
+
+    Python prints an exception that an ``atexit`` handler raises and ignores it: the process would exit with 0, and
+    its launcher or job scheduler would count the run as a success. A failure that surfaces only then (async
+    averaging that learns of a dead peer when the engines are closed at exit) must end the job like any other. The
+    ``atexit`` handlers registered before the caller's do not run; the ranks ``launcher`` started are ended.
+
+    Args:
+        exception: what closing the engines raised, with a note naming the ranks at fault where one was found.
+        rank: this process's rank.
+        launcher: the strategy's launcher, or ``None``.
+    """
+    _end_process(exception, launcher, f"rank {rank} failed while its script exited")
+
+
+def _end_process(exception: BaseException, launcher: Any, reason: str) -> NoReturn:
+    end_launched_children(launcher, reason)
     sys.stdout.flush()
     traceback.print_exception(exception)
     sys.stderr.flush()
