@@ -528,18 +528,28 @@ class OrderedExecutor:
             if item is None:
                 return
             job, future = item
-            _run_into(job, future)
-            with self._lock:
-                self._unfinished -= 1
+            # Counted as finished before its future completes: whoever waits on it may submit the next step's
+            # last bucket at once, and should find nothing unfinished.
+            _run_into(job, future, before_completing=self._finished)
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._unfinished -= 1
 
 
-def _run_into(job: Callable[[], Tensor], future: torch.futures.Future) -> None:
-    """Run ``job`` and complete ``future`` with its result or its exception."""
+def _run_into(
+    job: Callable[[], Tensor], future: torch.futures.Future, before_completing: Callable[[], None] | None = None
+) -> None:
+    """Run ``job`` and complete ``future`` with its result or its exception, calling ``before_completing`` first."""
     try:
         result = job()
     except BaseException as error:  # a failed collective must reach the reducer, not die with the thread
+        if before_completing is not None:
+            before_completing()
         future.set_exception(error)
     else:
+        if before_completing is not None:
+            before_completing()
         future.set_result(result)
 
 
