@@ -20,7 +20,7 @@ import threading
 import torch
 from torch import Tensor
 
-from lightning_bagua.engine._codec_params import LEVELS, decode_params, encode_params
+from lightning_bagua.engine._codec_params import LEVELS, decode_params, encode_params, range_header
 
 __all__ = ["BLOCK", "compress", "decode", "decode_add", "decode_sum"]
 
@@ -54,9 +54,7 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
     finite, scale, lower, varying = _header_params(lo, hi, eps)
 
     encoded = torch.empty((num_chunks, header_bytes + length), dtype=torch.uint8)
-    nan = torch.full_like(lo, float("nan"))
-    header = torch.stack((torch.where(finite, lo, nan), torch.where(finite, hi, nan)), dim=1)
-    encoded[:, :8].copy_(header.view(torch.uint8))
+    encoded[:, :8].copy_(range_header(lo, hi, finite))
     encoded[:, 8:header_bytes].zero_()
     payload = encoded[:, header_bytes:]
     scales, lowers, quantised = scale.tolist(), lower.tolist(), varying.tolist()

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["LEVELS", "decode_params", "encode_params"]
+__all__ = ["LEVELS", "decode_params", "encode_params", "quantise_rows_", "range_header"]
 
 LEVELS = 255.0
 """The largest code: codes run from 0 to 255."""
@@ -34,3 +34,17 @@ def decode_params(lo: Tensor, hi: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     b = torch.where(constant, lo, b)
     nan = torch.full_like(a, math.nan)
     return torch.where(finite, a, nan), torch.where(finite, b, nan)
+
+
+def quantise_rows_(values: Tensor, scale: Tensor, lower: Tensor) -> Tensor:
+    """``values = clamp(round(values * scale) - lower, 0, 255)`` in place, per row (``scale``, ``lower``: one per row).
+
+    ``min(round(v * scale), upper) - lower == min(round(v * scale) - lower, 255)``: the clamp covers both.
+    """
+    return values.mul_(scale.unsqueeze(1)).round_().sub_(lower.unsqueeze(1)).clamp_(0.0, LEVELS)
+
+
+def range_header(lo: Tensor, hi: Tensor, finite: Tensor) -> Tensor:
+    """The first 8 header bytes of every chunk, ``(chunks, 8)`` uint8: ``lo`` and ``hi``, both NaN if not finite."""
+    nan = torch.full_like(lo, math.nan)
+    return torch.stack((torch.where(finite, lo, nan), torch.where(finite, hi, nan)), dim=1).view(torch.uint8)

@@ -11,17 +11,17 @@ encode all of them, and one gather and one vectorised decode read them back. The
 segment's last element, which is what the codec pads with, and which never widens a chunk's range.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_bagua.engine._codec_params import LEVELS, decode_params, encode_params
+from lightning_bagua.engine._codec_params import decode_params, encode_params, quantise_rows_, range_header
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
 __all__ = ["SegmentLayout"]
 
-_HEADER_BYTES = 32  # MinMaxUInt8Codec.HEADER_BYTES (the codec module imports nothing from here)
+_HEADER_BYTES = MinMaxUInt8Codec.HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,11 @@ class SegmentLayout:
         # On CPU, amin + amax (vectorised) beat aminmax along a dim; NaN propagates into both.
         lo, hi = torch.aminmax(values, dim=1) if values.is_cuda else (values.amin(dim=1), values.amax(dim=1))
         finite, scale, lower = encode_params(lo, hi, self.eps)
-        values.mul_(scale.unsqueeze(1)).round_().sub_(lower.unsqueeze(1)).clamp_(0.0, LEVELS)
+        quantise_rows_(values, scale, lower)
         # Non-finite rows hold NaN codes and constant rows ignore theirs: both carry zeros.
         values.masked_fill_((~finite | (hi == lo)).unsqueeze(1), 0.0)
         codes = values.to(torch.int32).to(torch.uint8)  # float32 -> uint8 directly is a slow scalar path on CPU
-        nan = torch.full_like(lo, math.nan)
-        header = torch.stack((torch.where(finite, lo, nan), torch.where(finite, hi, nan)), dim=1)
-        message[indices.header_target] = header.view(torch.uint8).view(-1)
+        message[indices.header_target] = range_header(lo, hi, finite).view(-1)
         message[indices.code_target] = codes.view(-1)[indices.code_source]
 
     def decode_sum(self, gathered: Tensor) -> Tensor:

@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from lightning_bagua.engine import _codec_blocked
-from lightning_bagua.engine._codec_params import LEVELS as _LEVELS
 from lightning_bagua.engine._codec_params import decode_params as _decode_params
 from lightning_bagua.engine._codec_params import encode_params as _encode_params
+from lightning_bagua.engine._codec_params import quantise_rows_ as _quantise_rows_
+from lightning_bagua.engine._codec_params import range_header as _range_header
 
 __all__ = ["CodecBackend", "MinMaxUInt8Codec"]
 
@@ -330,10 +331,7 @@ class MinMaxUInt8Codec:
         lo, hi = torch.aminmax(rows, dim=1) if rows.is_cuda else (rows.amin(dim=1), rows.amax(dim=1))
         finite, scale, lower = _encode_params(lo, hi, self.eps)
 
-        codes = torch.mul(rows, scale.unsqueeze(1))
-        codes.round_()
-        # min(round(v * scale), upper) - lower == min(round(v * scale) - lower, 255): the clamp covers both.
-        codes.sub_(lower.unsqueeze(1)).clamp_(0.0, _LEVELS)
+        codes = _quantise_rows_(rows.clone(), scale, lower)
 
         encoded = torch.empty((num_chunks, self.HEADER_BYTES + length), dtype=torch.uint8, device=tensor.device)
         payload = encoded[:, self.HEADER_BYTES :]
@@ -345,9 +343,7 @@ class MinMaxUInt8Codec:
             payload.masked_fill_(zero_rows.unsqueeze(1), 0)
         elif zero_rows.any():
             payload[zero_rows] = 0
-        nan = torch.full_like(lo, math.nan)
-        header = torch.stack((torch.where(finite, lo, nan), torch.where(finite, hi, nan)), dim=1)
-        encoded[:, :8].copy_(header.view(torch.uint8))
+        encoded[:, :8].copy_(_range_header(lo, hi, finite))
         encoded[:, 8 : self.HEADER_BYTES].zero_()
         return encoded
 
