@@ -59,7 +59,8 @@ def _child(
             torch.save(target(rank, world_size, *args), buffer)
             results.put((rank, "ok", buffer.getvalue()))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # the target may have destroyed it
+                dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         raise

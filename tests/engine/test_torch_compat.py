@@ -63,3 +63,28 @@ def _free_a_group_whose_work_has_a_python_callback(rank: int, world_size: int) -
 def test_freeing_a_destroyed_group_waits_for_its_python_callbacks_without_deadlock():
     # On a deadlock rank 0 never reports: the call fails after its timeout (twice over, as it waits for the exit).
     assert run_processes(_free_a_group_whose_work_has_a_python_callback, 2, timeout=30) == [16.0, 8.0]
+
+
+def _destroy_the_default_group_whose_work_has_a_python_callback(rank: int, world_size: int) -> dict:
+    subgroup = dist.new_group(list(range(world_size)))
+    tensor = torch.ones(4)
+    if rank == 1:
+        time.sleep(2)
+        dist.all_reduce(tensor)
+        result = tensor.sum().item()
+    else:
+        future = dist.all_reduce(tensor, async_op=True).get_future().then(lambda done: done.value()[0] * 2)
+        world = dist.GroupMember.WORLD
+        assert world is not None
+        # What the strategy's at-exit handler does; torch drops its references to the default group inside.
+        destroy_process_group(world)
+        del world
+        result = future.wait().sum().item()
+    left = subgroup in dist.distributed_c10d._world.pg_map
+    return {"result": result, "initialized": dist.is_initialized(), "subgroup_left": left}
+
+
+def test_destroying_the_default_group_destroys_every_group_without_deadlock():
+    results = run_processes(_destroy_the_default_group_whose_work_has_a_python_callback, 2, timeout=30)
+    assert results[0] == {"result": 16.0, "initialized": False, "subgroup_left": False}
+    assert results[1]["result"] == 8.0

@@ -140,7 +140,8 @@ def destroy_process_group(group: dist.ProcessGroup) -> None:
       function is enough.
 
     Args:
-        group: a group from ``dist.new_group``, or what it returns on ranks outside the group.
+        group: a group from ``dist.new_group``, or what it returns on ranks outside the group, or the default
+            group (``dist.GroupMember.WORLD``), which destroys every group, as torch's function does.
     """
     if not _GROUP_FREED_WITHOUT_GIL and isinstance(group, dist.ProcessGroup):
         backends = {id(backend): backend for backend in map(group._get_backend, group._device_types)}

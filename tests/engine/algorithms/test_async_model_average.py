@@ -240,6 +240,48 @@ def test_abort_and_resume_are_idempotent_and_close_ends_the_thread(processes):
     assert torch.equal(results[0]["final"], results[1]["final"])
 
 
+def weights_written_before_abort(rank: int, world_size: int) -> dict:
+    """A round waits to apply its update while the caller rewrites the weights between steps, then aborts."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    ddp = wrap(model, optimizer, warmup_steps=1)
+    impl = ddp.bagua_algorithm_impl
+    waiting = threading.Event()  # set while the thread has a reduced round and waits for the weights to apply it
+    apply = impl._apply
+
+    def apply_when_let_go(exact: bool = False) -> None:
+        waiting.set()
+        try:
+            apply(exact)
+        finally:
+            waiting.clear()
+
+    impl._apply = apply_when_let_go
+    step(ddp, optimizer, rank, 0)  # the warm-up step: both ranks meet here
+    index = 1
+    # Between steps the training thread holds the weights, so a thread seen waiting now applies only after abort.
+    while not waiting.wait(0.2):
+        step(ddp, optimizer, rank, index + 1000 * rank)  # different data per rank keeps the replicas apart
+        index += 1
+    pending = waiting.is_set()
+    with torch.no_grad():  # what a callback's on_train_end may do: write final weights, the same on every rank
+        for parameter in model.parameters():
+            parameter.fill_(0.25)
+    rounds = impl.rounds
+    ddp.bagua_algorithm.abort(ddp)
+    final = flat(model)
+    ddp.close()
+    return {"pending": pending, "final": final, "rounds": impl.rounds - rounds}
+
+
+def test_abort_drops_a_round_taken_before_the_weights_were_rewritten(processes):
+    for result in processes["written_before_abort"]:
+        assert result["pending"]
+        # Only the abort's exact average (of equal weights) ran; the stale round's x += a/n - s was not added.
+        assert result["rounds"] == 1
+        torch.testing.assert_close(result["final"], torch.full_like(result["final"], 0.25), rtol=0, atol=0)
+
+
 def slow_and_fast(rank: int, world_size: int, seconds: float = 3.0) -> dict:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -397,6 +439,7 @@ SCENARIOS = {
     "warmup": warmups,
     "round": one_round_by_hand,
     "life_cycle": life_cycle,
+    "written_before_abort": weights_written_before_abort,
     "checkpoint": save_and_resume,
     "slow_and_fast": slow_and_fast,
     "failing_peer": failing_peer,

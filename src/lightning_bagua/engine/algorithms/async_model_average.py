@@ -20,8 +20,10 @@ Design:
 * Every round starts with an all-reduce (max) of a stop code, so that every rank leaves the loop after the same
   round: :meth:`AsyncModelAverageImpl.abort` raises this rank's code and waits for its thread, then averages the
   weights once more (plain ``x = a/n``) with every other rank, which makes abort a synchronisation point and leaves
-  the replicas identical. A rank that fails raises a different code instead, so its peers stop and report it
-  rather than wait for it.
+  the replicas identical. A round still waiting to apply its update when abort is called drops it: the update
+  was taken from weights that the caller may have rewritten since (a callback's ``on_train_end``), and abort leaves
+  the weights as the caller left them, averaged. A rank that fails raises a different code instead, so its peers
+  stop and report it rather than wait for it.
 * On CUDA the thread works on a stream of its own: it waits there for the training stream before it reads or
   writes the weights, the training stream waits for its copies, and the host waits for the all-reduce before the
   update is queued, so the training stream never waits on a peer.
@@ -280,6 +282,9 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             RuntimeError: the loop failed, or another rank stopped because it failed.
         """
         self._enabled = False
+        if self._active:
+            # Asked before the weights are let go, so that a round waiting for them drops its update (see _apply).
+            self._stop_request = _ABORT
         self._release()  # the caller is between steps, and the thread may be waiting for the weights
         if not self._active:
             self._raise_if_failed()
@@ -307,6 +312,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         A thread that cannot leave its round within a few seconds (a peer is gone) is left behind as a daemon.
         """
         self._enabled = False
+        if self._active:
+            self._stop_request = _FAILED
         self._release()
         if self._active:
             self._stop_thread(_FAILED, timeout=_FAILURE_JOIN_SECONDS + 2 * self.sync_interval)
@@ -377,6 +384,11 @@ class AsyncModelAverageImpl(AlgorithmImpl):
 
     def _apply(self, exact: bool = False) -> None:
         with self._gate.averaging(), self._after_training(), torch.no_grad():
+            if not exact and self._stop_request != _CONTINUE:
+                # Stopping: the round's update was taken from weights the caller may have rewritten since (a
+                # callback's on_train_end: SWA's average, pruning made permanent). Adding it would undo that write,
+                # so the weights stay as the caller left them, for the abort's exact average, if any.
+                return
             for weights in self._weights:
                 average = weights.received
                 assert average is not None

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_bagua.engine._torch_compat import default_store, store_has_key
+from lightning_bagua.engine._torch_compat import default_store, destroy_process_group, store_has_key
 
 __all__ = [
     "CHILDREN_GRACE_S",
@@ -436,5 +436,8 @@ def _looks_like_failed_collective(exception: BaseException) -> bool:
 
 
 def _destroy_default_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    world = dist.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None
+    if world is not None:
+        # The default group (every group with it) through the bridge that frees its backend without the GIL on
+        # torch 2.2 to 2.7, where freeing it with the GIL held can deadlock against a Gloo worker.
+        destroy_process_group(world)
