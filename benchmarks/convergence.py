@@ -20,7 +20,8 @@ More methods, not run by default (name them with ``--methods``; ``benchmarks/tim
   (rank 1 or 4), passed as a Lightning user does (``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``).
   Lightning registers DDP hooks on CUDA only, so these run under ``CPUCommHookDDPStrategy``, which registers the
   hook on CPU too and counts its calls: a run whose hook never ran, or whose PowerSGD never compressed, fails;
-- ``low_rank_r1``, ``_r4``, ``_r8``: the engine's ``low_rank`` algorithm at rank 1, 4 or 8, where the engine has it.
+- ``low_rank_r1``, ``_r4``, ``_r8``: the engine's ``low_rank`` algorithm at rank 1, 4 or 8, where the engine has it;
+  ``low_rank_alt_r1``, ``_r4``, ``_r8`` the same with ``alternate=True`` (one factor per step, ACP-SGD).
 
 PowerSGD and ``low_rank`` compress after the same uncompressed start, a twentieth of the steps (at least 2).
 
@@ -86,7 +87,7 @@ from train import DigitsClassifier, load_data
 
 # The network lab names methods the same way (``low_rank_r4``): one parser for both.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from network_lab import LOW_RANK_RANKS, split_rank
+from network_lab import ALGORITHM_VARIANTS, LOW_RANK_RANKS, resolve_algorithm, split_rank
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ def available_methods() -> list[str]:
     methods = [*METHODS, *HOOK_METHODS]
     if low_rank_available():
         methods += [f"low_rank_r{rank}" for rank in LOW_RANK_RANKS]
+        methods += [f"{stem}_r{rank}" for stem in ALGORITHM_VARIANTS for rank in LOW_RANK_RANKS]
     return methods
 
 
@@ -158,9 +160,9 @@ def bagua_algorithm(method: str, steps: int) -> tuple[str, dict[str, Any]]:
     """The engine algorithm name and keywords of a Bagua method, as the convergence runs set them."""
     from lightning_bagua.engine.algorithms.base import algorithm_class
 
-    name, rank = split_rank(method)
+    stem, rank = split_rank(method)
+    name, keywords = resolve_algorithm(stem)
     accepted = algorithm_class(name).keywords()
-    keywords: dict[str, Any] = {}
     if rank is not None:
         keywords["rank"] = rank
     if rank is not None and "warmup_steps" in accepted:  # low_rank: PowerSGD's uncompressed start

@@ -19,7 +19,8 @@ with its error, shown as "failed", and the rest goes on.
 - ``ddp_powersgd``, ``ddp_powersgd_r4``, ``ddp_powersgd_r8``: DDP with torch's PowerSGD hook at rank 1, 4 and 8
   (after two uncompressed steps, inside the warm-up);
 - every algorithm of :mod:`lightning_bagua.engine` under ``BaguaDistributedDataParallel``, with its defaults;
-  one that takes ``rank`` (``low_rank``) runs at rank 1, 4 and 8 (``low_rank_r1``, ``low_rank_r4``, ``low_rank_r8``);
+  one that takes ``rank`` (``low_rank``) runs at rank 1, 4 and 8 (``low_rank_r1``, ``low_rank_r4``, ``low_rank_r8``),
+  and so does each variant of ``ALGORITHM_VARIANTS`` (``low_rank_alt_r<k>``: ``low_rank`` with ``alternate=True``);
   with several ranks per host, each algorithm that takes ``hierarchical`` runs twice instead, as
   ``name:flat`` and ``name:hierarchical`` (reduce inside the host, communicate between hosts' leaders only).
 - ``ddp_adam`` (DDP with Adam, qadam's baseline) and ``ddp_powersgd_r1`` (= ``ddp_powersgd``) on request.
@@ -79,6 +80,8 @@ RATES = ("100mbit", "1gbit", "10gbit", "unshaped")
 TASKS = ("mlp", "digits", "charlm", "bytemlp")  # mlp: the lab's own model (--width, --depth)
 FAILURE_GRACE_S = 20  # how long the other ranks may take to report after one rank failed
 HOOK_WARMUP = 2  # uncompressed steps of PowerSGD and low_rank before they compress (inside the untimed warm-up)
+# Methods that run an algorithm with keywords of their own: method stem -> (algorithm, keywords).
+ALGORITHM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"low_rank_alt": ("low_rank", {"alternate": True})}
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -98,9 +101,11 @@ def all_methods(ranks_per_host: int = 1) -> list[str]:
     from lightning_bagua.engine.algorithms.base import algorithm_class
 
     methods = ["single", *DDP_METHODS]
-    for name in available_algorithms():
+    stems = [(name, name) for name in available_algorithms()]
+    stems += [(stem, name) for stem, (name, _) in ALGORITHM_VARIANTS.items() if name in available_algorithms()]
+    for stem, name in stems:
         keywords = algorithm_class(name).keywords()
-        names = [f"{name}_r{rank}" for rank in LOW_RANK_RANKS] if "rank" in keywords else [name]
+        names = [f"{stem}_r{rank}" for rank in LOW_RANK_RANKS] if "rank" in keywords else [stem]
         # With one rank per host every rank is its node's leader, and both variants would move the same bytes.
         if ranks_per_host > 1 and "hierarchical" in keywords:
             methods += [f"{each}:{variant}" for each in names for variant in ("flat", "hierarchical")]
@@ -141,6 +146,12 @@ def split_rank(method: str) -> tuple[str, int | None]:
     """``"low_rank_r4"`` -> ``("low_rank", 4)``; a name without an ``_r<k>`` suffix -> ``(name, None)``."""
     stem, _, suffix = method.rpartition("_r")
     return (stem, int(suffix)) if stem and suffix.isdigit() else (method, None)
+
+
+def resolve_algorithm(stem: str) -> tuple[str, dict[str, Any]]:
+    """A method stem's algorithm and extra keywords: ``"low_rank_alt"`` -> ``("low_rank", {"alternate": True})``."""
+    name, keywords = ALGORITHM_VARIANTS.get(stem, (stem, {}))
+    return name, dict(keywords)
 
 
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
@@ -192,8 +203,10 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
             )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return ddp, optimizer, None, state
+    name, keywords = resolve_algorithm(name)
     accepted = algorithm_class(name).keywords()
-    keywords: dict[str, Any] = {"hierarchical": variant == "hierarchical"} if variant else {}
+    if variant:
+        keywords["hierarchical"] = variant == "hierarchical"
     if rank is not None:
         keywords["rank"] = rank
     if rank is not None and "warmup_steps" in accepted:  # low_rank: compress from the same step as PowerSGD

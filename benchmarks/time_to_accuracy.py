@@ -98,7 +98,7 @@ def lab_methods(methods: list[str], ranks_per_host: int) -> list[str]:
 
     found = ["single"]
     for method in methods:
-        name, _ = network_lab.split_rank(method)
+        name, _ = network_lab.resolve_algorithm(network_lab.split_rank(method)[0])
         is_algorithm = name in available_algorithms()
         if ranks_per_host > 1 and is_algorithm and "hierarchical" in algorithm_class(name).keywords():
             found += [f"{method}:flat", f"{method}:hierarchical"]

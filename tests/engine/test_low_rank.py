@@ -66,6 +66,16 @@ def in_order_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def split_bucket(names: list[str], inputs: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Every participant's gradient of each parameter of a bucket, reshaped to its rows x cols."""
+    pieces, offset = {}, 0
+    for name in names:
+        rows, cols = SHAPES[name]
+        pieces[name] = [flat[offset : offset + rows * cols].view(rows, cols) for flat in inputs]
+        offset += rows * cols
+    return pieces
+
+
 class Simulation:
     """The hook's steps 1-7 for N participants, with its own errors and warm-start factors per parameter."""
 
@@ -77,12 +87,7 @@ class Simulation:
 
     def bucket(self, names: list[str], inputs: list[torch.Tensor]) -> torch.Tensor:
         """Reduce one bucket given every participant's flat input; returns the result every participant holds."""
-        pieces = {}
-        offset = 0
-        for name in names:
-            rows, cols = SHAPES[name]
-            pieces[name] = [flat[offset : offset + rows * cols].view(rows, cols) for flat in inputs]
-            offset += rows * cols
+        pieces = split_bucket(names, inputs)
         out = {}
         for name in names:
             grads = pieces[name]
@@ -139,7 +144,7 @@ def train_with_low_rank(
         )
         phases.append(ddp.bagua_algorithm_impl.telemetry_phase())
     saved = ddp.bagua_state_dict()["state"]
-    saved = {**saved, "errors": to_cpu(saved["errors"]), "factors": to_cpu(saved["factors"])}
+    saved = {key: to_cpu(value) if isinstance(value, dict) else value for key, value in saved.items()}
     ddp.close()
     low_rank.reduce_bucket = original
     return {
@@ -171,10 +176,57 @@ def message_bytes(names: list[str]) -> tuple[int, int]:
     return words(first), words(second)
 
 
-def assert_buckets_match(results: list[dict], participants: list[list[int]], average: bool) -> None:
+def alternating_message_bytes(names: list[str]) -> int:
+    """Bytes of an alternating Q step's message: [exact fp32 | pad | Q codes | pad]."""
+    exact, q_codes = message_bytes([name for name in names if name not in FACTORED])[0], message_bytes(names)[1]
+    return -(-(exact + q_codes) // 8) * 8
+
+
+class AlternatingSimulation:
+    """``alternate=True``: one factor per step, P and Q in turn, each kept orthonormalised for the next step."""
+
+    def __init__(self, participants: int, average: bool) -> None:
+        self.n = participants
+        self.average = average
+        self.errors = [{} for _ in range(participants)]
+        self.q = {}  # Q_hat, orthonormal: the first Q, then that of the last Q step
+        self.p = {}  # P_hat of the last P step
+        self.seen = {}  # compressed steps per parameter: even ones exchange P
+
+    def bucket(self, names: list[str], inputs: list[torch.Tensor]) -> torch.Tensor:
+        pieces = split_bucket(names, inputs)
+        out = {}
+        for name in names:
+            grads = pieces[name]
+            total_scale = self.n if self.average else 1
+            if name not in FACTORED:
+                out[name] = in_order_sum(grads) / total_scale
+                continue
+            m = [g + self.errors[i].get(name, torch.zeros_like(g)) for i, g in enumerate(grads)]
+            step = self.seen.get(name, 0)
+            self.seen[name] = step + 1
+            if step % 2 == 0:
+                q_hat = self.q.setdefault(name, first_q(name))
+                p = in_order_sum([quantised(mi @ q_hat) for mi in m]) / total_scale
+                g_hat = p @ q_hat.T
+                self.p[name] = orthonormal(p)
+            else:
+                p_hat = self.p[name]
+                q = in_order_sum([quantised(mi.T @ p_hat) for mi in m]) / total_scale
+                g_hat = p_hat @ q.T
+                self.q[name] = orthonormal(q)
+            for i in range(self.n):
+                self.errors[i][name] = m[i] - g_hat
+            out[name] = g_hat
+        return torch.cat([out[name].reshape(-1) for name in names])
+
+
+def assert_buckets_match(
+    results: list[dict], participants: list[list[int]], average: bool, alternate: bool = False
+) -> None:
     """Every bucket of every rank against the simulation; ``participants`` groups the ranks into nodes."""
     assert_ranks_identical(results)
-    simulation = Simulation(len(participants), average)
+    simulation = (AlternatingSimulation if alternate else Simulation)(len(participants), average)
     num_buckets = len(results[0]["buckets"])
     assert num_buckets > STEPS, "expected several buckets per step"
     for index in range(num_buckets):
@@ -205,6 +257,8 @@ def assert_buckets_match(results: list[dict], participants: list[list[int]], ave
             torch.testing.assert_close(saved["errors"][name], expected_error, rtol=0, atol=LEVELS * error_level)
             factor_level = simulation.q[name].abs().max().item() / 255
             torch.testing.assert_close(saved["factors"][name], simulation.q[name], rtol=0, atol=LEVELS * factor_level)
+            if alternate:
+                torch.testing.assert_close(saved["left_factors"][name], simulation.p[name], rtol=0, atol=LEVELS / 255)
 
 
 @pytest.mark.parametrize(("world_size", "average"), [(2, True), (4, True), (2, False)])
@@ -272,11 +326,10 @@ def assert_exact_and_rank_r(results: list[dict], average: bool) -> None:
                 assert torch.equal(after[piece], total / len(inputs) if average else total), name
 
 
-def resume_runs(rank: int, world_size: int, cut: int) -> dict:
+def resume_runs(rank: int, world_size: int, cut: int, alternate: bool = False) -> dict:
     def train(model, optimizer, steps, state=None):
-        ddp = BaguaDistributedDataParallel(
-            model, [optimizer], LowRankAlgorithm(rank=RANK, warmup_steps=1, hierarchical=False), bucket_cap_mb=0.004
-        )
+        algorithm = LowRankAlgorithm(rank=RANK, warmup_steps=1, hierarchical=False, alternate=alternate)
+        ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, bucket_cap_mb=0.004)
         if state is not None:
             ddp.load_bagua_state_dict(state)
         for step in steps:
@@ -320,6 +373,39 @@ def test_resume_is_bit_exact():
             assert torch.equal(result["resumed"][name], tensor), name
 
 
+@pytest.mark.parametrize("cut", [2, 3], ids=["before_a_Q_step", "before_a_P_step"])
+def test_alternating_resume_is_bit_exact(cut):
+    """Warm-up 1: step 1 exchanges P, step 2 Q. Either cut carries the kept P_hat and Q_hat on bit for bit."""
+    for result in run_processes(resume_runs, 2, cut, True):
+        assert set(result["saved"]["left_factors"]) == FACTORED
+        for name, tensor in result["uninterrupted"].items():
+            assert torch.equal(result["resumed"][name], tensor), name
+
+
+@pytest.mark.parametrize(("world_size", "average"), [(2, True), (4, True), (2, False)])
+def test_alternating_low_rank_matches_the_simulation_bucket_by_bucket(world_size, average):
+    kwargs = {"rank": RANK, "warmup_steps": 0, "hierarchical": False, "average": average, "alternate": True}
+    results = run_processes(train_with_low_rank, world_size, kwargs, None)
+    assert_buckets_match(results, [[rank] for rank in range(world_size)], average, alternate=True)
+    assert_exact_and_rank_r(results, average)
+    for result in results:
+        for step, counts in enumerate(result["counts"]):
+            # One all-gather per bucket: [exact | P codes] on even steps, [exact | Q codes] on odd ones.
+            assert counts["calls"] == {"all_gather": len(counts["buckets"])}
+            sizes = [
+                message_bytes(names)[0] if step % 2 == 0 else alternating_message_bytes(names)
+                for names in counts["buckets"]
+            ]
+            assert counts["bytes"]["all_gather"] == sum(sizes)
+            assert counts["uncompressed"] == 4 * sum(SHAPES[name][0] * SHAPES[name][1] for name in SHAPES)
+
+
+def test_alternating_hierarchical_on_two_nodes_of_two():
+    kwargs = {"rank": RANK, "warmup_steps": 0, "hierarchical": True, "alternate": True}
+    results = run_processes(train_with_low_rank, 4, kwargs, 2)
+    assert_buckets_match(results, [[0, 1], [2, 3]], average=True, alternate=True)
+
+
 def test_low_rank_trains_close_to_full_precision():
     results = run_processes(train_with_low_rank, 2, {"rank": RANK, "warmup_steps": 1, "hierarchical": False}, None)
     # A rank-2 approximation with error feedback over a few steps stays near full precision's weights.
@@ -336,6 +422,7 @@ def test_low_rank_trains_close_to_full_precision():
         ({"warmup_steps": "10"}, TypeError, "`warmup_steps` must be a int, got '10'"),
         ({"hierarchical": 1}, TypeError, "`hierarchical` must be a bool"),
         ({"average": None}, TypeError, "`average` must be a bool"),
+        ({"alternate": 1}, TypeError, "`alternate` must be a bool"),
         ({"ranks": 2}, TypeError, "Unknown keyword argument(s) 'ranks'"),
     ],
 )
@@ -346,8 +433,12 @@ def test_bad_keywords_name_the_value(kwargs, error, shown):
 
 def test_bad_state_names_the_keys():
     algorithm = LowRankAlgorithm(rank=RANK)
-    assert repr(algorithm) == "LowRankAlgorithm(rank=2, warmup_steps=10, hierarchical=True, average=True)"
-    assert Algorithm.init("low_rank") == LowRankAlgorithm(rank=8, warmup_steps=10, hierarchical=True, average=True)
+    assert repr(algorithm) == (
+        "LowRankAlgorithm(rank=2, warmup_steps=10, hierarchical=True, average=True, alternate=False)"
+    )
+    assert Algorithm.init("low_rank") == LowRankAlgorithm(
+        rank=8, warmup_steps=10, hierarchical=True, average=True, alternate=False
+    )
     # Checked without a process group: the impl validates against the shapes it was given.
     from lightning_bagua.engine.algorithms.base import AlgorithmContext
     from lightning_bagua.engine.communication import (

@@ -21,3 +21,10 @@ def test_low_rank_on_two_gpus_matches_the_simulation():
     results = run_processes(train_with_low_rank, 2, KWARGS, None, "cuda", backend="nccl")
     assert_buckets_match(results, [[0], [1]], average=True)
     assert_exact_and_rank_r(results, average=True)
+
+
+@pytest.mark.gpu
+def test_alternating_low_rank_on_one_gpu_matches_the_simulation():
+    """One factor per step, P and Q in turn; the kept factors are checked on the device's results too."""
+    results = run_processes(train_with_low_rank, 1, {**KWARGS, "alternate": True}, None, "cuda", backend="nccl")
+    assert_buckets_match(results, [[0]], average=True, alternate=True)

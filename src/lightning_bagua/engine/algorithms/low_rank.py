@@ -7,7 +7,8 @@ than torch's ``powerSGD_hook`` in four ways:
 
 * the factors travel as 8-bit MinMaxUInt8 codes with a range per column piece, a quarter of fp32's bytes;
 * each bucket takes two collectives, one per factor, and the tensors that do not factor ride in the first one at
-  full precision, so a slow link carries fewer, larger messages;
+  full precision, so a slow link carries fewer, larger messages; with ``alternate=True`` one collective, the two
+  factors taking turns from step to step (ACP-SGD);
 * with ``hierarchical=True`` the ranks of a node reduce at full precision first, and only the node leaders
   exchange factors, as ``bytegrad`` does;
 * the collectives of all buckets run in bucket order on one thread (the engine's ordered executor), so on Gloo
@@ -144,6 +145,17 @@ def initial_factor(slot: TensorSlot, rank: int, device: torch.device) -> Tensor:
     return orthonormalise_columns(q.unsqueeze(0))[0].to(device)
 
 
+def initial_left_factor(slot: TensorSlot, rank: int, device: torch.device) -> Tensor:
+    """Return the ``P_hat`` an alternating ``Q`` step uses before any ``P`` step kept one: ``n x r``, orthonormal.
+
+    Only reached when the first ``P`` step of a bucket was not finite; seeded as :func:`initial_factor`, from the
+    shape and a prefix of its own.
+    """
+    generator = torch.Generator().manual_seed(zlib.crc32(f"P|{slot.rows}x{slot.cols}|{rank}".encode()))
+    p = torch.randn(slot.rows, rank, generator=generator, dtype=torch.float32)
+    return orthonormalise_columns(p.unsqueeze(0))[0].to(device)
+
+
 def orthonormalise_columns(matrices: Tensor) -> Tensor:
     """Orthonormalise the columns of each matrix of a ``(b, k, r)`` batch by Gram-Schmidt, in place.
 
@@ -177,6 +189,7 @@ class LowRankImpl(AlgorithmImpl):
             rank=algorithm.rank,
             warmup_steps=algorithm.warmup_steps,
             average=algorithm.average,
+            alternate=algorithm.alternate,
             hierarchical=algorithm.hierarchical,
             # Hierarchical on one node leaves only the full-precision intra-node level (with one rank per node,
             # every rank leads its node and the factor exchange is the inter-node level).
@@ -201,16 +214,20 @@ class LowRankImpl(AlgorithmImpl):
         """Return this rank's step count, error-feedback tensors and warm-start factors, by parameter name.
 
         Returns:
-            ``{"steps": int, "errors": {name: n x m float32}, "factors": {name: m x r float32}}`` (clones); the
-            dicts hold the factored parameters this rank compresses (none on ranks that are not node leaders
-            when two-level, and none before the warm-up ends).
+            ``{"steps": int, "errors": {name: n x m float32}, "factors": {name: m x r float32}}`` (clones), and
+            with ``alternate`` also ``"left_factors": {name: n x r float32}``; the dicts hold the factored
+            parameters this rank compresses (none on ranks that are not node leaders when two-level, and none
+            before the warm-up ends).
         """
         state = self.state
-        return {
+        saved: dict[str, Any] = {
             "steps": state.steps,
             "errors": {name: error.clone() for name, error in state.errors.items()},
             "factors": {name: factor.clone() for name, factor in state.factors.items()},
         }
+        if state.alternate:
+            saved["left_factors"] = {name: factor.clone() for name, factor in state.left_factors.items()}
+        return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -223,12 +240,13 @@ class LowRankImpl(AlgorithmImpl):
                 model, or a tensor's shape does not fit the parameter and ``rank``.
         """
         name = LowRankAlgorithm.name
-        check_state_keys(name, state, {"steps": int, "errors": dict, "factors": dict})
+        keys: list[str] = ["errors", "factors", "left_factors"] if self.state.alternate else ["errors", "factors"]
+        check_state_keys(name, state, {"steps": int, **dict.fromkeys(keys, dict)})
         if state["steps"] < 0:
             raise ValueError(f"Algorithm {name!r}: saved state 'steps' must be at least 0, got {state['steps']}.")
         rank = self.state.rank
         loaded: dict[str, dict[str, Tensor]] = {}
-        for key in ("errors", "factors"):
+        for key in keys:
             loaded[key] = {}
             for parameter, tensor in state[key].items():
                 if parameter not in self._shapes:
@@ -238,7 +256,8 @@ class LowRankImpl(AlgorithmImpl):
                     )
                 shape = self._shapes[parameter]
                 rows = shape[0] if len(shape) >= 2 else 1
-                expected = (rows, shape.numel() // rows) if key == "errors" else (shape.numel() // rows, rank)
+                cols = shape.numel() // rows
+                expected = {"errors": (rows, cols), "factors": (cols, rank), "left_factors": (rows, rank)}[key]
                 if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
                     found = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
                     raise ValueError(
@@ -249,6 +268,7 @@ class LowRankImpl(AlgorithmImpl):
         self.state.steps = state["steps"]
         self.state.errors = loaded["errors"]
         self.state.factors = loaded["factors"]
+        self.state.left_factors = loaded.get("left_factors", {})
 
 
 @register_algorithm("low_rank")
@@ -263,12 +283,22 @@ class LowRankAlgorithm(Algorithm):
         hierarchical: reduce inside each node at full precision first, exchange factors among node leaders only,
             then broadcast inside each node. With one node it is a full-precision all-reduce.
         average: divide the sum by the number of ranks; ``False`` keeps the sum.
+        alternate: exchange one factor per step, ``P`` and ``Q`` in turn (ACP-SGD): one collective per bucket
+            instead of two, and half the encoding and projecting, for an approximation refreshed from one side
+            each step.
     """
 
     single_node_effect = "nothing is compressed: every bucket is all-reduced at full precision"
     impl_class = LowRankImpl
 
-    def __init__(self, rank: int = 8, warmup_steps: int = 10, hierarchical: bool = True, average: bool = True) -> None:
+    def __init__(
+        self,
+        rank: int = 8,
+        warmup_steps: int = 10,
+        hierarchical: bool = True,
+        average: bool = True,
+        alternate: bool = False,
+    ) -> None:
         check_positive_int(self.name, "rank", rank)
         check_keyword_type(self.name, "warmup_steps", warmup_steps, int)
         if warmup_steps < 0:
@@ -278,7 +308,9 @@ class LowRankAlgorithm(Algorithm):
             )
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_keyword_type(self.name, "average", average, bool)
+        check_keyword_type(self.name, "alternate", alternate, bool)
         self.rank = rank
+        self.alternate = alternate
         self.warmup_steps = warmup_steps
         self.hierarchical = hierarchical
         self.average = average
@@ -294,6 +326,7 @@ class LowRankState(HookState):
         rank: the factors' rank ``r``.
         warmup_steps: steps all-reduced at full precision before compression starts.
         average: divide by the number of ranks.
+        alternate: exchange ``P`` and ``Q`` in turn, one per step.
         hierarchical: whether the user asked for two levels.
         full_precision_only: hierarchical on one node: every step is a full-precision all-reduce.
         full_precision: the state of the full-precision all-reduce (warm-up).
@@ -302,13 +335,17 @@ class LowRankState(HookState):
         codec: the 8-bit codec.
         steps: steps whose last bucket has been handed over.
         errors: error feedback ``e`` (``n x m``) by parameter name, on the ranks that compress.
-        factors: warm-start ``Q`` (``m x r``) by parameter name, on the ranks that compress.
+        factors: warm-start ``Q`` (``m x r``) by parameter name, on the ranks that compress; with ``alternate``,
+            orthonormalised.
+        left_factors: with ``alternate``, the orthonormalised ``P_hat`` (``n x r``) of the last ``P`` step.
+        exchange_left: with ``alternate``, whether the step being reduced exchanges ``P`` (else ``Q``).
         last_compressed: whether the last bucket handed over was compressed (``None`` before one).
     """
 
     rank: int = 8
     warmup_steps: int = 10
     average: bool = True
+    alternate: bool = False
     hierarchical: bool = True
     full_precision_only: bool = False
     full_precision: GradientAllReduceState | None = None
@@ -318,6 +355,8 @@ class LowRankState(HookState):
     steps: int = 0
     errors: dict[str, Tensor] = field(default_factory=dict)
     factors: dict[str, Tensor] = field(default_factory=dict)
+    left_factors: dict[str, Tensor] = field(default_factory=dict)
+    exchange_left: bool = True
     last_compressed: bool | None = None
     _plans: dict[tuple[str, ...], list[TensorSlot]] = field(default_factory=dict, repr=False)
     _bucket_plans: dict[tuple[Any, ...], "_BucketPlan"] = field(default_factory=dict, repr=False)
@@ -351,6 +390,13 @@ class LowRankState(HookState):
             q = self.factors[slot.name] = initial_factor(slot, self.rank, self.device)
         return q
 
+    def left_factor(self, slot: TensorSlot) -> Tensor:
+        """Return the ``P_hat`` of ``slot`` the last alternating ``P`` step kept (see :func:`initial_left_factor`)."""
+        p = self.left_factors.get(slot.name)
+        if p is None:
+            p = self.left_factors[slot.name] = initial_left_factor(slot, self.rank, self.device)
+        return p
+
     def corrected(self, slot: TensorSlot, gradient: Tensor) -> Tensor:
         """Return ``M = G + e`` of ``slot`` (``e = 0`` at first) in float32, in the slot's scratch buffer.
 
@@ -366,25 +412,26 @@ class LowRankState(HookState):
             torch.add(gradient, error, out=m)
         return m
 
-    def finish(self, slot: TensorSlot, gradient: Tensor, m: Tensor, p_hat: Tensor, q: Tensor, finite: Tensor) -> None:
-        """Write ``G_hat = P_hat Q^T`` into ``gradient``; keep ``e = M - G_hat`` and ``Q`` if ``finite``.
+    def finish(
+        self, slot: TensorSlot, gradient: Tensor, m: Tensor, left: Tensor, right: Tensor, finite: Tensor
+    ) -> None:
+        """Write ``G_hat = left right^T`` into ``gradient``; keep ``e = M - G_hat`` if ``finite``.
 
         Args:
             slot: the gradient's slot.
             gradient: its view in the bucket.
             m: its ``M``, which becomes the new error in place.
-            p_hat: ``P_hat`` (``n x r``).
-            q: ``Q`` (``m x r``), averaged if ``average``.
+            left: ``P_hat`` (or, on an alternating ``P`` step, ``P``), ``n x r``.
+            right: ``Q`` (or, on an alternating ``P`` step, ``Q_hat``), ``m x r``.
             finite: a boolean scalar tensor, whether the bucket's results are finite (see :func:`_finite`).
         """
         if gradient.dtype == torch.float32:
-            torch.mm(p_hat, q.T, out=gradient)
-            m.addmm_(p_hat, q.T, alpha=-1.0)
+            torch.mm(left, right.T, out=gradient)
+            m.addmm_(left, right.T, alpha=-1.0)
         else:
-            approximation = p_hat @ q.T
+            approximation = left @ right.T
             gradient.copy_(approximation)
             m.sub_(approximation)
-        q = q.contiguous()
         previous = self.errors.get(slot.name)
         if m.device.type == "cpu":
             if bool(finite):
@@ -394,11 +441,18 @@ class LowRankState(HookState):
                     del self._scratch[slot.name]
                 else:
                     self._scratch[slot.name] = previous
-                self.factors[slot.name] = q
             return
         # On CUDA a host check would synchronise the streams.
         self.errors[slot.name] = torch.where(finite, m, previous if previous is not None else torch.zeros_like(m))
-        self.factors[slot.name] = torch.where(finite, q, self.factors[slot.name])
+
+    def keep_factor(self, factors: dict[str, Tensor], name: str, factor: Tensor, finite: Tensor) -> None:
+        """Keep ``factor`` (made contiguous) as ``factors[name]``, which exists already, if ``finite``."""
+        factor = factor.contiguous()
+        if factor.device.type == "cpu":
+            if bool(finite):
+                factors[name] = factor
+            return
+        factors[name] = torch.where(finite, factor, factors[name])
 
 
 def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -443,6 +497,8 @@ def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
     """
     compressed = state.steps >= state.warmup_steps and not state.full_precision_only
     state.last_compressed = compressed
+    # The same for every bucket of a step: the step's jobs all finish before the next step's first hook.
+    state.exchange_left = (state.steps - state.warmup_steps) % 2 == 0
     if bucket.is_last():
         state.steps += 1
     if not compressed:
@@ -485,6 +541,8 @@ def low_rank_reduce_(
     Returns:
         ``tensor``.
     """
+    if state.alternate:
+        return _alternating_reduce_(tensor, slots, group, n, state)
     plan = state.bucket_plan(slots, tensor)
     rank = state.rank
     views = [tensor[slot.offset : slot.offset + slot.numel].view(slot.rows, slot.cols) for slot in plan.factored]
@@ -502,25 +560,13 @@ def low_rank_reduce_(
     if plan.p_layout is not None:
         plan.p_layout.encode_into(p_flat, message)
     gathered = _all_gather_bytes(message, group, n, state.counter, plan.first_share)
-    if plan.exact_index is not None:
-        exact_sum = _sum_in_order(gathered[:, : plan.exact_bytes].view(tensor.dtype).float())
-        if state.average:
-            exact_sum.div_(n)
-        tensor.index_copy_(0, plan.exact_index, exact_sum.to(tensor.dtype))
+    _reduce_exact(tensor, plan, gathered, n, state.average)
     if plan.p_layout is None or plan.q_layout is None:
         return tensor
     p_sums = plan.p_layout.decode_sum(gathered)
 
     # Step 4, batched over the gradients with the same number of rows: a few launches per bucket, not per gradient.
-    p_hats: list[Tensor] = [p_sums] * len(plan.factored)
-    for members in plan.same_rows:
-        rows = plan.factored[members[0]].rows
-        columns = [p_sums[plan.p_offsets[i] : plan.p_offsets[i] + rows * rank].view(rank, rows).T for i in members]
-        # A lone gradient is orthonormalised in place, as a batch of one: no copy.
-        stacked = torch.stack(columns) if len(columns) > 1 else columns[0].unsqueeze(0)
-        orthonormalise_columns(stacked)
-        for position, i in enumerate(members):
-            p_hats[i] = stacked[position]
+    p_hats = _orthonormalised(p_sums, plan.p_offsets, [slot.rows for slot in plan.factored], plan.same_rows, rank)
 
     # Steps 5-6: Q_i^T = P_hat^T M_i straight into the flat factor buffer.
     q_flat = torch.empty(plan.q_elements, dtype=torch.float32, device=tensor.device)
@@ -538,7 +584,115 @@ def low_rank_reduce_(
     for slot, view, m, p_hat, offset in zip(plan.factored, views, corrected, p_hats, plan.q_offsets, strict=True):
         q = q_sums[offset : offset + slot.cols * rank].view(rank, slot.cols).T
         state.finish(slot, view, m, p_hat, q, finite)
+        state.keep_factor(state.factors, slot.name, q, finite)
     return tensor
+
+
+def _alternating_reduce_(
+    tensor: Tensor, slots: list[TensorSlot], group: dist.ProcessGroup | None, n: int, state: LowRankState
+) -> Tensor:
+    """Reduce ``tensor`` exchanging one factor, ``P`` or ``Q`` as ``state.exchange_left`` says, in place.
+
+    ACP-SGD ("alternate compressed PowerSGD", from *Evaluation and Optimization of Gradient Compression for
+    Distributed Deep Learning*) alternates PowerSGD's two half-steps between training steps, so each step takes
+    one collective. Among the ``n`` participants, for every gradient
+    ``G_i`` that factors, with its error ``e_i`` and the orthonormal factors ``Q_hat`` (``m x r``) and ``P_hat``
+    (``n x r``) the last steps kept (at first ``Q_hat`` from :func:`factor_seed`, as :func:`low_rank_hook`):
+
+    1. Add the error: ``M_i = G_i + e_i``.
+    2. On a ``P`` step (the first compressed step, then every other one): ``P_i = M_i Q_hat``. On a ``Q`` step:
+       ``Q_i = M_i^T P_hat``.
+    3. One all-gather per bucket of ``[exact bytes | 8-bit codes of the P_i (or Q_i)]``; every participant decodes
+       every row and sums in participant order, divided by ``n`` if ``average``: ``P = sum_i D(C(P_i)) / n``.
+    4. Reconstruct: ``G_hat = P Q_hat^T`` (``Q`` step: ``G_hat = P_hat Q^T``), the mean of the ``M_i`` projected on
+       the kept factor's span; ``e_i = M_i - G_hat``.
+    5. Keep ``P_hat = orth(P)`` (``Q`` step: ``Q_hat = orth(Q)``) for the next step. A bucket whose result is not
+       finite (``|P| >= float32 max / r``, or NaN) keeps its previous errors and factors.
+
+    Args:
+        tensor: this participant's flat bucket; overwritten with the result.
+        slots: where each gradient lives in ``tensor`` and whether it factors.
+        group: the group to exchange over.
+        n: the size of ``group``.
+        state: the codec, counter, factors, errors and phase.
+
+    Returns:
+        ``tensor``.
+    """
+    plan = state.bucket_plan(slots, tensor)
+    rank = state.rank
+    left_step = state.exchange_left
+    sizes, offsets, layout, message_bytes, batches = plan.alternating_side(left_step)
+    if left_step:
+        kept, store = [state.factor(slot) for slot in plan.factored], state.left_factors
+    else:
+        kept, store = [state.left_factor(slot) for slot in plan.factored], state.factors
+    views = [tensor[slot.offset : slot.offset + slot.numel].view(slot.rows, slot.cols) for slot in plan.factored]
+
+    # Steps 1-2: P_i^T = Q_hat^T M_i^T (or Q_i^T = P_hat^T M_i) straight into the flat factor buffer.
+    corrected = [state.corrected(slot, view) for slot, view in zip(plan.factored, views, strict=True)]
+    flat = torch.empty(sum(sizes) * rank, dtype=torch.float32, device=tensor.device)
+    for m, factor, offset, size in zip(corrected, kept, offsets, sizes, strict=True):
+        torch.mm(factor.T, m.T if left_step else m, out=flat[offset : offset + size * rank].view(rank, size))
+
+    # Step 3.
+    message = torch.zeros(message_bytes, dtype=torch.uint8, device=tensor.device)
+    if plan.exact_index is not None:
+        message[: plan.exact_bytes] = tensor.take(plan.exact_index).view(torch.uint8)
+    if layout is not None:
+        layout.encode_into(flat, message)
+    gathered = _all_gather_bytes(message, group, n, state.counter, plan.bucket_bytes)
+    _reduce_exact(tensor, plan, gathered, n, state.average)
+    if layout is None:
+        return tensor
+    sums = layout.decode_sum(gathered)
+    if state.average:
+        sums.div_(n)
+
+    # Step 4, then step 5 in place on the sums (G_hat is written by then).
+    finite = sums.abs().amax() < torch.finfo(torch.float32).max / rank
+    for slot, view, m, factor, offset, size in zip(plan.factored, views, corrected, kept, offsets, sizes, strict=True):
+        received = sums[offset : offset + size * rank].view(rank, size).T
+        left, right = (received, factor) if left_step else (factor, received)
+        state.finish(slot, view, m, left, right, finite)
+    hats = _orthonormalised(sums, offsets, sizes, batches, rank)
+    for slot, hat in zip(plan.factored, hats, strict=True):
+        if left_step:
+            state.left_factor(slot)  # a previous P_hat to keep if this step is not finite
+        state.keep_factor(store, slot.name, hat, finite)
+    return tensor
+
+
+def _reduce_exact(tensor: Tensor, plan: "_BucketPlan", gathered: Tensor, n: int, average: bool) -> None:
+    """Write the in-order sum (mean if ``average``) of the gathered exact bytes into their places in ``tensor``."""
+    if plan.exact_index is None:
+        return
+    exact_sum = _sum_in_order(gathered[:, : plan.exact_bytes].view(tensor.dtype).float())
+    if average:
+        exact_sum.div_(n)
+    tensor.index_copy_(0, plan.exact_index, exact_sum.to(tensor.dtype))
+
+
+def _orthonormalised(
+    flat: Tensor, offsets: list[int], sizes: list[int], batches: list[list[int]], rank: int
+) -> list[Tensor]:
+    """Orthonormalise the factors in ``flat`` (each stored transposed: ``r`` rows of its length), batch by batch.
+
+    ``batches`` groups the factors of the same length, so that each group takes a few launches, not one per factor.
+    A lone factor is orthonormalised in place, as a batch of one.
+
+    Returns:
+        One ``length x r`` matrix per factor.
+    """
+    hats: list[Tensor] = [flat] * len(sizes)
+    for members in batches:
+        size = sizes[members[0]]
+        columns = [flat[offsets[i] : offsets[i] + size * rank].view(rank, size).T for i in members]
+        stacked = torch.stack(columns) if len(columns) > 1 else columns[0].unsqueeze(0)
+        orthonormalise_columns(stacked)
+        for position, i in enumerate(members):
+            hats[i] = stacked[position]
+    return hats
 
 
 def _finite(p_sums: Tensor, q_sums: Tensor, rank: int) -> Tensor:
@@ -559,6 +713,7 @@ class _BucketPlan:
 
     factored: list[TensorSlot]
     same_rows: list[list[int]]  # indices into ``factored`` grouped by row count, for batched orthonormalisation
+    same_cols: list[list[int]]  # the same by column count (the alternating form's Q steps)
     exact_index: Tensor | None
     exact_bytes: int
     p_offsets: list[int]
@@ -569,6 +724,17 @@ class _BucketPlan:
     second_message_bytes: int
     first_share: int
     bucket_bytes: int
+    # The alternating form's Q steps: [exact bytes | pad | Q codes | pad].
+    q_alone_layout: SegmentLayout | None
+    q_alone_message_bytes: int
+
+    def alternating_side(self, left: bool) -> tuple[list[int], list[int], SegmentLayout | None, int, list[list[int]]]:
+        """An alternating step's factor lengths, offsets, layout, message bytes and orthonormalisation batches."""
+        if left:
+            rows = [slot.rows for slot in self.factored]
+            return rows, self.p_offsets, self.p_layout, self.first_message_bytes, self.same_rows
+        cols = [slot.cols for slot in self.factored]
+        return cols, self.q_offsets, self.q_alone_layout, self.q_alone_message_bytes, self.same_cols
 
     @property
     def p_elements(self) -> int:
@@ -590,7 +756,7 @@ def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinM
         exact_index = exact_index.to(tensor.device)
     exact_bytes = sum(slot.numel for slot in exact) * element_size
     start = exact_bytes + -exact_bytes % _ALIGNMENT
-    p_layout = q_layout = None
+    p_layout = q_layout = q_alone_layout = None
     p_offsets, q_offsets = (
         _offsets([slot.rows * rank for slot in factored]),
         _offsets([slot.cols * rank for slot in factored]),
@@ -598,18 +764,23 @@ def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinM
     if factored:
         p_layout = SegmentLayout([(slot.rows * rank, slot.p_chunks) for slot in factored], start, codec.eps)
         q_layout = SegmentLayout([(slot.cols * rank, slot.q_chunks) for slot in factored], 0, codec.eps)
+        q_alone_layout = SegmentLayout([(slot.cols * rank, slot.q_chunks) for slot in factored], start, codec.eps)
     first = start + (0 if p_layout is None else p_layout.nbytes)
     second = 0 if q_layout is None else q_layout.nbytes
+    q_alone = start + (0 if q_layout is None else q_layout.nbytes)
     # The bucket's full-precision bytes, shared between the two collectives in proportion to what each carries.
     first_share = exact_bytes + sum(
         slot.numel * element_size * slot.rows // (slot.rows + slot.cols) for slot in factored
     )
     same_rows: dict[int, list[int]] = {}
+    same_cols: dict[int, list[int]] = {}
     for index, slot in enumerate(factored):
         same_rows.setdefault(slot.rows, []).append(index)
+        same_cols.setdefault(slot.cols, []).append(index)
     return _BucketPlan(
         factored=factored,
         same_rows=list(same_rows.values()),
+        same_cols=list(same_cols.values()),
         exact_index=exact_index,
         exact_bytes=exact_bytes,
         p_offsets=p_offsets,
@@ -620,6 +791,8 @@ def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinM
         second_message_bytes=second + -second % _ALIGNMENT,
         first_share=first_share,
         bucket_bytes=tensor.numel() * element_size,
+        q_alone_layout=q_alone_layout,
+        q_alone_message_bytes=q_alone + -q_alone % _ALIGNMENT,
     )
 
 
