@@ -343,6 +343,13 @@ def _special_values(kind: str, numel: int, seed: int, dtype: torch.dtype) -> tor
     return values
 
 
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """Bit patterns (signed zeros told apart), every NaN as one: the two backends' float16 NaNs differ in payload on
+    torch 2.2."""
+    values = values.float()
+    return torch.where(values.isnan(), torch.full_like(values, math.nan), values).view(torch.int32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["random", "far from zero", "nan", "inf last", "constant", "zeros"])
 # Sizes around the blocked backend's block, so that chunks end inside, at and just past a block.
@@ -355,9 +362,8 @@ def test_the_blocked_backend_writes_and_decodes_the_torch_backends_bytes(dtype, 
     assert torch.equal(blocked.compress(values, num_chunks), encoded)
     for out_dtype in {torch.float32, dtype}:
         expected = torch_codec.decompress(encoded, numel, out_dtype)
-        # Bit patterns, so that NaN compares equal to NaN.
-        decoded_bits = blocked.decompress(encoded, numel, out_dtype).float().view(torch.int32)
-        assert torch.equal(decoded_bits, expected.float().view(torch.int32))
+        decoded = blocked.decompress(encoded, numel, out_dtype)
+        assert torch.equal(_bits(decoded), _bits(expected))
     assert torch.equal(
         blocked.decompress_rows(encoded).view(torch.int32), torch_codec.decompress_rows(encoded).view(torch.int32)
     )

@@ -12,7 +12,7 @@ Callback sets:
   recomputes the batch-norm statistics), ``ModelCheckpoint`` every epoch and every training step,
   ``EarlyStopping`` and ``LearningRateMonitor``, with validation inside fit.
 * ``ema``: ``EMAWeightAveraging`` (which swaps the averaged weights in for validation and into checkpoints) and
-  ``ModelCheckpoint`` every epoch.
+  ``ModelCheckpoint`` every epoch; only where Lightning has that callback (newer than the supported floor).
 * ``pruning``: ``ModelPruning`` (reparametrises the weights after wrapping). Fit only: a pruned checkpoint is
   made permanent, so a resumed run cannot continue the uninterrupted one's hidden pruned values.
 """
@@ -47,10 +47,21 @@ KEYWORDS: dict[str, dict] = {
     "low_precision_decentralized": {"hierarchical": False},
     "low_rank": {"hierarchical": False, "warmup_steps": 1},
 }
-CALLBACK_SETS = ("swa", "ema", "pruning")
+
+
+def lightning_has_ema() -> bool:
+    """Whether the installed Lightning has ``EMAWeightAveraging`` (Lightning 2.2, the floor, does not)."""
+    import lightning.pytorch.callbacks
+
+    return hasattr(lightning.pytorch.callbacks, "EMAWeightAveraging")
+
+
+CALLBACK_SETS = ("swa", "ema", "pruning") if lightning_has_ema() else ("swa", "pruning")
 # The checkpoint each resumable set resumes from: SWA's after its first averaging epoch, so that its averaged
 # model (per rank where the ranks' weights differ) is part of what resumes.
-RESUME_FROM = {"swa": "epoch=1.ckpt", "ema": "epoch=0.ckpt"}
+RESUME_FROM = {
+    name: file for name, file in {"swa": "epoch=1.ckpt", "ema": "epoch=0.ckpt"}.items() if name in CALLBACK_SETS
+}
 CASES = [f"{callbacks}-{algorithm}" for callbacks in CALLBACK_SETS for algorithm in ALGORITHMS]
 
 
@@ -65,7 +76,6 @@ def main() -> None:
     from lightning.pytorch.callbacks import (
         Callback,
         EarlyStopping,
-        EMAWeightAveraging,
         LearningRateMonitor,
         ModelCheckpoint,
         ModelPruning,
@@ -133,6 +143,8 @@ def main() -> None:
                 monitor,
             ]
         elif callback_set == "ema":
+            from lightning.pytorch.callbacks import EMAWeightAveraging
+
             callbacks.append(EMAWeightAveraging(decay=0.5))
         else:
             callbacks.append(ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False))
