@@ -554,9 +554,7 @@ def low_rank_reduce_(
         torch.mm(state.factor(slot).T, m.T, out=p_flat[offset : offset + slot.rows * rank].view(rank, slot.rows))
 
     # Step 3: [exact bytes | P codes], one all-gather.
-    message = torch.zeros(plan.first_message_bytes, dtype=torch.uint8, device=tensor.device)
-    if plan.exact_index is not None:
-        message[: plan.exact_bytes] = tensor.take(plan.exact_index).view(torch.uint8)
+    message = _message_with_exact(tensor, plan, plan.first_message_bytes)
     if plan.p_layout is not None:
         plan.p_layout.encode_into(p_flat, message)
     gathered = _all_gather_bytes(message, group, n, state.counter, plan.first_share)
@@ -566,7 +564,7 @@ def low_rank_reduce_(
     p_sums = plan.p_layout.decode_sum(gathered)
 
     # Step 4, batched over the gradients with the same number of rows: a few launches per bucket, not per gradient.
-    p_hats = _orthonormalised(p_sums, plan.p_offsets, [slot.rows for slot in plan.factored], plan.same_rows, rank)
+    p_hats = _orthonormalised(p_sums, plan.p_offsets, plan.p_sizes, plan.same_rows, rank)
 
     # Steps 5-6: Q_i^T = P_hat^T M_i straight into the flat factor buffer.
     q_flat = torch.empty(plan.q_elements, dtype=torch.float32, device=tensor.device)
@@ -636,9 +634,7 @@ def _alternating_reduce_(
         torch.mm(factor.T, m.T if left_step else m, out=flat[offset : offset + size * rank].view(rank, size))
 
     # Step 3.
-    message = torch.zeros(message_bytes, dtype=torch.uint8, device=tensor.device)
-    if plan.exact_index is not None:
-        message[: plan.exact_bytes] = tensor.take(plan.exact_index).view(torch.uint8)
+    message = _message_with_exact(tensor, plan, message_bytes)
     if layout is not None:
         layout.encode_into(flat, message)
     gathered = _all_gather_bytes(message, group, n, state.counter, plan.bucket_bytes)
@@ -650,7 +646,7 @@ def _alternating_reduce_(
         sums.div_(n)
 
     # Step 4, then step 5 in place on the sums (G_hat is written by then).
-    finite = sums.abs().amax() < torch.finfo(torch.float32).max / rank
+    finite = _bounded(sums, rank)
     for slot, view, m, factor, offset, size in zip(plan.factored, views, corrected, kept, offsets, sizes, strict=True):
         received = sums[offset : offset + size * rank].view(rank, size).T
         left, right = (received, factor) if left_step else (factor, received)
@@ -661,6 +657,14 @@ def _alternating_reduce_(
             state.left_factor(slot)  # a previous P_hat to keep if this step is not finite
         state.keep_factor(store, slot.name, hat, finite)
     return tensor
+
+
+def _message_with_exact(tensor: Tensor, plan: "_BucketPlan", nbytes: int) -> Tensor:
+    """A zeroed ``nbytes`` message that starts with the exact bytes of the bucket's tensors that do not factor."""
+    message = torch.zeros(nbytes, dtype=torch.uint8, device=tensor.device)
+    if plan.exact_index is not None:
+        message[: plan.exact_bytes] = tensor.take(plan.exact_index).view(torch.uint8)
+    return message
 
 
 def _reduce_exact(tensor: Tensor, plan: "_BucketPlan", gathered: Tensor, n: int, average: bool) -> None:
@@ -703,8 +707,12 @@ def _finite(p_sums: Tensor, q_sums: Tensor, rank: int) -> Tensor:
     check per bucket: a non-finite gradient (a step a ``GradScaler`` skips) leaves the whole bucket's state as it
     was.
     """
-    bound = torch.finfo(torch.float32).max / rank
-    return torch.isfinite(p_sums).all() & (q_sums.abs().amax() < bound)
+    return torch.isfinite(p_sums).all() & _bounded(q_sums, rank)
+
+
+def _bounded(factor: Tensor, rank: int) -> Tensor:
+    """Whether ``|factor| < float32 max / r`` everywhere (False on NaN): times an orthonormal factor, stays finite."""
+    return factor.abs().amax() < torch.finfo(torch.float32).max / rank
 
 
 @dataclass
@@ -716,6 +724,8 @@ class _BucketPlan:
     same_cols: list[list[int]]  # the same by column count (the alternating form's Q steps)
     exact_index: Tensor | None
     exact_bytes: int
+    p_sizes: list[int]  # each factored gradient's rows (the length of a P column)
+    q_sizes: list[int]  # and its columns (the length of a Q column)
     p_offsets: list[int]
     q_offsets: list[int]
     p_layout: SegmentLayout | None
@@ -731,10 +741,8 @@ class _BucketPlan:
     def alternating_side(self, left: bool) -> tuple[list[int], list[int], SegmentLayout | None, int, list[list[int]]]:
         """An alternating step's factor lengths, offsets, layout, message bytes and orthonormalisation batches."""
         if left:
-            rows = [slot.rows for slot in self.factored]
-            return rows, self.p_offsets, self.p_layout, self.first_message_bytes, self.same_rows
-        cols = [slot.cols for slot in self.factored]
-        return cols, self.q_offsets, self.q_alone_layout, self.q_alone_message_bytes, self.same_cols
+            return self.p_sizes, self.p_offsets, self.p_layout, self.first_message_bytes, self.same_rows
+        return self.q_sizes, self.q_offsets, self.q_alone_layout, self.q_alone_message_bytes, self.same_cols
 
     @property
     def p_elements(self) -> int:
@@ -783,6 +791,8 @@ def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinM
         same_cols=list(same_cols.values()),
         exact_index=exact_index,
         exact_bytes=exact_bytes,
+        p_sizes=[slot.rows for slot in factored],
+        q_sizes=[slot.cols for slot in factored],
         p_offsets=p_offsets,
         q_offsets=q_offsets,
         p_layout=p_layout,
