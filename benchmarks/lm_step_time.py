@@ -160,9 +160,10 @@ def job(args: argparse.Namespace) -> None:
         devices = args.devices
     else:
         keywords: dict[str, Any] = {"warmup_steps": warmup} if args.method == "async" else {}
-        if args.method in ("bytegrad", "qadam"):
+        if args.method in ("bytegrad", "qadam", "low_rank"):
             # Both GPUs sit on one node, where hierarchical (their default) leaves only the full-precision
             # intra-node level; flat, they compress between the two GPUs, as between two single-GPU machines.
+            # (low_rank on one node with hierarchical=True never compresses at all.)
             keywords["hierarchical"] = False
         strategy = BaguaStrategy(algorithm=args.method, **keywords)
         devices = args.devices
@@ -268,7 +269,7 @@ def markdown(results: list[dict[str, Any]], regimes: list[str], methods: list[st
     return "\n".join(lines) + "\n"
 
 
-def chart(results: list[dict[str, Any]], regimes: list[str], methods: list[str], path: Path) -> None:
+def chart(results: list[dict[str, Any]], regimes: list[str], methods: list[str], path: Path, devices: int) -> None:
     try:
         import matplotlib
 
@@ -284,7 +285,7 @@ def chart(results: list[dict[str, Any]], regimes: list[str], methods: list[str],
         axis.invert_yaxis()
         axis.set_xlabel("median step time (ms)")
         axis.set_title(f"{regime}")
-    figure.suptitle("~124M-parameter LM, bf16-mixed, 2 GPUs (benchmarks/lm_step_time.py)")
+    figure.suptitle(f"~124M-parameter LM, bf16-mixed, {devices} GPU(s) (benchmarks/lm_step_time.py)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -339,9 +340,10 @@ def suite(args: argparse.Namespace) -> None:
     if args.no_save:
         return
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"lm_step_time_{kind}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"lm_step_time_{kind}.md").write_text(table)
-    chart(results, args.regimes, methods, RESULTS / f"lm_step_time_{kind}.png")
+    stem = args.out or f"lm_step_time_{kind}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text(table)
+    chart(results, args.regimes, methods, RESULTS / f"{stem}.png", args.devices)
 
 
 def _version(distribution: str) -> str | None:
@@ -365,6 +367,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=2, help="GPUs (or Gloo processes) per job; 'single' uses 1")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--out", default=None, help="results file name without suffix (default: lm_step_time_gpu)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)
     return parser.parse_args()

@@ -14,9 +14,10 @@ Directives:
     The measured codec throughput and the link speed below which ``bytegrad`` pays off, from
     ``codec_throughput_*.json``.
 ``benchmark-table``
-    A summary of one results file (argument: its name without ``.json``); ``convergence``, ``targets`` and
-    ``time_to_accuracy`` read ``convergence_cpu.json``, ``targets.json`` and ``time_to_accuracy_cpu.json``.
-    ``time_to_accuracy`` also shows its chart, and, while its results file is missing, the command that writes it.
+    A summary of one results file (argument: its name without ``.json``). ``network_lab`` and ``lm_step_time``
+    read the file named by ``:results:``; ``convergence``, ``targets`` and ``time_to_accuracy`` read
+    ``convergence_cpu.json``, ``targets.json`` and ``time_to_accuracy_cpu.json``. ``time_to_accuracy`` also
+    shows its chart, and, while its results file is missing, the command that writes it.
 
 The charts ``_generated/codec_break_even.png``, ``_generated/convergence_cpu.png``, ``_generated/targets.png`` and
 ``_generated/time_to_accuracy_cpu.png`` are drawn from the same results when the build starts (the last three by
@@ -296,6 +297,31 @@ def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list
     return ["method", "payload / step", *rates], rows, [data["command"]]
 
 
+def _lm_step_time(results: str) -> tuple[list[str], list[list[str]], list[str]]:
+    # One GPU or two, one regime column per regime run; the device and the repeats are part of what was measured.
+    data = _load(results)
+    machine, settings = data["machine"], data["settings"]
+    regimes: list[str] = list(dict.fromkeys(row["regime"] for row in data["results"]))
+    by_key = {(row["regime"], row["method"]): row for row in data["results"]}
+    rows = []
+    for method in dict.fromkeys(row["method"] for row in data["results"]):
+        any_row = next(by_key[(regime, method)] for regime in regimes if (regime, method) in by_key)
+        cells = [method]
+        for regime in regimes:
+            row, ddp = by_key.get((regime, method)), by_key.get((regime, "ddp"))
+            if row is None:
+                cells.append("-")
+                continue
+            ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp is not None else ""
+            low, high = row["min_step_s"] * 1e3, row["max_step_s"] * 1e3
+            cells.append(f"{row['median_step_s'] * 1e3:.1f} ms{ratio}, {low:.1f}-{high:.1f}")
+        cells.append(f"{any_row['peak_memory_bytes'] / 2**30:.1f} GiB")
+        rows.append(cells)
+    header = ["method", *(f"{regime}: median of {settings['repeats']} (x DDP), min-max" for regime in regimes)]
+    where = f"{settings['devices']} x {machine['device']}, torch {machine['torch']}"
+    return [*header, "peak memory"], rows, [f"{data['command']} ({where}, batch {settings['batch']})"]
+
+
 def _convergence() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("convergence_cpu")
     rows = []
@@ -373,11 +399,12 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "cached_dataset": _cached_dataset,
     "startup_time": _startup_time,
     "time_to_accuracy": _time_to_accuracy,
+    "lm_step_time": _lm_step_time,
 }
 # Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
 NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}
 # Kinds whose function reads the results file named by the ``:results:`` option (a stem in benchmarks/results/).
-TAKES_RESULTS_FILE = {"network_lab"}
+TAKES_RESULTS_FILE = {"network_lab", "lm_step_time"}
 
 
 class BenchmarkTable(SphinxDirective):
