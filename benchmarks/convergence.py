@@ -481,9 +481,12 @@ def job(args: argparse.Namespace) -> None:
         Path(args.result_file).write_text(json.dumps(result))
     # Lightning leaves the default process group alive after a run. A `ddp` job never meets BaguaStrategy's at-exit
     # handler that destroys it, so its processes exited with Gloo's threads still running and could abort in
-    # interpreter shutdown ("terminate called without an active exception"). Every job ends it here, while whole.
+    # interpreter shutdown ("terminate called without an active exception"). Every job ends it here, while whole,
+    # through the engine's destroy: torch's own can deadlock freeing the group on torch 2.2 to 2.7 (see there).
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        from lightning_bagua.engine._torch_compat import destroy_process_group
+
+        destroy_process_group(dist.GroupMember.WORLD)
 
 
 def run_job(task: str, method: str, seed: int, steps: int, timeout: int, eval_every: int = 0) -> dict[str, Any]:
