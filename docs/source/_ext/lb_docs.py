@@ -286,15 +286,20 @@ def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list
     for method in dict.fromkeys(row["method"] for row in data["results"]):
         payload = next((by_key[(rate, method)]["bytes_per_step"] for rate in rates if (rate, method) in by_key), None)
         cells = [method, "-" if payload is None else f"{payload / 1e6:.2f} MB"]
-        for rate in rates:
-            row, ddp = by_key.get((rate, method)), by_key.get((rate, "ddp"))
-            if row is None:
-                cells.append("-")
-                continue
-            ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp is not None else ""
-            cells.append(f"{row['median_step_s'] * 1e3:.0f} ms{ratio}")
+        cells += [_step_cell(by_key.get((rate, method)), by_key.get((rate, "ddp")), spread=False) for rate in rates]
         rows.append(cells)
     return ["method", "payload / step", *rates], rows, [data["command"]]
+
+
+def _step_cell(row: dict[str, Any] | None, ddp: dict[str, Any] | None, spread: bool) -> str:
+    """A median step time in ms with its ratio to DDP's; with ``spread``, one decimal and the repeats' min-max."""
+    if row is None:
+        return "-"
+    ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp is not None else ""
+    if not spread:
+        return f"{row['median_step_s'] * 1e3:.0f} ms{ratio}"
+    low, high = row["min_step_s"] * 1e3, row["max_step_s"] * 1e3
+    return f"{row['median_step_s'] * 1e3:.1f} ms{ratio}, {low:.1f}-{high:.1f}"
 
 
 def _lm_step_time(results: str) -> tuple[list[str], list[list[str]], list[str]]:
@@ -308,13 +313,7 @@ def _lm_step_time(results: str) -> tuple[list[str], list[list[str]], list[str]]:
         any_row = next(by_key[(regime, method)] for regime in regimes if (regime, method) in by_key)
         cells = [method]
         for regime in regimes:
-            row, ddp = by_key.get((regime, method)), by_key.get((regime, "ddp"))
-            if row is None:
-                cells.append("-")
-                continue
-            ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp is not None else ""
-            low, high = row["min_step_s"] * 1e3, row["max_step_s"] * 1e3
-            cells.append(f"{row['median_step_s'] * 1e3:.1f} ms{ratio}, {low:.1f}-{high:.1f}")
+            cells.append(_step_cell(by_key.get((regime, method)), by_key.get((regime, "ddp")), spread=True))
         cells.append(f"{any_row['peak_memory_bytes'] / 2**30:.1f} GiB")
         rows.append(cells)
     header = ["method", *(f"{regime}: median of {settings['repeats']} (x DDP), min-max" for regime in regimes)]
