@@ -240,6 +240,13 @@ def test_abort_and_resume_are_idempotent_and_close_ends_the_thread(processes):
     assert torch.equal(results[0]["final"], results[1]["final"])
 
 
+def on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank: an all-reduce on the default group, which the averaging never uses."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
 def weights_written_before_abort(rank: int, world_size: int) -> dict:
     """A round waits to apply its update while the caller rewrites the weights between steps, then aborts."""
     model = make_model()
@@ -260,7 +267,10 @@ def weights_written_before_abort(rank: int, world_size: int) -> dict:
     step(ddp, optimizer, rank, 0)  # the warm-up step: both ranks meet here
     index = 1
     # Between steps the training thread holds the weights, so a thread seen waiting now applies only after abort.
-    while not waiting.wait(0.2):
+    # The ranks stop stepping together, each with its thread waiting: a rank that stopped alone left its peer
+    # stepping, whose thread then applied that round and opened the next one, and the peer never saw its thread
+    # wait again (a hang, once in seven suite runs).
+    while not on_every_rank(waiting.wait(0.2)):
         step(ddp, optimizer, rank, index + 1000 * rank)  # different data per rank keeps the replicas apart
         index += 1
     pending = waiting.is_set()
