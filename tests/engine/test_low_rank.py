@@ -229,6 +229,20 @@ class AlternatingSimulation:
         return torch.cat([out[name].reshape(-1) for name in names])
 
 
+def assert_within_levels(actual: torch.Tensor, expected: torch.Tensor, label: str) -> None:
+    """``actual`` within a few quantisation levels of ``expected`` anywhere, and within one on average.
+
+    The simulation codes float32 factors with the same codec, but its Gram-Schmidt and sums round in their own
+    order: a factor element that lands on the other side of a rounding boundary moves by one level (1/255 of its
+    range), which moves G_hat by about a level of its largest value, and carries on through the error and the warm
+    start. Allow a few such moves anywhere, and one level on average.
+    """
+    scale = expected.abs().max().item()
+    difference = (actual - expected).abs()
+    assert difference.max() <= LEVELS * scale / 255, f"{label}: {difference.max()}"
+    assert difference.mean() <= scale / 255, f"{label}: {difference.mean()}"
+
+
 def assert_buckets_match(
     results: list[dict], participants: list[list[int]], average: bool, alternate: bool = False
 ) -> None:
@@ -244,15 +258,8 @@ def assert_buckets_match(
         if average:
             node_inputs = [node_input / len(node) for node_input, node in zip(node_inputs, participants, strict=True)]
         expected = simulation.bucket(names, node_inputs)
-        scale = expected.abs().max().item()
         for rank, result in enumerate(results):
-            # The simulation codes float32 factors with the same codec, but its Gram-Schmidt and sums round in
-            # their own order: a factor element that lands on the other side of a rounding boundary moves by one
-            # level (1/255 of its range), which moves G_hat by about a level of its largest value, and carries on
-            # through the error and the warm start. Allow a few such moves anywhere, and one level on average.
-            difference = (result["buckets"][index][2] - expected).abs()
-            assert difference.max() <= LEVELS * scale / 255, f"bucket {index} rank {rank}: {difference.max()}"
-            assert difference.mean() <= scale / 255, f"bucket {index} rank {rank}: {difference.mean()}"
+            assert_within_levels(result["buckets"][index][2], expected, f"bucket {index} rank {rank}")
             # Every participant decodes the same bytes in the same order.
             assert torch.equal(result["buckets"][index][2], results[0]["buckets"][index][2])
     # The error feedback each participant keeps (that of its node's leader, when two-level).
@@ -335,10 +342,7 @@ def assert_each_bucket_matches_from_its_state(results: list[dict], average: bool
         simulation.q = dict(results[0]["states_before"][index]["factors"])
         names = results[0]["buckets"][index][0]
         expected = simulation.bucket(names, [result["buckets"][index][1] for result in results])
-        scale = expected.abs().max().item()
-        difference = (results[0]["buckets"][index][2] - expected).abs()
-        assert difference.max() <= LEVELS * scale / 255, f"bucket {index}: {difference.max()}"
-        assert difference.mean() <= scale / 255, f"bucket {index}: {difference.mean()}"
+        assert_within_levels(results[0]["buckets"][index][2], expected, f"bucket {index}")
 
 
 def assert_exact_and_rank_r(results: list[dict], average: bool) -> None:
