@@ -299,10 +299,15 @@ def suite(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"--devices {args.devices} needs as many GPUs, found {torch.cuda.device_count()}; --cpu for a smoke test."
         )
+    stem = args.out or f"lm_step_time_{'cpu' if args.cpu else 'gpu'}"
+    results_dir = Path(args.results_dir)
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    done = 0
+    if args.resume:
+        runs, done = _completed_rounds(results_dir / f"{stem}.json", args)
     # Interleaved: every repeat runs each method once (in a rotated order), so that a drift of the machine
     # (clocks, temperature, other load) spreads over all methods instead of biasing the ones run last.
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for repeat in range(args.repeats):
+    for repeat in range(done, args.repeats):
         shift = repeat % len(methods)
         for regime in args.regimes:
             for method in methods[shift:] + methods[:shift]:
@@ -311,17 +316,31 @@ def suite(args: argparse.Namespace) -> None:
                 row = run_job(args, regime, method)
                 runs.setdefault((regime, method), []).append(row)
                 print(f"#{repeat} {regime:>7} {method:>28}: {row['median_step_s'] * 1e3:9.1f} ms", flush=True)
+        # Written after every round, so that a run cut short (a device's time limit) keeps its whole rounds,
+        # and ``--resume`` goes on from them.
+        table = _write_report(args, methods, runs, results_dir, stem, rounds=repeat + 1)
+    print(table if done < args.repeats else "nothing to run: every round is in the results file")
+
+
+def _write_report(
+    args: argparse.Namespace,
+    methods: list[str],
+    runs: dict[tuple[str, str], list[dict[str, Any]]],
+    results_dir: Path,
+    stem: str,
+    rounds: int,
+) -> str:
     results = []
     for regime in args.regimes:
         for method in methods:
             rows = runs.get((regime, method)) or runs[(args.regimes[0], method)]
             results.append(summarise(regime, rows))
-    kind = "cpu" if args.cpu else "gpu"
-    command = "python benchmarks/lm_step_time.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/lm_step_time.py " + " ".join(_recorded_arguments(sys.argv[1:]))
     report = {
         "benchmark": "transformer LM step time under Lightning: DDP, DDP hooks and every Bagua algorithm",
         "command": command,
-        "settings": {k: v for k, v in vars(args).items() if k not in {"job", "method"}},
+        "settings": {k: v for k, v in vars(args).items() if k not in {"job", "method", "results_dir", "resume"}},
+        "rounds": rounds,
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -336,14 +355,39 @@ def suite(args: argparse.Namespace) -> None:
         "results": results,
     }
     table = markdown(results, args.regimes, methods, command)
-    print(table)
-    if args.no_save:
-        return
-    RESULTS.mkdir(exist_ok=True)
-    stem = args.out or f"lm_step_time_{kind}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{stem}.md").write_text(table)
-    chart(results, args.regimes, methods, RESULTS / f"{stem}.png", args.devices)
+    if not args.no_save:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        (results_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (results_dir / f"{stem}.md").write_text(table)
+        chart(results, args.regimes, methods, results_dir / f"{stem}.png", args.devices)
+    return table
+
+
+def _recorded_arguments(argv: list[str]) -> list[str]:
+    """The command line without where it wrote and whether it resumed: what reproduces the figures."""
+    kept, skip = [], False
+    for argument in argv:
+        if skip:
+            skip = False
+        elif argument == "--results-dir":
+            skip = True
+        elif argument != "--resume" and not argument.startswith("--results-dir="):
+            kept.append(argument)
+    return kept
+
+
+def _completed_rounds(path: Path, args: argparse.Namespace) -> tuple[dict[tuple[str, str], list[dict[str, Any]]], int]:
+    """The job rows and the number of whole rounds in the results file a run cut short left behind."""
+    if not path.exists():
+        return {}, 0
+    report = json.loads(path.read_text())
+    free = {"job", "method", "results_dir", "resume", "repeats", "out"}  # what a resumed run may change
+    settings = {k: v for k, v in vars(args).items() if k not in free}
+    kept = {k: v for k, v in report["settings"].items() if k not in free}
+    if kept != settings:
+        raise SystemExit(f"--resume: {path} was written with other settings ({kept}), not {settings}.")
+    runs = {(row["regime"], row["method"]): row["repeats"] for row in report["results"]}
+    return runs, report["rounds"]
 
 
 def _version(distribution: str) -> str | None:
@@ -368,6 +412,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--out", default=None, help="results file name without suffix (default: lm_step_time_gpu)")
+    parser.add_argument("--results-dir", default=str(RESULTS), help="where the results files go")
+    parser.add_argument("--resume", action="store_true", help="go on from the whole rounds in the results file")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)
     return parser.parse_args()

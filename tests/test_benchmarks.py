@@ -102,3 +102,26 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
         assert len(row["rounds_step_s"]) == 2
         assert row["min_step_s"] <= row["median_step_s"] <= row["max_step_s"]
     assert "over 2 interleaved rounds [min, max]" in (out / "network_lab_cpu_digits.md").read_text()
+
+
+def test_lm_step_time_resumes_from_whole_rounds(tmp_path: Path) -> None:
+    # The tiny CPU model: one round of DDP, then a resumed run to two rounds that runs only the second.
+    lm = [str(BENCHMARKS / "lm_step_time.py"), "--cpu", "--regimes", "nvlink", "--methods", "ddp"]
+    lm += ["--steps", "2", "--warmup", "1", "--results-dir", str(tmp_path), "--out", "lm"]
+    first = run(*lm, "--repeats", "1")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert json.loads((tmp_path / "lm.json").read_text())["rounds"] == 1
+    second = run(*lm, "--repeats", "2", "--resume")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    jobs = [line for line in second.stdout.splitlines() if line.startswith("#")]
+    assert jobs, second.stdout
+    assert all(job.startswith("#1 ") for job in jobs), jobs
+    report = json.loads((tmp_path / "lm.json").read_text())
+    assert report["rounds"] == 2
+    assert [len(row["repeats"]) for row in report["results"]] == [2]
+    # What reproduces the figures, without where they were written or that the run resumed.
+    assert "--resume" not in report["command"]
+    assert "--results-dir" not in report["command"]
+    other = run(*[argument if argument != "2" else "3" for argument in lm], "--repeats", "2", "--resume")
+    assert other.returncode != 0
+    assert "other settings" in other.stderr
