@@ -1,7 +1,7 @@
 """Throughput of the MinMaxUInt8 codec (compress + decompress) against the device's own copy bandwidth.
 
     python benchmarks/codec_throughput.py                    # one GPU: Triton and torch backends
-    python benchmarks/codec_throughput.py --cpu --threads 1  # CPU: blocked and torch backends
+    python benchmarks/codec_throughput.py --cpu --threads 1  # CPU: native, blocked and torch backends
     python benchmarks/codec_throughput.py --cpu --sizes-mb 1 4 --no-save
 
 For a buffer of ``B`` bytes of float32 (``N = B / 4`` elements) split into ``k`` chunks, with ``t_c`` and ``t_d``
@@ -175,10 +175,15 @@ def machine(device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="benchmark the torch backend on CPU")
+    parser.add_argument("--cpu", action="store_true", help="benchmark the CPU backends")
     parser.add_argument("--sizes-mb", type=int, nargs="+", help="float32 buffer sizes in MiB (default: 4 ... 1024)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 8], help="numbers of chunks k")
-    parser.add_argument("--backends", nargs="+", choices=["torch", "blocked", "triton"], help="default: both on GPU")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=["torch", "native", "blocked", "triton"],
+        help="default: every one the device has",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", type=int, help="calls per timed batch (default: 10 on GPU, 1 on CPU)")
@@ -193,7 +198,7 @@ def main() -> None:
 
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     sizes = args.sizes_mb or ([4, 16, 64] if args.cpu else [4, 16, 64, 256, 1024])
-    backends = args.backends or (["blocked", "torch"] if args.cpu else ["triton", "torch"])
+    backends = args.backends or (["native", "blocked", "torch"] if args.cpu else ["triton", "torch"])
     args.inner = args.inner or (1 if args.cpu else 10)
     generator = torch.Generator(device).manual_seed(0)
 

@@ -1,6 +1,6 @@
-"""The MinMaxUInt8 codec on CPU (torch and blocked backends), against an independent float64 re-implementation.
+"""The MinMaxUInt8 codec on CPU (torch, native and blocked backends), against an independent float64 re-implementation.
 
-The blocked backend is also compared byte for byte with the torch backend.
+The native and blocked backends are also compared byte for byte with the torch backend.
 """
 
 import math
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from lightning_bagua.engine import _codec_blocked
+from lightning_bagua.engine import _codec_blocked, _codec_native
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
 EPS = 1e-7
@@ -60,7 +60,7 @@ def random_values(numel: int, scale: float, offset: float, seed: int, dtype: tor
     return values.to(dtype)
 
 
-@pytest.fixture(params=["torch", "blocked"])
+@pytest.fixture(params=["torch", "native", "blocked"])
 def codec(request):
     return MinMaxUInt8Codec(backend=request.param)
 
@@ -355,21 +355,39 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
 # Sizes around the blocked backend's block, so that chunks end inside, at and just past a block.
 @pytest.mark.parametrize("numel", [1, 5, 1000, _codec_blocked.BLOCK - 1, _codec_blocked.BLOCK + 1, 300_001])
 @pytest.mark.parametrize("num_chunks", [1, 3, 8])
-def test_the_blocked_backend_writes_and_decodes_the_torch_backends_bytes(dtype, kind, numel, num_chunks):
-    torch_codec, blocked = MinMaxUInt8Codec(backend="torch"), MinMaxUInt8Codec(backend="blocked")
+def test_the_cpu_backends_write_and_decode_the_torch_backends_bytes(dtype, kind, numel, num_chunks):
+    torch_codec = MinMaxUInt8Codec(backend="torch")
     values = _special_values(kind, numel, seed=numel + num_chunks, dtype=dtype)
     encoded = torch_codec.compress(values, num_chunks)
-    assert torch.equal(blocked.compress(values, num_chunks), encoded)
-    for out_dtype in {torch.float32, dtype}:
-        expected = torch_codec.decompress(encoded, numel, out_dtype)
-        decoded = blocked.decompress(encoded, numel, out_dtype)
-        assert torch.equal(_bits(decoded), _bits(expected))
-    assert torch.equal(
-        blocked.decompress_rows(encoded).view(torch.int32), torch_codec.decompress_rows(encoded).view(torch.int32)
-    )
+    sums = {}
+    for backend in ("native", "blocked"):
+        codec = MinMaxUInt8Codec(backend=backend)
+        assert torch.equal(codec.compress(values, num_chunks), encoded), backend
+        for out_dtype in {torch.float32, dtype}:
+            expected = torch_codec.decompress(encoded, numel, out_dtype)
+            decoded = codec.decompress(encoded, numel, out_dtype)
+            assert torch.equal(_bits(decoded), _bits(expected)), (backend, out_dtype)
+        assert torch.equal(
+            codec.decompress_rows(encoded).view(torch.int32), torch_codec.decompress_rows(encoded).view(torch.int32)
+        ), backend
+        # Both sum the rows in order (torch's sum pairs them), so they agree bit for bit with each other.
+        sums[backend] = _bits(codec.decompress_sum(encoded, torch.empty(encoded.shape[1] - HEADER)))
+    assert torch.equal(sums["native"], sums["blocked"])
 
 
-def test_auto_picks_the_blocked_backend_on_cpu_for_chunks_of_a_block_or_more(monkeypatch):
+def test_auto_picks_the_native_kernels_for_float32_on_cpu(monkeypatch):
+    assert _codec_native.available()  # this machine (and CI) has a C compiler: the native path must really run
+    calls = []
+    monkeypatch.setattr(_codec_native, "compress", lambda *args: calls.append(args) or torch.zeros(1, 1))
+    MinMaxUInt8Codec().compress(torch.ones(10))
+    MinMaxUInt8Codec().compress(torch.ones(4 * _codec_blocked.BLOCK), num_chunks=8)
+    assert len(calls) == 2
+    MinMaxUInt8Codec().compress(torch.ones(10, dtype=torch.bfloat16))
+    assert len(calls) == 2
+
+
+def test_auto_picks_the_blocked_backend_on_cpu_without_the_native_kernels(monkeypatch):
+    monkeypatch.setattr(_codec_native, "available", lambda: False)
     calls = []
     monkeypatch.setattr(_codec_blocked, "compress", lambda *args: calls.append(args) or torch.zeros(1, 1))
     MinMaxUInt8Codec().compress(torch.ones(_codec_blocked.BLOCK))
@@ -377,11 +395,56 @@ def test_auto_picks_the_blocked_backend_on_cpu_for_chunks_of_a_block_or_more(mon
     # Smaller chunks take the vectorised ops: the blocked kernels' per-chunk Python loop would dominate.
     MinMaxUInt8Codec().compress(torch.ones(4 * _codec_blocked.BLOCK), num_chunks=8)
     assert len(calls) == 1
+    # Half precision takes the blocked kernels whatever builds.
+    MinMaxUInt8Codec().compress(torch.ones(_codec_blocked.BLOCK, dtype=torch.float16))
+    assert len(calls) == 2
 
 
-def test_the_blocked_backend_refuses_non_cpu_tensors():
-    with pytest.raises(ValueError, match="'blocked' backend runs on CPU tensors"):
-        MinMaxUInt8Codec(backend="blocked")._kernels(torch.device("meta"), 1)
+@pytest.mark.parametrize("backend", ["native", "blocked"])
+def test_the_cpu_backends_refuse_non_cpu_tensors(backend):
+    with pytest.raises(ValueError, match=f"'{backend}' backend runs on CPU tensors"):
+        MinMaxUInt8Codec(backend=backend)._kernels(torch.device("meta"), 1, torch.float32)
+
+
+def _fresh_native_build(monkeypatch, tmp_path, **env):
+    monkeypatch.setenv(_codec_native.CACHE_ENV, str(tmp_path))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _codec_native._library.cache_clear()
+
+
+def test_the_native_kernels_build_into_the_cache_and_load_from_it(monkeypatch, tmp_path):
+    _fresh_native_build(monkeypatch, tmp_path)
+    try:
+        assert _codec_native.available()
+        library = _codec_native.library_path()
+        assert library.parent == tmp_path
+        assert library.exists()
+        built = library.stat().st_mtime_ns
+        _codec_native._library.cache_clear()
+        assert _codec_native.available()
+        assert library.stat().st_mtime_ns == built  # loaded, not rebuilt
+    finally:
+        _codec_native._library.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"CC": "no-such-compiler-lb"}, {_codec_native.DISABLE_ENV: "0"}],
+    ids=["no compiler", "turned off"],
+)
+def test_without_the_native_kernels_auto_writes_the_same_bytes_and_native_says_why(monkeypatch, tmp_path, env):
+    values = random_values(1000, 3.0, 1.0, seed=8)
+    expected = MinMaxUInt8Codec(backend="native").compress(values, 3)
+    _fresh_native_build(monkeypatch, tmp_path, **env)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    try:
+        assert not _codec_native.available()
+        assert torch.equal(MinMaxUInt8Codec().compress(values, 3), expected)
+        with pytest.raises(RuntimeError, match=r"'native' backend needs a C compiler.*backend='blocked' or 'auto'"):
+            MinMaxUInt8Codec(backend="native")
+    finally:
+        _codec_native._library.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])

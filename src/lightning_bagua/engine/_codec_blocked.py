@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_bagua.engine._codec_params import LEVELS, decode_params, encode_params, range_header
 
-__all__ = ["BLOCK", "compress", "decode", "decode_add", "decode_sum"]
+__all__ = ["BLOCK", "compress", "decode", "decode_add", "decode_sum", "row_ranges"]
 
 # Elements per block: 512 KiB of float32 (plus as much scratch) stays in a core's L2 on current x86 and Arm
 # server parts, while the per-op host cost (a few microseconds per torch call) stays small next to the work.
@@ -49,8 +49,7 @@ def _header_params(lo: Tensor, hi: Tensor, eps: float) -> tuple[Tensor, Tensor, 
 def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_bytes: int) -> Tensor:
     """Encode the contiguous 1-D CPU ``tensor`` (``numel >= 1``) into ``(num_chunks, header_bytes + length)`` rows."""
     numel = tensor.numel()
-    full_rows, rest = divmod(numel, length)
-    lo, hi = _row_ranges(tensor, num_chunks, length, full_rows, rest)
+    lo, hi = row_ranges(tensor, num_chunks, length)
     finite, scale, lower, varying = _header_params(lo, hi, eps)
 
     encoded = torch.empty((num_chunks, header_bytes + length), dtype=torch.uint8)
@@ -73,8 +72,9 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
     return encoded
 
 
-def _row_ranges(tensor: Tensor, num_chunks: int, length: int, full_rows: int, rest: int) -> tuple[Tensor, Tensor]:
+def row_ranges(tensor: Tensor, num_chunks: int, length: int) -> tuple[Tensor, Tensor]:
     """Per-chunk float32 ``lo`` and ``hi``, padding included (it repeats the last element, so only fills empty rows)."""
+    full_rows, rest = divmod(tensor.numel(), length)
     lo = torch.empty(num_chunks, dtype=torch.float32)
     hi = torch.empty(num_chunks, dtype=torch.float32)
     if full_rows:

@@ -1,9 +1,10 @@
 """Bagua's MinMaxUInt8 codec: 8-bit min/max quantisation of flat float buffers, chunk by chunk.
 
 Used by ``bytegrad`` (gradients), ``qadam`` (momentum) and ``low_precision_decentralized`` (weight differences).
-Three backends compute the same bytes: vectorised torch ops (CPU and CUDA, the reference), cache-blocked torch
-ops for CPU (:mod:`lightning_bagua.engine._codec_blocked`) and a pair of Triton kernels for CUDA
-(:mod:`lightning_bagua.engine._codec_triton`, imported only when first needed).
+Four backends compute the same bytes: vectorised torch ops (CPU and CUDA, the reference), fused C kernels for
+float32 on CPU (:mod:`lightning_bagua.engine._codec_native`, built with the system's C compiler on first use),
+cache-blocked torch ops for CPU (:mod:`lightning_bagua.engine._codec_blocked`) and a pair of Triton kernels for
+CUDA (:mod:`lightning_bagua.engine._codec_triton`, imported only when first needed).
 """
 
 import functools
@@ -15,7 +16,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from lightning_bagua.engine import _codec_blocked
+from lightning_bagua.engine import _codec_blocked, _codec_native
 from lightning_bagua.engine._codec_params import decode_params as _decode_params
 from lightning_bagua.engine._codec_params import encode_params as _encode_params
 from lightning_bagua.engine._codec_params import quantise_rows_ as _quantise_rows_
@@ -25,7 +26,8 @@ __all__ = ["CodecBackend", "MinMaxUInt8Codec"]
 
 log = logging.getLogger(__name__)
 
-CodecBackend = Literal["auto", "torch", "blocked", "triton"]
+CodecBackend = Literal["auto", "torch", "native", "blocked", "triton"]
+_BACKENDS = ("auto", "torch", "native", "blocked", "triton")
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -68,14 +70,17 @@ class MinMaxUInt8Codec:
       alone would lose constants far from zero to float32 rounding and those below ``eps`` to zero).
 
     Backends: ``"torch"`` runs vectorised torch ops on any device (several passes over the data, the reference);
-    ``"blocked"`` runs the same torch ops on CPU tensors one cache-sized block at a time, in preallocated
-    scratch (the input is read twice, once for the range and once to quantise, and each block goes through
-    every step while in cache); ``"triton"`` runs fused CUDA kernels (a split min/max pass, then one quantising
-    pass that also writes the headers; decoding is one pass), which needs Triton and CUDA tensors; ``"auto"``
-    picks Triton for CUDA tensors when Triton imports, the blocked ops for CPU tensors, torch otherwise. All do
-    the same IEEE float32 operations per chunk (correctly rounded division, round-half-even), so they write the
-    same bytes, and each can decode the others'; torch and blocked decode to the same values, Triton's may
-    differ in the last ulp (the kernel fuses ``q * a + b``).
+    ``"native"`` runs fused C kernels on float32 CPU tensors (torch's reductions for the ranges, then one pass that
+    writes headers and codes; decoding is one pass, fused with a sum or an addition), built on first use with the
+    system's C compiler, and hands float16 and bfloat16 to the blocked ops; ``"blocked"`` runs the same torch ops on
+    CPU tensors one cache-sized block at a time, in preallocated scratch (the input is read twice, once for the
+    range and once to quantise, and each block goes through every step while in cache); ``"triton"`` runs fused CUDA
+    kernels (a split min/max pass, then one quantising pass that also writes the headers; decoding is one pass),
+    which needs Triton and CUDA tensors; ``"auto"`` picks Triton for CUDA tensors when Triton imports, the C kernels
+    for float32 CPU tensors when they build (``LIGHTNING_BAGUA_NATIVE_CODEC=0`` turns them off), the blocked ops for
+    other CPU tensors, torch otherwise. All do the same IEEE float32 operations per chunk (correctly rounded
+    division, round-half-even), so they write the same bytes, and each can decode the others'; torch, native and
+    blocked decode to the same values, Triton's may differ in the last ulp (the kernel fuses ``q * a + b``).
 
     Decoding can be fused with what follows it: :meth:`decompress_sum` sums decoded rows (a reduction over the
     rows several ranks sent) and :meth:`decompress_add` adds decoded values into a buffer, without holding the
@@ -83,11 +88,12 @@ class MinMaxUInt8Codec:
 
     Args:
         eps: added to the range, so that a constant chunk gets a finite scale; must be positive.
-        backend: ``"auto"``, ``"torch"``, ``"blocked"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"``, ``"native"``, ``"blocked"`` or ``"triton"``.
 
     Raises:
         ValueError: for a non-positive ``eps`` or an unknown backend.
-        RuntimeError: if ``backend="triton"`` and Triton cannot be imported.
+        RuntimeError: if ``backend="triton"`` and Triton cannot be imported, or ``backend="native"`` and its
+            kernels cannot be built.
 
     Example:
         >>> codec = MinMaxUInt8Codec()
@@ -103,12 +109,14 @@ class MinMaxUInt8Codec:
     def __init__(self, eps: float = 1e-7, backend: CodecBackend = "auto") -> None:
         if not (math.isfinite(eps) and eps > 0):
             raise ValueError(f"`eps` must be a positive finite number, got {eps!r}.")
-        if backend not in ("auto", "torch", "blocked", "triton"):
-            raise ValueError(f"Unknown codec backend {backend!r}: choose 'auto', 'torch', 'blocked' or 'triton'.")
+        if backend not in _BACKENDS:
+            raise ValueError(f"Unknown codec backend {backend!r}: choose one of {', '.join(map(repr, _BACKENDS))}.")
         self.eps = float(eps)
         self.backend: CodecBackend = backend
         if backend == "triton":
             _triton_kernels()
+        if backend == "native":
+            _codec_native.kernels()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(eps={self.eps!r}, backend={self.backend!r})"
@@ -160,7 +168,7 @@ class MinMaxUInt8Codec:
             # Nothing to encode: headers of zeros (lo = hi = 0.0) and no codes.
             return torch.zeros((num_chunks, self.HEADER_BYTES), dtype=torch.uint8, device=tensor.device)
         tensor = tensor.contiguous()
-        kernels = self._kernels(tensor.device, length)
+        kernels = self._kernels(tensor.device, length, tensor.dtype)
         if kernels is not None:
             return kernels.compress(tensor, num_chunks, length, self.eps, self.HEADER_BYTES)
         return self._compress_torch(tensor, num_chunks, length)
@@ -232,7 +240,7 @@ class MinMaxUInt8Codec:
             return out
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device, length)
+        kernels = self._kernels(encoded.device, length, torch.float32)
         if kernels is not None and hasattr(kernels, "decode_sum"):
             kernels.decode_sum(encoded, out, self.eps, self.HEADER_BYTES)
         else:
@@ -255,7 +263,7 @@ class MinMaxUInt8Codec:
             return out
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device, length)
+        kernels = self._kernels(encoded.device, length, out.dtype)
         if kernels is not None and hasattr(kernels, "decode_add"):
             kernels.decode_add(encoded, out, self.eps, self.HEADER_BYTES)
         else:
@@ -270,10 +278,17 @@ class MinMaxUInt8Codec:
                 f" {tuple(out.shape)} on {out.device}."
             )
 
-    def _kernels(self, device: torch.device, length: int) -> ModuleType | None:
-        """The kernels for chunks of ``length`` elements on ``device``, or ``None`` for the vectorised torch ops."""
+    def _kernels(self, device: torch.device, length: int, dtype: torch.dtype) -> ModuleType | None:
+        """The kernels for chunks of ``length`` elements of ``dtype`` on ``device``, or ``None`` for torch's ops."""
         if self.backend == "torch":
             return None
+        if self.backend == "native":
+            if device.type != "cpu":
+                raise ValueError(
+                    f"The codec's 'native' backend runs on CPU tensors, got a tensor on {device}."
+                    " Use backend='auto' (Triton on CUDA when it imports) or 'torch'."
+                )
+            return _codec_native
         if self.backend == "triton":
             if device.type != "cuda":
                 raise ValueError(f"The codec's 'triton' backend needs CUDA tensors, got a tensor on {device}.")
@@ -286,6 +301,8 @@ class MinMaxUInt8Codec:
                 )
             return _codec_blocked
         if device.type == "cpu":
+            if dtype == torch.float32 and _codec_native.available():
+                return _codec_native
             # The blocked kernels loop over chunks in Python: below a block per chunk, the vectorised ops are faster
             # (``benchmarks/codec_throughput.py --cpu --chunks 8 256 --backends torch blocked``).
             return _codec_blocked if length >= _codec_blocked.BLOCK else None
@@ -307,7 +324,7 @@ class MinMaxUInt8Codec:
             return
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device, encoded.shape[1] - self.HEADER_BYTES)
+        kernels = self._kernels(encoded.device, encoded.shape[1] - self.HEADER_BYTES, out.dtype)
         if kernels is not None:
             kernels.decode(encoded, out, numel, self.eps, self.HEADER_BYTES)
         else:

@@ -1,0 +1,338 @@
+"""Fused C kernels of the MinMaxUInt8 codec for float32 CPU tensors, compiled on first use.
+
+The blocked torch backend still goes over a block several times (one torch call per step) and pays a few hundred
+microseconds of host time per call. Here torch's vectorised reductions find every chunk's range, then one C loop
+per chunk writes its header and codes, and decoding is one loop that can add into an output or sum the rows of
+several ranks. The per-element float32 operations are those of the torch backend, in the same order
+(``v * scale``, round half to even, ``- lower``, clamp; decoding ``q * a`` then ``+ b``), built with
+``-ffp-contract=off`` so that the compiler never fuses a multiply and an add, so every backend writes the same
+bytes and decodes to the same values.
+
+The source is compiled with the system's C compiler (``$CC``, else ``cc`` or ``gcc``, the compiler torch's own
+inductor uses on CPU) into ``$LIGHTNING_BAGUA_CACHE`` (default ``~/.cache/lightning_bagua``), named by a hash of
+the source, the flags and the machine, and loaded with :mod:`ctypes`. Without a compiler, or with
+``LIGHTNING_BAGUA_NATIVE_CODEC=0``, :func:`available` is ``False`` and the codec's ``"auto"`` backend uses the
+blocked torch kernels, which write the same bytes.
+
+float16 and bfloat16 tensors, and decoding into them, go to the blocked kernels.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_bagua.engine import _codec_blocked
+
+__all__ = ["available", "compress", "decode", "decode_add", "decode_sum", "kernels", "library_path"]
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "LIGHTNING_BAGUA_NATIVE_CODEC"
+CACHE_ENV = "LIGHTNING_BAGUA_CACHE"
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static const float LEVELS = 255.0f;
+
+static float nan_f(void) {
+    uint32_t bits = 0x7fc00000u; /* the NaN torch writes for math.nan */
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Per chunk: scale = 255 / (hi - lo + eps), lower = round(hi * scale) - 255, in float32. */
+static void encode_params(float lo, float hi, float eps, float *scale, float *lower) {
+    float range = hi - lo;
+    range = range + eps;
+    *scale = LEVELS / range;
+    float top = hi * *scale;
+    *lower = nearbyintf(top) - LEVELS;
+}
+
+/* Every value quantised is finite (its chunk is), and so are scale and lower: the clamp may then compile to one
+   max and one min instruction, which GCC only emits when told that no NaN or signed zero can change the result. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define LB_FINITE_VALUES __attribute__((optimize("finite-math-only", "no-signed-zeros")))
+#else
+#define LB_FINITE_VALUES
+#endif
+
+LB_FINITE_VALUES static void quantise(const float *v, int64_t n, float scale, float lower, uint8_t *codes) {
+    for (int64_t i = 0; i < n; ++i) {
+        float x = v[i] * scale;
+        x = nearbyintf(x);
+        x = x - lower;
+        x = x > 0.0f ? x : 0.0f;
+        x = x < LEVELS ? x : LEVELS;
+        codes[i] = (uint8_t)(int32_t)x;
+    }
+}
+
+/* Rows of header_bytes + length: lo, hi (NaN if not finite), zeros, then the codes. */
+void lb_compress(const float *v, int64_t numel, int64_t chunks, int64_t length, float eps, const float *lo,
+                 const float *hi, int64_t header_bytes, uint8_t *out) {
+    int64_t row_bytes = header_bytes + length;
+    for (int64_t row = 0; row < chunks; ++row) {
+        uint8_t *dest = out + row * row_bytes;
+        int finite = isfinite(lo[row]) && isfinite(hi[row]);
+        float range[2] = {finite ? lo[row] : nan_f(), finite ? hi[row] : nan_f()};
+        memcpy(dest, range, sizeof range);
+        memset(dest + sizeof range, 0, (size_t)header_bytes - sizeof range);
+        uint8_t *codes = dest + header_bytes;
+        float scale, lower;
+        encode_params(lo[row], hi[row], eps, &scale, &lower);
+        if (!finite || hi[row] == lo[row]) {
+            memset(codes, 0, (size_t)length);
+            continue;
+        }
+        int64_t start = row * length;
+        int64_t real = numel - start < length ? numel - start : length;
+        quantise(v + start, real, scale, lower, codes);
+        if (real < length)
+            memset(codes + real, codes[real - 1], (size_t)(length - real));
+    }
+}
+
+/* decoded = q * a + b, with a and b rounded once from double; constant chunks decode to lo, others to NaN. */
+static void decode_params(const uint8_t *row, float eps, float *a, float *b) {
+    float range[2];
+    memcpy(range, row, sizeof range);
+    float lo = range[0], hi = range[1];
+    float scale, lower;
+    encode_params(lo, hi, eps, &scale, &lower);
+    if (!(isfinite(lo) && isfinite(hi))) {
+        *a = *b = nan_f();
+        return;
+    }
+    if (hi == lo) {
+        *a = 0.0f;
+        *b = lo;
+        return;
+    }
+    double scale64 = (double)scale;
+    *a = (float)(1.0 / scale64);
+    *b = (float)((double)lower / scale64);
+    /* A finite chunk whose range overflows gets scale 0: a is inf and b NaN (as in the torch backend). */
+}
+
+static void affine(const uint8_t *codes, int64_t n, float a, float b, float *dest) {
+    for (int64_t i = 0; i < n; ++i) {
+        float x = (float)codes[i] * a;
+        dest[i] = x + b;
+    }
+}
+
+static void affine_add(const uint8_t *codes, int64_t n, float a, float b, float *dest) {
+    for (int64_t i = 0; i < n; ++i) {
+        float x = (float)codes[i] * a;
+        x = x + b;
+        dest[i] = dest[i] + x;
+    }
+}
+
+/* The first numel elements of rows (row-major, padding included) into out; add instead of writing if add. */
+void lb_decode(const uint8_t *encoded, int64_t rows, int64_t row_stride, int64_t header_bytes, int64_t length,
+               int64_t numel, float eps, float *out, int add) {
+    for (int64_t row = 0; row < rows && row * length < numel; ++row) {
+        const uint8_t *source = encoded + row * row_stride;
+        float a, b;
+        decode_params(source, eps, &a, &b);
+        int64_t start = row * length;
+        int64_t n = numel - start < length ? numel - start : length;
+        if (add)
+            affine_add(source + header_bytes, n, a, b, out + start);
+        else
+            affine(source + header_bytes, n, a, b, out + start);
+    }
+}
+
+/* out = row_0 + row_1 + ... over the first numel codes of every row, in row order, block by block in cache. */
+void lb_decode_sum(const uint8_t *encoded, int64_t rows, int64_t row_stride, int64_t header_bytes, int64_t numel,
+                   float eps, float *out) {
+    const int64_t block = 4096;
+    for (int64_t start = 0; start < numel; start += block) {
+        int64_t n = numel - start < block ? numel - start : block;
+        for (int64_t row = 0; row < rows; ++row) {
+            const uint8_t *source = encoded + row * row_stride;
+            float a, b;
+            decode_params(source, eps, &a, &b);
+            if (row == 0)
+                affine(source + header_bytes + start, n, a, b, out + start);
+            else
+                affine_add(source + header_bytes + start, n, a, b, out + start);
+        }
+    }
+}
+"""
+
+# No contraction of a multiply and an add into one rounding, nor any reassociation: the same float32 operations
+# as the torch backend. (-fno-math-errno and -fno-trapping-math only let nearbyintf inline and vectorise.)
+_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+# The widest vectors this CPU has (AVX-512 halves the quantising loop's time against AVX2); the library's name
+# carries the CPU's feature flags, so a cache directory shared by different machines never hands one another's
+# instructions. A compiler that does not know the flag builds without it.
+_NATIVE_FLAGS = ["-march=native"]
+
+_i64, _f32 = ctypes.c_int64, ctypes.c_float
+_ptr = ctypes.c_void_p
+
+
+def _compiler() -> str | None:
+    for candidate in (os.environ.get("CC"), "cc", "gcc"):
+        if candidate and shutil.which(candidate.split()[0]):
+            return candidate
+    return None
+
+
+def library_path() -> Path:
+    """Where the compiled kernels live (or will): the cache directory, named by source, flags and machine."""
+    cache = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lightning_bagua"
+    )
+    key = "\0".join([_SOURCE, *_FLAGS, *_NATIVE_FLAGS, _cpu_features(), platform.system(), str(_compiler())])
+    return Path(cache) / f"codec-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _cpu_features() -> str:
+    """The CPU's architecture and, on Linux, its feature flags (what ``-march=native`` compiles for)."""
+    features = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return f"{features} {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return f"{features} {platform.processor()}"
+
+
+def _build(path: Path, compiler: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        source = Path(scratch) / "codec.c"
+        source.write_text(_SOURCE)
+        built = Path(scratch) / path.name
+        command = [*compiler.split(), *_FLAGS, str(source), "-o", str(built), "-lm"]
+        try:
+            subprocess.run([*command, *_NATIVE_FLAGS], check=True, capture_output=True, text=True, timeout=120)
+        except subprocess.CalledProcessError:
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+        # Atomic: ranks building at once each rename a whole library into place.
+        os.replace(built, path)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        log.debug("The native codec kernels are disabled by %s=0.", DISABLE_ENV)
+        return None
+    compiler = _compiler()
+    path = library_path()
+    try:
+        if not path.exists():
+            if compiler is None:
+                log.debug("No C compiler ($CC, cc, gcc): the codec runs on the blocked torch kernels.")
+                return None
+            _build(path, compiler)
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        log.debug("The native codec kernels could not be built or loaded (%s); using the torch kernels.", detail)
+        return None
+    library.lb_compress.argtypes = [_ptr, _i64, _i64, _i64, _f32, _ptr, _ptr, _i64, _ptr]
+    library.lb_compress.restype = None
+    library.lb_decode.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, ctypes.c_int]
+    library.lb_decode.restype = None
+    library.lb_decode_sum.argtypes = [_ptr, _i64, _i64, _i64, _i64, _f32, _ptr]
+    library.lb_decode_sum.restype = None
+    return library
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them on first call)."""
+    return _library() is not None
+
+
+def kernels() -> ctypes.CDLL:
+    """The loaded library; raises ``RuntimeError`` saying why when it cannot be built."""
+    library = _library()
+    if library is None:
+        raise RuntimeError(
+            "The codec's 'native' backend needs a C compiler ($CC, cc or gcc) to build its kernels on first use"
+            f" (or {DISABLE_ENV} is 0). Install one, or use backend='blocked' or 'auto'."
+        )
+    return library
+
+
+def _row_stride(encoded: Tensor) -> int:
+    return encoded.stride(0) if encoded.shape[0] > 1 else encoded.shape[1]
+
+
+@torch.no_grad()
+def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_bytes: int) -> Tensor:
+    """Encode the contiguous 1-D CPU ``tensor`` (``numel >= 1``) into ``(num_chunks, header_bytes + length)`` rows."""
+    if tensor.dtype != torch.float32:
+        return _codec_blocked.compress(tensor, num_chunks, length, eps, header_bytes)
+    library = kernels()
+    numel = tensor.numel()
+    # torch's reductions, vectorised and exact: a chunk's range (and the sign of a zero extreme, which the header
+    # carries) is the one every other backend writes.
+    if numel == num_chunks * length:
+        rows = tensor.view(num_chunks, length)
+        lo, hi = rows.amin(dim=1), rows.amax(dim=1)  # the torch backend's own reductions
+    else:
+        lo, hi = _codec_blocked.row_ranges(tensor, num_chunks, length)
+    pointer = tensor.data_ptr()
+    encoded = torch.empty((num_chunks, header_bytes + length), dtype=torch.uint8)
+    library.lb_compress(
+        pointer, numel, num_chunks, length, eps, lo.data_ptr(), hi.data_ptr(), header_bytes, encoded.data_ptr()
+    )
+    return encoded
+
+
+@torch.no_grad()
+def decode(encoded: Tensor, out: Tensor, numel: int, eps: float, header_bytes: int) -> None:
+    """Decode the first ``numel`` elements of ``encoded`` (row-major, padding included) into the flat ``out``."""
+    length = encoded.shape[1] - header_bytes
+    if out.dtype != torch.float32:
+        _codec_blocked.decode(encoded, out, numel, eps, header_bytes)
+    elif length and numel:
+        kernels().lb_decode(
+            encoded.data_ptr(), encoded.shape[0], _row_stride(encoded), header_bytes, length, numel, eps,
+            out.data_ptr(), 0,
+        )  # fmt: skip
+
+
+@torch.no_grad()
+def decode_add(encoded: Tensor, out: Tensor, eps: float, header_bytes: int) -> None:
+    """``out += decoded`` for the first ``out.numel()`` elements of ``encoded``, decoded in ``out``'s dtype."""
+    length = encoded.shape[1] - header_bytes
+    if out.dtype != torch.float32:
+        _codec_blocked.decode_add(encoded, out, eps, header_bytes)
+    elif length and out.numel():
+        kernels().lb_decode(
+            encoded.data_ptr(), encoded.shape[0], _row_stride(encoded), header_bytes, length, out.numel(), eps,
+            out.data_ptr(), 1,
+        )  # fmt: skip
+
+
+@torch.no_grad()
+def decode_sum(encoded: Tensor, out: Tensor, eps: float, header_bytes: int) -> None:
+    """``out = row_0 + row_1 + ...`` (in this order, in float32) over the first ``out.numel()`` codes of every row."""
+    kernels().lb_decode_sum(
+        encoded.data_ptr(), encoded.shape[0], _row_stride(encoded), header_bytes, out.numel(), eps, out.data_ptr()
+    )
