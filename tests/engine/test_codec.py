@@ -488,3 +488,20 @@ def test_decompress_add_adds_what_decompress_returns(codec, dtype, numel):
     assert torch.equal(out, base + codec.decompress(encoded, numel, dtype))
     with pytest.raises(ValueError, match="contiguous 1-D"):
         codec.decompress_add(encoded, torch.empty(numel + 3, dtype=dtype))
+
+
+@pytest.mark.parametrize("ratio_exponent", range(10))
+def test_native_codes_equal_the_torch_codes_on_both_sides_of_its_int32_path(ratio_exponent):
+    # The native kernel rounds in int32 while |v * scale| < 2^30 (about 255 times a chunk's offset over its spread)
+    # and in float32 beyond: offsets from 1 to 1e9 spreads put chunks on both sides and at the switch.
+    spread = torch.rand(64, 1, generator=torch.Generator().manual_seed(ratio_exponent), dtype=torch.float64) + 0.5
+    offsets = spread * 10.0**ratio_exponent * torch.linspace(0.5, 8.0, 64, dtype=torch.float64).unsqueeze(1)
+    values = random_values(64 * 512, 1.0, 0.0, seed=ratio_exponent, dtype=torch.float64).view(64, 512)
+    values = (values * spread + offsets * torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0).unsqueeze(1)).float()
+    torch_codec, native = MinMaxUInt8Codec(backend="torch"), MinMaxUInt8Codec(backend="native")
+    encoded = torch_codec.compress(values.view(-1), 64)
+    assert torch.equal(native.compress(values.view(-1), 64), encoded)
+    assert torch.equal(
+        native.decompress(encoded, values.numel(), torch.float32),
+        torch_codec.decompress(encoded, values.numel(), torch.float32),
+    )

@@ -1,12 +1,13 @@
 """Fused C kernels of the MinMaxUInt8 codec for float32 CPU tensors, compiled on first use.
 
 The blocked torch backend still goes over a block several times (one torch call per step) and pays a few hundred
-microseconds of host time per call. Here torch's vectorised reductions find every chunk's range, then one C loop
-per chunk writes its header and codes, and decoding is one loop that can add into an output or sum the rows of
-several ranks. The per-element float32 operations are those of the torch backend, in the same order
-(``v * scale``, round half to even, ``- lower``, clamp; decoding ``q * a`` then ``+ b``), built with
-``-ffp-contract=off`` so that the compiler never fuses a multiply and an add, so every backend writes the same
-bytes and decodes to the same values.
+microseconds of host time per call. Here one C loop finds every chunk's range, one writes its header and codes,
+and decoding is one loop that can add into an output or sum the rows of several ranks. The per-element float32
+operations are those of the torch backend, in the same order (``v * scale``, round half to even, ``- lower``,
+clamp; decoding ``q * a`` then ``+ b``), built with ``-ffp-contract=off`` so that the compiler never fuses a
+multiply and an add, so every backend writes the same bytes and decodes to the same values. (Where a chunk's
+``|v * scale|`` stays below ``2^30`` the codes are computed in int32, which gives the same codes; see
+``quantise_in_int32``.)
 
 The source is compiled with the system's C compiler (``$CC``, else ``cc`` or ``gcc``, the compiler torch's own
 inductor uses on CPU) into ``$LIGHTNING_BAGUA_CACHE`` (default ``~/.cache/lightning_bagua``), named by a hash of
@@ -71,6 +72,73 @@ static void encode_params(float lo, float hi, float eps, float *scale, float *lo
 #define LB_FINITE_VALUES
 #endif
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define LB_ROUND_TO_INT32(x) __builtin_irintf(x)
+#else
+#define LB_ROUND_TO_INT32(x) ((int32_t)lrintf(x))
+#endif
+
+/* Range of every chunk (padding included: it repeats the last element) in one pass, sixteen lanes at a time.
+   Returns how many finite chunks have a zero extreme: min and max are exact in any order, except for the sign of
+   a zero, which the caller settles as torch does. A chunk with NaN or an infinity gets NaN for both. */
+LB_FINITE_VALUES int64_t lb_row_ranges(const float *v, int64_t numel, int64_t chunks, int64_t length, float *lo,
+                                       float *hi) {
+    int64_t settle = 0;
+    for (int64_t row = 0; row < chunks; ++row) {
+        int64_t start = row * length < numel ? row * length : numel - 1;
+        int64_t end = row * length + length < numel ? row * length + length : numel;
+        float mn16[16], mx16[16];
+        uint32_t special16[16]; /* the exponent bits all set: NaN or an infinity, seen without float compares */
+        for (int lane = 0; lane < 16; ++lane) {
+            mn16[lane] = mx16[lane] = v[start];
+            special16[lane] = 0;
+        }
+        int64_t i = start;
+        for (; i + 16 <= end; i += 16) {
+            for (int lane = 0; lane < 16; ++lane) {
+                float x = v[i + lane];
+                uint32_t bits;
+                memcpy(&bits, v + i + lane, sizeof bits);
+                mn16[lane] = x < mn16[lane] ? x : mn16[lane];
+                mx16[lane] = x > mx16[lane] ? x : mx16[lane];
+                special16[lane] |= (bits & 0x7f800000u) == 0x7f800000u;
+            }
+        }
+        float mn = mn16[0], mx = mx16[0];
+        uint32_t special = 0;
+        for (int lane = 0; lane < 16; ++lane) {
+            mn = mn16[lane] < mn ? mn16[lane] : mn;
+            mx = mx16[lane] > mx ? mx16[lane] : mx;
+            special |= special16[lane];
+        }
+        for (; i < end; ++i) {
+            float x = v[i];
+            uint32_t bits;
+            memcpy(&bits, v + i, sizeof bits);
+            mn = x < mn ? x : mn;
+            mx = x > mx ? x : mx;
+            special |= (bits & 0x7f800000u) == 0x7f800000u;
+        }
+        lo[row] = special ? nan_f() : mn;
+        hi[row] = special ? nan_f() : mx;
+        settle += !special && (mn == 0.0f || mx == 0.0f);
+    }
+    return settle;
+}
+
+/* quantise() for a chunk whose |v * scale| stays below 2^30: round and convert in one instruction, subtract and
+   clamp in int32. The same codes: round(v * scale) - lower is an exact integer here, which float32 represents
+   whenever it lies in [0, 255], and rounds to the same side of the clamp when it does not. */
+LB_FINITE_VALUES static void quantise_in_int32(const float *v, int64_t n, float scale, int32_t lower,
+                                               uint8_t *codes) {
+    for (int64_t i = 0; i < n; ++i) {
+        int32_t q = LB_ROUND_TO_INT32(v[i] * scale) - lower;
+        q = q > 0 ? q : 0;
+        q = q < 255 ? q : 255;
+        codes[i] = (uint8_t)q;
+    }
+}
+
 LB_FINITE_VALUES static void quantise(const float *v, int64_t n, float scale, float lower, uint8_t *codes) {
     for (int64_t i = 0; i < n; ++i) {
         float x = v[i] * scale;
@@ -101,7 +169,11 @@ void lb_compress(const float *v, int64_t numel, int64_t chunks, int64_t length, 
         }
         int64_t start = row * length;
         int64_t real = numel - start < length ? numel - start : length;
-        quantise(v + start, real, scale, lower, codes);
+        /* v lies in [lo, hi], and rounded products keep their order: |v * scale| is at most the larger end's. */
+        if (fabsf(lo[row] * scale) < 0x1p30f && fabsf(hi[row] * scale) < 0x1p30f)
+            quantise_in_int32(v + start, real, scale, (int32_t)lower, codes);
+        else
+            quantise(v + start, real, scale, lower, codes);
         if (real < length)
             memset(codes + real, codes[real - 1], (size_t)(length - real));
     }
@@ -253,6 +325,8 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", "") or error
         log.debug("The native codec kernels could not be built or loaded (%s); using the torch kernels.", detail)
         return None
+    library.lb_row_ranges.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr]
+    library.lb_row_ranges.restype = _i64
     library.lb_compress.argtypes = [_ptr, _i64, _i64, _i64, _f32, _ptr, _ptr, _i64, _ptr]
     library.lb_compress.restype = None
     library.lb_decode.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, ctypes.c_int]
@@ -289,14 +363,15 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
         return _codec_blocked.compress(tensor, num_chunks, length, eps, header_bytes)
     library = kernels()
     numel = tensor.numel()
-    # torch's reductions, vectorised and exact: a chunk's range (and the sign of a zero extreme, which the header
-    # carries) is the one every other backend writes.
-    if numel == num_chunks * length:
-        rows = tensor.view(num_chunks, length)
-        lo, hi = rows.amin(dim=1), rows.amax(dim=1)  # the torch backend's own reductions
-    else:
-        lo, hi = _codec_blocked.row_ranges(tensor, num_chunks, length)
     pointer = tensor.data_ptr()
+    ranges = torch.empty((2, num_chunks), dtype=torch.float32)
+    lo, hi = ranges[0], ranges[1]
+    if library.lb_row_ranges(pointer, numel, num_chunks, length, lo.data_ptr(), hi.data_ptr()):
+        # -0.0 and 0.0 compare equal, and the header carries the sign (a constant chunk decodes to it): where an
+        # extreme is zero, torch's own reductions say which, as in the other backends. Rare, so the cost is too.
+        torch_lo, torch_hi = _codec_blocked.row_ranges(tensor, num_chunks, length)
+        zero = (lo == 0) | (hi == 0)
+        lo[zero], hi[zero] = torch_lo[zero], torch_hi[zero]
     encoded = torch.empty((num_chunks, header_bytes + length), dtype=torch.uint8)
     library.lb_compress(
         pointer, numel, num_chunks, length, eps, lo.data_ptr(), hi.data_ptr(), header_bytes, encoded.data_ptr()
