@@ -176,14 +176,18 @@ class QAdamOptimizer(Optimizer):
         Returns:
             A new flat tensor.
         """
-        pieces = []
+        flat = torch.empty(sum(param.numel() for param in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
         for param, grad in zip(params, grads, strict=True):
             group = self._group_of(param)
             beta1 = group["betas"][0]
             gradient = grad.add(param, alpha=group["weight_decay"]) if group["weight_decay"] else grad
-            momentum = self._state_of(param)["exp_avg"].mul(beta1).add_(gradient, alpha=1 - beta1)
-            pieces.append(momentum.reshape(-1))
-        return torch.cat(pieces)
+            momentum = self._state_of(param)["exp_avg"]
+            # Straight into its place in the flat tensor: no per-parameter temporary, no concatenating copy.
+            into = flat[offset : offset + param.numel()].view_as(momentum)
+            torch.mul(momentum, beta1, out=into).add_(gradient, alpha=1 - beta1)
+            offset += param.numel()
+        return flat
 
     @torch.no_grad()
     def set_synchronized_momentum(self, params: Sequence[Tensor], flat: Tensor) -> None:
@@ -232,7 +236,7 @@ class QAdamOptimizer(Optimizer):
                     momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
                     if step < group["warmup_steps"]:  # v is frozen once the warm-up is over
                         second_moment.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denominator = (second_moment.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+                denominator = second_moment.sqrt().div_(math.sqrt(1 - beta2**step)).add_(group["eps"])
                 param.addcdiv_(momentum, denominator, value=-group["lr"] / (1 - beta1**step))
         self._synchronized.clear()
         return loss
