@@ -20,7 +20,8 @@ More methods, not run by default (name them with ``--methods``; ``benchmarks/tim
   (rank 1 or 4), passed as a Lightning user does (``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``).
   Lightning registers DDP hooks on CUDA only, so these run under ``CPUCommHookDDPStrategy``, which registers the
   hook on CPU too and counts its calls: a run whose hook never ran, or whose PowerSGD never compressed, fails;
-- ``low_rank_r1``, ``_r4``, ``_r8``: the engine's ``low_rank`` algorithm at rank 1, 4 or 8, where the engine has it;
+- ``low_rank_r1``, ``_r4``, ``_r8``: the engine's ``low_rank`` algorithm at rank 1, 4 or 8, where the engine has it
+  (``_r16`` by name, not by default);
   ``low_rank_alt_r1``, ``_r4``, ``_r8`` the same with ``alternate=True`` (one factor per step, ACP-SGD).
 
 PowerSGD and ``low_rank`` compress after the same uncompressed start, a twentieth of the steps (at least 2).
@@ -87,7 +88,7 @@ from train import DigitsClassifier, load_data
 
 # The network lab names methods the same way (``low_rank_r4``): one parser for both.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from network_lab import ALGORITHM_VARIANTS, LOW_RANK_RANKS, resolve_algorithm, split_rank
+from network_lab import ALGORITHM_VARIANTS, LOW_RANK_RANKS, extra_low_rank_methods, resolve_algorithm, split_rank
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,11 @@ def available_methods() -> list[str]:
         methods += [f"low_rank_r{rank}" for rank in LOW_RANK_RANKS]
         methods += [f"{stem}_r{rank}" for stem in ALGORITHM_VARIANTS for rank in LOW_RANK_RANKS]
     return methods
+
+
+def accepted_methods() -> list[str]:
+    """What ``--methods`` accepts: :func:`available_methods` and ``low_rank`` at the lab's extra ranks (``_r16``)."""
+    return [*available_methods(), *extra_low_rank_methods()]
 
 
 def baseline_of(method: str) -> str:
@@ -698,7 +704,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=ALL_TASKS)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=available_methods())
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=accepted_methods())
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1 (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="each task's short run and one seed")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every task (default: per task)")

@@ -82,6 +82,8 @@ FAILURE_GRACE_S = 20  # how long the other ranks may take to report after one ra
 HOOK_WARMUP = 2  # uncompressed steps of PowerSGD and low_rank before they compress (inside the untimed warm-up)
 # Methods that run an algorithm with keywords of their own: method stem -> (algorithm, keywords).
 ALGORITHM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"low_rank_alt": ("low_rank", {"alternate": True})}
+# Ranks of ``low_rank`` (and its variants) accepted by name, ``low_rank_r16``, but not in the default list.
+EXTRA_LOW_RANK_RANKS = (16,)
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -114,9 +116,21 @@ def all_methods(ranks_per_host: int = 1) -> list[str]:
     return methods
 
 
+def extra_low_rank_methods() -> list[str]:
+    """``low_rank`` and its variants at ``EXTRA_LOW_RANK_RANKS``, where the engine has ``low_rank`` (else none)."""
+    from lightning_bagua.engine import available_algorithms
+
+    if "low_rank" not in available_algorithms():
+        return []
+    stems = ["low_rank", *(stem for stem, (name, _) in ALGORITHM_VARIANTS.items() if name == "low_rank")]
+    return [f"{stem}_r{rank}" for stem in stems for rank in EXTRA_LOW_RANK_RANKS]
+
+
 def known_methods(ranks_per_host: int = 1) -> list[str]:
-    """The methods the lab accepts: the default ones, ``EXTRA_METHODS``, and the hierarchical variants at any layout."""
-    return list(dict.fromkeys([*all_methods(ranks_per_host), *EXTRA_METHODS, *all_methods(2)]))
+    """The methods the lab accepts: the default ones, the extra ones, and the hierarchical variants at any layout."""
+    extra = extra_low_rank_methods()
+    variants = [f"{method}:{variant}" for method in extra for variant in ("flat", "hierarchical")]
+    return list(dict.fromkeys([*all_methods(ranks_per_host), *EXTRA_METHODS, *extra, *all_methods(2), *variants]))
 
 
 def layout_name(hosts: int, ranks_per_host: int, from_hosts: bool = False, task: str = "mlp") -> str:

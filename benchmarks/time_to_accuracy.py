@@ -512,8 +512,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lab_steps = preset["lab_steps"] if args.lab_steps is None else args.lab_steps
     args.lab_warmup = preset["lab_warmup"] if args.lab_warmup is None else args.lab_warmup
     args.rates = list(preset["rates"]) if args.rates is None else args.rates
-    known = methods_to_run()
-    args.methods = known if args.methods is None else args.methods
+    args.methods = methods_to_run() if args.methods is None else args.methods
+    known = convergence.accepted_methods()
     unknown = [m for m in args.methods if m not in known]
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {known}")
