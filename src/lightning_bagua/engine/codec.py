@@ -282,24 +282,17 @@ class MinMaxUInt8Codec:
         """The kernels for chunks of ``length`` elements of ``dtype`` on ``device``, or ``None`` for torch's ops."""
         if self.backend == "torch":
             return None
-        if self.backend == "native":
-            if device.type != "cpu":
-                raise ValueError(
-                    f"The codec's 'native' backend runs on CPU tensors, got a tensor on {device}."
-                    " Use backend='auto' (Triton on CUDA when it imports) or 'torch'."
-                )
-            return _codec_native
         if self.backend == "triton":
             if device.type != "cuda":
                 raise ValueError(f"The codec's 'triton' backend needs CUDA tensors, got a tensor on {device}.")
             return _triton_kernels()
-        if self.backend == "blocked":
+        if self.backend in ("native", "blocked"):
             if device.type != "cpu":
                 raise ValueError(
-                    f"The codec's 'blocked' backend runs on CPU tensors, got a tensor on {device}."
+                    f"The codec's {self.backend!r} backend runs on CPU tensors, got a tensor on {device}."
                     " Use backend='auto' (Triton on CUDA when it imports) or 'torch'."
                 )
-            return _codec_blocked
+            return _codec_native if self.backend == "native" else _codec_blocked
         if device.type == "cpu":
             if dtype == torch.float32 and _codec_native.available():
                 return _codec_native
