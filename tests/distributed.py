@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_bagua.engine._torch_compat import destroy_process_group
+
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +62,8 @@ def _child(
             results.put((rank, "ok", buffer.getvalue()))
         finally:
             if dist.is_initialized():  # the target may have destroyed it
-                dist.destroy_process_group()
+                # Not torch's function: on torch 2.2 to 2.7 freeing a group can deadlock (see _torch_compat).
+                destroy_process_group(dist.GroupMember.WORLD)
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         raise

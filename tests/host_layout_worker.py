@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bagua.engine import BaguaDistributedDataParallel
+from lightning_bagua.engine._torch_compat import destroy_process_group
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
         "warnings": warnings,
     }
     model.close()
-    dist.destroy_process_group()
+    destroy_process_group(dist.GroupMember.WORLD)  # torch's own can deadlock on torch 2.2 to 2.7
     print(json.dumps(result), flush=True)
 
 

@@ -88,3 +88,26 @@ def test_destroying_the_default_group_destroys_every_group_without_deadlock():
     results = run_processes(_destroy_the_default_group_whose_work_has_a_python_callback, 2, timeout=30)
     assert results[0] == {"result": 16.0, "initialized": False, "subgroup_left": False}
     assert results[1]["result"] == 8.0
+
+
+def _destroy_the_default_group_while_a_subgroup_work_has_a_python_callback(rank: int, world_size: int) -> float:
+    subgroup = dist.new_group(list(range(world_size)))
+    tensor = torch.ones(4)
+    if rank == 1:
+        time.sleep(2)  # rank 0 destroys every group while its subgroup's all-reduce still waits for this rank
+        dist.all_reduce(tensor, group=subgroup)
+        return tensor.sum().item()
+    future = dist.all_reduce(tensor, group=subgroup, async_op=True).get_future()
+    future = future.then(lambda done: done.value()[0] * 2)
+    world = dist.GroupMember.WORLD
+    assert world is not None
+    destroy_process_group(world)
+    # The subgroup's last reference: on torch 2.2 freeing it joined a Gloo worker that needed the GIL to let go
+    # of the callback above, while this thread held the GIL (only the default group's backends were kept).
+    del world, subgroup
+    return future.wait().sum().item()
+
+
+def test_destroying_the_default_group_frees_a_busy_subgroup_without_deadlock():
+    results = run_processes(_destroy_the_default_group_while_a_subgroup_work_has_a_python_callback, 2, timeout=30)
+    assert results == [16.0, 8.0]

@@ -139,13 +139,20 @@ def destroy_process_group(group: dist.ProcessGroup) -> None:
     - torch 2.8 and later (2.13 checked): the ``ProcessGroup`` object is freed with the GIL released; torch's
       function is enough.
 
+    The default group takes every other group with it, so then every group's backends are kept this way: a
+    subgroup whose work still had a callback deadlocked the same way once its last reference went (a test's
+    subgroup, at four Gloo ranks on a loaded machine, torch 2.2). The groups are listed from
+    ``distributed_c10d._world.pg_map``, private, which exists from torch 2.0 through 2.13.
+
     Args:
         group: a group from ``dist.new_group``, or what it returns on ranks outside the group, or the default
             group (``dist.GroupMember.WORLD``), which destroys every group, as torch's function does.
     """
     if not _GROUP_FREED_WITHOUT_GIL and isinstance(group, dist.ProcessGroup):
-        backends = {id(backend): backend for backend in map(group._get_backend, group._device_types)}
-        # Called when the group's Python object is freed, after it let go of the C++ group; `clear` drops the
-        # last references to the backends there, which free them without the GIL.
-        weakref.finalize(group, list(backends.values()).clear)
+        world = group is dist.GroupMember.WORLD
+        for member in list(dist.distributed_c10d._world.pg_map) if world else [group]:
+            backends = {id(backend): backend for backend in map(member._get_backend, member._device_types)}
+            # Called when the group's Python object is freed, after it let go of the C++ group; `clear` drops the
+            # last references to the backends there, which free them without the GIL.
+            weakref.finalize(member, list(backends.values()).clear)
     dist.destroy_process_group(group)
