@@ -1,14 +1,25 @@
-"""SegmentLayout: many tensors through the codec at once, byte for byte what one codec call per tensor writes."""
+"""SegmentLayout: many tensors through the codec at once, byte for byte what one codec call per tensor writes.
+
+Both of its CPU paths run every test: the vectorised torch ops and the native C kernels.
+"""
 
 import math
 
 import pytest
 import torch
 
+from lightning_bagua.engine import _codec_native
 from lightning_bagua.engine._codec_segments import SegmentLayout
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
 CODEC = MinMaxUInt8Codec(backend="torch")
+
+
+@pytest.fixture(params=["torch", "native"])
+def backend(request):
+    if request.param == "native":
+        assert _codec_native.available()  # this machine (and CI) has a C compiler: the native path must really run
+    return request.param
 
 
 def random_segments(generator: torch.Generator) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
@@ -28,14 +39,20 @@ def one_call_per_segment(segments: list[tuple[int, int]], values: list[torch.Ten
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_the_message_is_the_codec_calls_concatenated(seed):
+def test_the_message_is_the_codec_calls_concatenated(seed, backend):
     generator = torch.Generator().manual_seed(seed)
     segments, values = random_segments(generator)
     if seed % 3 == 0:
         values[0][len(values[0]) // 2] = math.inf  # a non-finite chunk: NaN header, zero codes
     if seed % 4 == 0:
         values[-1].fill_(2.5)  # constant chunks: zero codes, exact header
-    layout = SegmentLayout(segments, start=16, eps=CODEC.eps)
+    if seed % 5 == 0:
+        values[-1].clamp_(min=0.0)[: len(values[-1]) // 2] = 0.0  # zero extremes: the header keeps 0.0's sign
+        values[0][0] = -0.0
+    if seed % 6 == 1:
+        segments[0] = (5, 4)  # four chunks of two elements: the last row lies past the segment's end
+        values[0] = values[0][:5]
+    layout = SegmentLayout(segments, start=16, eps=CODEC.eps, backend=backend)
     message = torch.full((16 + layout.nbytes + 5,), 7, dtype=torch.uint8)
     message[16 : 16 + layout.nbytes] = 0  # header bytes 8-31 are the caller's zeros
     layout.encode_into(torch.cat(values), message)
@@ -49,10 +66,11 @@ def test_the_message_is_the_codec_calls_concatenated(seed):
 
 
 @pytest.mark.parametrize("participants", [1, 2, 4])
-def test_decode_sum_adds_the_decoded_segments_in_participant_order(participants):
+def test_decode_sum_adds_the_decoded_segments_in_participant_order(participants, backend):
     generator = torch.Generator().manual_seed(participants)
     segments, _ = random_segments(generator)
-    layout = SegmentLayout(segments, start=8, eps=CODEC.eps)
+    segments.append((5, 4))  # a row past the segment's end, which decodes to nothing
+    layout = SegmentLayout(segments, start=8, eps=CODEC.eps, backend=backend)
     rows, expected = [], []
     for _ in range(participants):
         values = [torch.randn(numel, generator=generator) for numel, _ in segments]
@@ -73,8 +91,8 @@ def test_decode_sum_adds_the_decoded_segments_in_participant_order(participants)
     torch.testing.assert_close(layout.decode_sum(torch.stack(rows)), total, rtol=0, atol=0)
 
 
-def test_a_non_finite_segment_decodes_to_nan_and_leaves_the_others():
-    layout = SegmentLayout([(10, 1), (20, 2)], start=0, eps=CODEC.eps)
+def test_a_non_finite_segment_decodes_to_nan_and_leaves_the_others(backend):
+    layout = SegmentLayout([(10, 1), (20, 2)], start=0, eps=CODEC.eps, backend=backend)
     values = torch.linspace(-1, 1, 30)
     values[3] = math.nan
     message = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -89,6 +107,23 @@ def test_a_non_finite_segment_decodes_to_nan_and_leaves_the_others():
 def test_empty_segments_are_refused(segments):
     with pytest.raises(ValueError, match="at least one element and one chunk"):
         SegmentLayout(segments, start=0, eps=CODEC.eps)
+
+
+def test_an_unknown_backend_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"'fast'.*'auto', 'torch' or 'native'"):
+        SegmentLayout([(5, 1)], start=0, eps=CODEC.eps, backend="fast")
+
+
+def test_auto_codes_float32_on_cpu_with_the_native_kernels(monkeypatch):
+    calls = []
+    original = _codec_native.encode_rows
+    monkeypatch.setattr(_codec_native, "encode_rows", lambda *args: calls.append(1) or original(*args))
+    layout = SegmentLayout([(40, 2)], start=0, eps=CODEC.eps)
+    layout.encode_into(torch.randn(40), torch.zeros(layout.nbytes, dtype=torch.uint8))
+    assert layout.native
+    assert calls == [1]
+    monkeypatch.setattr(_codec_native, "available", lambda: False)
+    assert not SegmentLayout([(40, 2)], start=0, eps=CODEC.eps).native
 
 
 @pytest.mark.gpu
@@ -107,3 +142,14 @@ def test_on_cuda_the_message_and_the_sums_are_those_of_the_cpu():
     torch.testing.assert_close(
         layout.decode_sum(rows.cuda()).cpu(), layout.decode_sum(rows), rtol=0, atol=0, equal_nan=True
     )
+
+
+def test_zero_extremes_carry_the_sign_torch_picks(backend):
+    """Where a chunk's extreme is a zero of either sign, the header holds the one torch's reductions return."""
+    patterns = [[0.0, -0.0, 1.0, 2.0], [-0.0, 0.0, 3.0], [1.0, -0.0, 0.0], [-0.0, 0.0], [0.0, -0.0], [-0.0] * 3]
+    values = [torch.tensor(pattern * 20) for pattern in patterns]  # several rows each, across vector lanes
+    segments = [(len(value), 3) for value in values]
+    layout = SegmentLayout(segments, start=0, eps=CODEC.eps, backend=backend)
+    message = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.encode_into(torch.cat(values), message)
+    assert torch.equal(message, one_call_per_segment(segments, values))

@@ -536,12 +536,15 @@ def test_zero_and_non_finite_gradients_keep_the_state_finite():
 
 
 def test_batched_orthonormalisation_is_the_per_gradient_one():
-    """Gradients with the same row count are orthonormalised as one batch: each as it would be alone."""
+    """Gradients with the same row count are orthonormalised as one batch: each to the Gram-Schmidt basis alone."""
     generator = torch.Generator().manual_seed(3)
     factors = [torch.randn(48, 4, generator=generator) for _ in range(3)]
-    factors[1][:, 2] = 0.0  # a zero column (a zero gradient's) stays zero
     batched = low_rank.orthonormalise_columns(torch.stack(factors))
     for factor, result in zip(factors, batched, strict=True):
-        alone = orthonormal(factor)
-        torch.testing.assert_close(result, alone, rtol=0, atol=1e-5)
+        torch.testing.assert_close(result, orthonormal(factor), rtol=0, atol=1e-5)
+    factors[1][:, 2] = 0.0  # a zero column (a zero gradient's) stays zero, and the next one keeps all it has left
+    batched = low_rank.orthonormalise_columns(torch.stack(factors))
+    for factor, result in zip(factors, batched, strict=True):
+        torch.testing.assert_close(result, orthonormal(factor), rtol=0, atol=1e-5)
     assert torch.equal(batched[1][:, 2], torch.zeros(48))
+    torch.testing.assert_close(low_rank.orthonormalise_columns(torch.zeros(2, 48, 4)), torch.zeros(2, 48, 4))

@@ -34,7 +34,18 @@ from torch import Tensor
 
 from lightning_bagua.engine import _codec_blocked
 
-__all__ = ["available", "compress", "decode", "decode_add", "decode_sum", "kernels", "library_path"]
+__all__ = [
+    "available",
+    "compress",
+    "decode",
+    "decode_add",
+    "decode_sum",
+    "decode_sum_rows",
+    "encode_rows",
+    "kernels",
+    "library_path",
+    "segment_ranges",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,50 +89,59 @@ static void encode_params(float lo, float hi, float eps, float *scale, float *lo
 #define LB_ROUND_TO_INT32(x) ((int32_t)lrintf(x))
 #endif
 
-/* Range of every chunk (padding included: it repeats the last element) in one pass, sixteen lanes at a time.
-   Returns how many finite chunks have a zero extreme: min and max are exact in any order, except for the sign of
-   a zero, which the caller settles as torch does. A chunk with NaN or an infinity gets NaN for both. */
-LB_FINITE_VALUES int64_t lb_row_ranges(const float *v, int64_t numel, int64_t chunks, int64_t length, float *lo,
-                                       float *hi) {
+/* Minimum and maximum of v[start..end), sixteen lanes at a time; returns whether any is NaN or an infinity (its
+   exponent bits all set, seen without float compares). */
+LB_FINITE_VALUES static int span_range(const float *v, int64_t start, int64_t end, float *lo, float *hi) {
+    float mn16[16], mx16[16];
+    uint32_t special16[16];
+    for (int lane = 0; lane < 16; ++lane) {
+        mn16[lane] = mx16[lane] = v[start];
+        special16[lane] = 0;
+    }
+    int64_t i = start;
+    for (; i + 16 <= end; i += 16) {
+        for (int lane = 0; lane < 16; ++lane) {
+            float x = v[i + lane];
+            uint32_t bits;
+            memcpy(&bits, v + i + lane, sizeof bits);
+            mn16[lane] = x < mn16[lane] ? x : mn16[lane];
+            mx16[lane] = x > mx16[lane] ? x : mx16[lane];
+            special16[lane] |= (bits & 0x7f800000u) == 0x7f800000u;
+        }
+    }
+    float mn = mn16[0], mx = mx16[0];
+    uint32_t special = 0;
+    for (int lane = 0; lane < 16; ++lane) {
+        mn = mn16[lane] < mn ? mn16[lane] : mn;
+        mx = mx16[lane] > mx ? mx16[lane] : mx;
+        special |= special16[lane];
+    }
+    for (; i < end; ++i) {
+        float x = v[i];
+        uint32_t bits;
+        memcpy(&bits, v + i, sizeof bits);
+        mn = x < mn ? x : mn;
+        mx = x > mx ? x : mx;
+        special |= (bits & 0x7f800000u) == 0x7f800000u;
+    }
+    *lo = special ? nan_f() : mn;
+    *hi = special ? nan_f() : mx;
+    return special != 0;
+}
+
+/* Whether a finite range has a zero extreme: min and max are exact in any order, except for the sign of a zero,
+   which the caller settles as torch does. */
+static int zero_extreme(int special, float lo, float hi) { return !special && (lo == 0.0f || hi == 0.0f); }
+
+/* Range of every chunk (padding included: it repeats the last element); returns how many finite chunks have a
+   zero extreme. A chunk with NaN or an infinity gets NaN for both. */
+int64_t lb_row_ranges(const float *v, int64_t numel, int64_t chunks, int64_t length, float *lo, float *hi) {
     int64_t settle = 0;
     for (int64_t row = 0; row < chunks; ++row) {
         int64_t start = row * length < numel ? row * length : numel - 1;
         int64_t end = row * length + length < numel ? row * length + length : numel;
-        float mn16[16], mx16[16];
-        uint32_t special16[16]; /* the exponent bits all set: NaN or an infinity, seen without float compares */
-        for (int lane = 0; lane < 16; ++lane) {
-            mn16[lane] = mx16[lane] = v[start];
-            special16[lane] = 0;
-        }
-        int64_t i = start;
-        for (; i + 16 <= end; i += 16) {
-            for (int lane = 0; lane < 16; ++lane) {
-                float x = v[i + lane];
-                uint32_t bits;
-                memcpy(&bits, v + i + lane, sizeof bits);
-                mn16[lane] = x < mn16[lane] ? x : mn16[lane];
-                mx16[lane] = x > mx16[lane] ? x : mx16[lane];
-                special16[lane] |= (bits & 0x7f800000u) == 0x7f800000u;
-            }
-        }
-        float mn = mn16[0], mx = mx16[0];
-        uint32_t special = 0;
-        for (int lane = 0; lane < 16; ++lane) {
-            mn = mn16[lane] < mn ? mn16[lane] : mn;
-            mx = mx16[lane] > mx ? mx16[lane] : mx;
-            special |= special16[lane];
-        }
-        for (; i < end; ++i) {
-            float x = v[i];
-            uint32_t bits;
-            memcpy(&bits, v + i, sizeof bits);
-            mn = x < mn ? x : mn;
-            mx = x > mx ? x : mx;
-            special |= (bits & 0x7f800000u) == 0x7f800000u;
-        }
-        lo[row] = special ? nan_f() : mn;
-        hi[row] = special ? nan_f() : mx;
-        settle += !special && (mn == 0.0f || mx == 0.0f);
+        int special = span_range(v, start, end, lo + row, hi + row);
+        settle += zero_extreme(special, lo[row], hi[row]);
     }
     return settle;
 }
@@ -150,33 +170,59 @@ LB_FINITE_VALUES static void quantise(const float *v, int64_t n, float scale, fl
     }
 }
 
+/* One row: lo, hi (NaN if not finite), zeros to header_bytes, then the codes of the real elements of v and, up to
+   length, copies of the last one's code (the padding repeats the last element). */
+static void encode_row(const float *v, int64_t real, int64_t length, float lo, float hi, float eps,
+                       int64_t header_bytes, uint8_t *dest) {
+    int finite = isfinite(lo) && isfinite(hi);
+    float range[2] = {finite ? lo : nan_f(), finite ? hi : nan_f()};
+    memcpy(dest, range, sizeof range);
+    memset(dest + sizeof range, 0, (size_t)header_bytes - sizeof range);
+    uint8_t *codes = dest + header_bytes;
+    float scale, lower;
+    encode_params(lo, hi, eps, &scale, &lower);
+    if (!finite || hi == lo) {
+        memset(codes, 0, (size_t)length);
+        return;
+    }
+    /* v lies in [lo, hi], and rounded products keep their order: |v * scale| is at most the larger end's. */
+    if (fabsf(lo * scale) < 0x1p30f && fabsf(hi * scale) < 0x1p30f)
+        quantise_in_int32(v, real, scale, (int32_t)lower, codes);
+    else
+        quantise(v, real, scale, lower, codes);
+    if (real < length)
+        memset(codes + real, codes[real - 1], (size_t)(length - real));
+}
+
 /* Rows of header_bytes + length: lo, hi (NaN if not finite), zeros, then the codes. */
 void lb_compress(const float *v, int64_t numel, int64_t chunks, int64_t length, float eps, const float *lo,
                  const float *hi, int64_t header_bytes, uint8_t *out) {
-    int64_t row_bytes = header_bytes + length;
     for (int64_t row = 0; row < chunks; ++row) {
-        uint8_t *dest = out + row * row_bytes;
-        int finite = isfinite(lo[row]) && isfinite(hi[row]);
-        float range[2] = {finite ? lo[row] : nan_f(), finite ? hi[row] : nan_f()};
-        memcpy(dest, range, sizeof range);
-        memset(dest + sizeof range, 0, (size_t)header_bytes - sizeof range);
-        uint8_t *codes = dest + header_bytes;
-        float scale, lower;
-        encode_params(lo[row], hi[row], eps, &scale, &lower);
-        if (!finite || hi[row] == lo[row]) {
-            memset(codes, 0, (size_t)length);
-            continue;
-        }
         int64_t start = row * length;
         int64_t real = numel - start < length ? numel - start : length;
-        /* v lies in [lo, hi], and rounded products keep their order: |v * scale| is at most the larger end's. */
-        if (fabsf(lo[row] * scale) < 0x1p30f && fabsf(hi[row] * scale) < 0x1p30f)
-            quantise_in_int32(v + start, real, scale, (int32_t)lower, codes);
-        else
-            quantise(v + start, real, scale, lower, codes);
-        if (real < length)
-            memset(codes + real, codes[real - 1], (size_t)(length - real));
+        encode_row(v + start, real, length, lo[row], hi[row], eps, header_bytes, out + row * (header_bytes + length));
     }
+}
+
+/* Rows of many segments into one message: row r codes v[start[r] .. start[r] + real[r]) padded to length[r] codes
+   at byte offset[r]. Its range goes to lo[r] and hi[r]; returns how many finite rows have a zero extreme, which
+   the caller settles and then writes with lb_encode_rows. */
+int64_t lb_segment_ranges(const float *v, int64_t rows, const int64_t *start, const int64_t *real, float *lo,
+                          float *hi) {
+    int64_t settle = 0;
+    for (int64_t row = 0; row < rows; ++row) {
+        int special = span_range(v, start[row], start[row] + real[row], lo + row, hi + row);
+        settle += zero_extreme(special, lo[row], hi[row]);
+    }
+    return settle;
+}
+
+void lb_encode_rows(const float *v, int64_t rows, const int64_t *start, const int64_t *real, const int64_t *length,
+                    const int64_t *offset, float eps, const float *lo, const float *hi, int64_t header_bytes,
+                    uint8_t *message) {
+    for (int64_t row = 0; row < rows; ++row)
+        encode_row(v + start[row], real[row], length[row], lo[row], hi[row], eps, header_bytes,
+                   message + offset[row]);
 }
 
 /* decoded = q * a + b, with a and b rounded once from double; constant chunks decode to lo, others to NaN. */
@@ -246,6 +292,24 @@ void lb_decode_sum(const uint8_t *encoded, int64_t rows, int64_t row_stride, int
                 affine(source + header_bytes + start, n, a, b, out + start);
             else
                 affine_add(source + header_bytes + start, n, a, b, out + start);
+        }
+    }
+}
+
+/* For every row r of a segment message (at byte offset[r], its real[r] codes into out[start[r] ..)): the sum of
+   the participants' decoded values, first to last; participant p's message starts at byte p * stride. */
+void lb_decode_sum_rows(const uint8_t *messages, int64_t participants, int64_t stride, int64_t rows,
+                        const int64_t *start, const int64_t *real, const int64_t *offset, float eps,
+                        int64_t header_bytes, float *out) {
+    for (int64_t row = 0; row < rows; ++row) {
+        for (int64_t p = 0; p < participants; ++p) {
+            const uint8_t *source = messages + p * stride + offset[row];
+            float a, b;
+            decode_params(source, eps, &a, &b);
+            if (p == 0)
+                affine(source + header_bytes, real[row], a, b, out + start[row]);
+            else
+                affine_add(source + header_bytes, real[row], a, b, out + start[row]);
         }
     }
 }
@@ -333,6 +397,12 @@ def _library() -> ctypes.CDLL | None:
     library.lb_decode.restype = None
     library.lb_decode_sum.argtypes = [_ptr, _i64, _i64, _i64, _i64, _f32, _ptr]
     library.lb_decode_sum.restype = None
+    library.lb_segment_ranges.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]
+    library.lb_segment_ranges.restype = _i64
+    library.lb_encode_rows.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64, _ptr]
+    library.lb_encode_rows.restype = None
+    library.lb_decode_sum_rows.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _f32, _i64, _ptr]
+    library.lb_decode_sum_rows.restype = None
     return library
 
 
@@ -411,3 +481,49 @@ def decode_sum(encoded: Tensor, out: Tensor, eps: float, header_bytes: int) -> N
     kernels().lb_decode_sum(
         encoded.data_ptr(), encoded.shape[0], _row_stride(encoded), header_bytes, out.numel(), eps, out.data_ptr()
     )
+
+
+@torch.no_grad()
+def segment_ranges(flat: Tensor, start: Tensor, real: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """Each row's ``(lo, hi)`` over ``flat[start[r] : start[r] + real[r]]``, and whether one has a zero extreme.
+
+    ``flat`` is contiguous float32 on CPU; ``start`` and ``real`` are int64 and every ``real[r] >= 1``. A row with
+    NaN or an infinity gets NaN for both. Where a finite row's extreme is a zero, its sign is left to the caller.
+    """
+    rows = start.numel()
+    ranges = torch.empty((2, rows), dtype=torch.float32)
+    settle = kernels().lb_segment_ranges(
+        flat.data_ptr(), rows, start.data_ptr(), real.data_ptr(), ranges[0].data_ptr(), ranges[1].data_ptr()
+    )
+    return ranges[0], ranges[1], bool(settle)
+
+
+@torch.no_grad()
+def encode_rows(
+    flat: Tensor, start: Tensor, real: Tensor, length: Tensor, offset: Tensor, lo: Tensor, hi: Tensor, eps: float,
+    header_bytes: int, message: Tensor,
+) -> None:  # fmt: skip
+    """Write row ``r`` (header, then ``length[r]`` codes of ``flat[start[r]:]``) at byte ``offset[r]`` of ``message``.
+
+    The codes are those of ``real[r]`` elements, padded with the last one's code; the header holds ``lo[r]`` and
+    ``hi[r]`` (NaN if either is not finite), then zeros.
+    """
+    kernels().lb_encode_rows(
+        flat.data_ptr(), start.numel(), start.data_ptr(), real.data_ptr(), length.data_ptr(), offset.data_ptr(), eps,
+        lo.data_ptr(), hi.data_ptr(), header_bytes, message.data_ptr(),
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def decode_sum_rows(
+    messages: Tensor, start: Tensor, real: Tensor, offset: Tensor, eps: float, header_bytes: int, out: Tensor
+) -> None:
+    """``out[start[r] : start[r] + real[r]]`` = the decoded codes of row ``r`` summed over ``messages``' rows, in order.
+
+    ``messages`` is ``(participants, bytes)`` uint8 with contiguous rows; row ``r`` of a message is at its byte
+    ``offset[r]``; ``out`` is contiguous float32.
+    """
+    kernels().lb_decode_sum_rows(
+        messages.data_ptr(), messages.shape[0], _row_stride(messages), start.numel(), start.data_ptr(),
+        real.data_ptr(), offset.data_ptr(), eps, header_bytes, out.data_ptr(),
+    )  # fmt: skip

@@ -12,14 +12,18 @@ segment's last element, which is what the codec pads with, and which never widen
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from lightning_bagua.engine import _codec_native
 from lightning_bagua.engine._codec_params import decode_params, encode_params, quantise_rows_, range_header
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
-__all__ = ["SegmentLayout"]
+__all__ = ["SegmentBackend", "SegmentLayout"]
+
+SegmentBackend = Literal["auto", "torch", "native"]
 
 _HEADER_BYTES = MinMaxUInt8Codec.HEADER_BYTES
 
@@ -36,6 +40,17 @@ class _Indices:
     unpad: Tensor  # (elements,): position in the flat (rows * width) decoded values of every input element
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """Every row of a layout for the native kernels (int64 CPU tensors, one entry per row)."""
+
+    start: Tensor  # element of the flat input (and of the decoded sum) where the row's real elements begin
+    encoded: Tensor  # real elements the row codes (at least one: a row past its segment's end repeats the last)
+    decoded: Tensor  # real elements the row decodes (zero for a row past its segment's end)
+    length: Tensor  # codes on the wire
+    offset: Tensor  # message byte of the row's header
+
+
 class SegmentLayout:
     """Where the chunks of several flat tensors go in one 8-bit message, and back.
 
@@ -47,11 +62,25 @@ class SegmentLayout:
         segments: ``(numel_i, chunks_i)`` of every segment, in message order; ``numel_i >= 1``.
         start: the message byte where the first segment's first row begins.
         eps: the codec's ``eps``.
+        backend: ``"native"`` codes float32 CPU tensors with the codec's C kernels, one call each way; ``"torch"``
+            with a fixed number of vectorised torch calls (CUDA tensors, and other dtypes, always take these);
+            ``"auto"`` is ``"native"`` where those kernels are built. Both write the same bytes.
     """
 
-    def __init__(self, segments: list[tuple[int, int]], start: int, eps: float) -> None:
+    def __init__(
+        self,
+        segments: list[tuple[int, int]],
+        start: int,
+        eps: float,
+        backend: SegmentBackend = "auto",
+    ) -> None:
         if not segments or any(numel < 1 or chunks < 1 for numel, chunks in segments):
             raise ValueError(f"Segments need at least one element and one chunk each, got {segments}.")
+        if backend not in ("auto", "torch", "native"):
+            raise ValueError(f"Unknown segment backend {backend!r}: choose 'auto', 'torch' or 'native'.")
+        if backend == "native":
+            _codec_native.kernels()  # says why it cannot run
+        self.native = backend != "torch" and _codec_native.available()
         self.segments = segments
         self.start = start
         self.eps = eps
@@ -63,6 +92,7 @@ class SegmentLayout:
             chunks * (_HEADER_BYTES + length) for (_, chunks), length in zip(segments, self.lengths, strict=True)
         )
         self._indices: dict[torch.device, _Indices] = {}
+        self._rows: _Rows | None = None
 
     def encode_into(self, flat: Tensor, message: Tensor) -> None:
         """Encode the concatenated segments ``flat`` (float32, ``elements`` long) into bytes ``start..`` of ``message``.
@@ -71,6 +101,9 @@ class SegmentLayout:
             flat: the segments one after the other, float32.
             message: a ``uint8`` tensor of at least ``start + nbytes`` bytes; header bytes 8-31 must be zero.
         """
+        if self._runs_native(flat):
+            self._encode_native(flat.contiguous(), message)
+            return
         indices = self._on(flat.device)
         values = flat.take(indices.gather)
         # On CPU, amin + amax (vectorised) beat aminmax along a dim; NaN propagates into both.
@@ -92,6 +125,13 @@ class SegmentLayout:
         Returns:
             The summed segments one after the other, a new float32 tensor of ``elements``.
         """
+        if self.native and gathered.device.type == "cpu":
+            rows = self._native_rows()
+            total = torch.empty(self.elements, dtype=torch.float32)
+            _codec_native.decode_sum_rows(
+                gathered, rows.start, rows.decoded, rows.offset, self.eps, _HEADER_BYTES, total
+            )  # fmt: skip
+            return total
         indices = self._on(gathered.device)
         participants = gathered.shape[0]
         header = gathered[:, indices.header_target].view(torch.float32).view(participants, self.rows, 2)
@@ -102,6 +142,42 @@ class SegmentLayout:
         for row in decoded[1:]:
             total.add_(row)
         return total.view(-1).take(indices.unpad)
+
+    def _runs_native(self, flat: Tensor) -> bool:
+        return self.native and flat.device.type == "cpu" and flat.dtype == torch.float32
+
+    def _encode_native(self, flat: Tensor, message: Tensor) -> None:
+        rows = self._native_rows()
+        lo, hi, settle = _codec_native.segment_ranges(flat, rows.start, rows.encoded)
+        if settle:
+            # -0.0 and 0.0 compare equal, and the header carries the sign: where an extreme is zero, torch's own
+            # reductions over the padded row say which, as on the torch path. Only those rows are reduced again.
+            zero = ((lo == 0) | (hi == 0)).nonzero().view(-1)
+            values = flat.take(self._on(flat.device).gather[zero])
+            lo[zero], hi[zero] = values.amin(dim=1), values.amax(dim=1)
+        _codec_native.encode_rows(
+            flat, rows.start, rows.encoded, rows.length, rows.offset, lo, hi, self.eps, _HEADER_BYTES, message
+        )  # fmt: skip
+
+    def _native_rows(self) -> _Rows:
+        if self._rows is None:
+            start, encoded, decoded, length, offset = [], [], [], [], []
+            element, byte = 0, self.start
+            for (numel, chunks), size in zip(self.segments, self.lengths, strict=True):
+                for chunk in range(chunks):
+                    first = element + chunk * size
+                    real = max(0, min(size, element + numel - first))
+                    # A row wholly past its segment's end repeats the segment's last element.
+                    start.append(first if real else element + numel - 1)
+                    encoded.append(max(real, 1))
+                    decoded.append(real)
+                    length.append(size)
+                    offset.append(byte + chunk * (_HEADER_BYTES + size))
+                element, byte = element + numel, byte + chunks * (_HEADER_BYTES + size)
+            self._rows = _Rows(
+                *(torch.tensor(values, dtype=torch.int64) for values in (start, encoded, decoded, length, offset))
+            )
+        return self._rows
 
     def _on(self, device: torch.device) -> _Indices:
         indices = self._indices.get(device)

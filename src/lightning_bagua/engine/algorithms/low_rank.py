@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_bagua.engine._codec_segments import SegmentLayout
+from lightning_bagua.engine._codec_segments import SegmentBackend, SegmentLayout
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -162,12 +162,23 @@ def orthonormalise_columns(matrices: Tensor) -> Tensor:
     Column ``j`` loses its projections on columns ``0..j-1``, then is divided by its norm. A column with no
     length left (a zero gradient, or one of rank below ``r``) stays zero instead of becoming NaN.
 
+    On a CPU the same basis comes from one batched Householder QR, ``A = Q R`` (LAPACK), with each column of ``Q``
+    multiplied by the sign of ``R``'s diagonal entry (``R_jj`` is the length column ``j`` has left): a few calls
+    instead of several per column, about ten times less host time at ``r = 8``, equal to float rounding. Where
+    some ``R_jj`` is exactly zero, QR would keep the later columns orthogonal to a direction of its own choosing,
+    so that batch takes the column-by-column loop, as on CUDA.
+
     Args:
         matrices: a float tensor of shape ``(b, k, r)``.
 
     Returns:
         ``matrices``.
     """
+    if matrices.device.type == "cpu":
+        q, r = torch.linalg.qr(matrices)
+        length_left = torch.diagonal(r, dim1=-2, dim2=-1)
+        if not bool((length_left == 0).any()):
+            return matrices.copy_(q.mul_(length_left.sign().unsqueeze(-2)))
     tiny = torch.finfo(matrices.dtype).tiny
     for j in range(matrices.shape[2]):
         column = matrices[:, :, j : j + 1]
@@ -770,9 +781,15 @@ def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinM
         _offsets([slot.cols * rank for slot in factored]),
     )
     if factored:
-        p_layout = SegmentLayout([(slot.rows * rank, slot.p_chunks) for slot in factored], start, codec.eps)
-        q_layout = SegmentLayout([(slot.cols * rank, slot.q_chunks) for slot in factored], 0, codec.eps)
-        q_alone_layout = SegmentLayout([(slot.cols * rank, slot.q_chunks) for slot in factored], start, codec.eps)
+        # A codec told to run on torch ops (or its blocked kernels) keeps the segments off the native kernels too.
+        backend: SegmentBackend = (
+            "torch" if codec.backend in ("torch", "blocked") else "native" if codec.backend == "native" else "auto"
+        )
+        p_segments = [(slot.rows * rank, slot.p_chunks) for slot in factored]
+        q_segments = [(slot.cols * rank, slot.q_chunks) for slot in factored]
+        p_layout = SegmentLayout(p_segments, start, codec.eps, backend)
+        q_layout = SegmentLayout(q_segments, 0, codec.eps, backend)
+        q_alone_layout = SegmentLayout(q_segments, start, codec.eps, backend)
     first = start + (0 if p_layout is None else p_layout.nbytes)
     second = 0 if q_layout is None else q_layout.nbytes
     q_alone = start + (0 if q_layout is None else q_layout.nbytes)
