@@ -117,13 +117,17 @@ def all_methods(ranks_per_host: int = 1) -> list[str]:
 
 
 def extra_low_rank_methods() -> list[str]:
-    """``low_rank`` and its variants at ``EXTRA_LOW_RANK_RANKS``, where the engine has ``low_rank`` (else none)."""
+    """``low_rank``, its variants and DDP's PowerSGD at ``EXTRA_LOW_RANK_RANKS`` (PowerSGD only without ``low_rank``).
+
+    PowerSGD comes at the same ranks, so that every ``low_rank`` rank has torch's hook at that rank to compare with.
+    """
     from lightning_bagua.engine import available_algorithms
 
+    powersgd = [f"ddp_powersgd_r{rank}" for rank in EXTRA_LOW_RANK_RANKS]
     if "low_rank" not in available_algorithms():
-        return []
+        return powersgd
     stems = ["low_rank", *(stem for stem, (name, _) in ALGORITHM_VARIANTS.items() if name == "low_rank")]
-    return [f"{stem}_r{rank}" for stem in stems for rank in EXTRA_LOW_RANK_RANKS]
+    return [*powersgd, *(f"{stem}_r{rank}" for stem in stems for rank in EXTRA_LOW_RANK_RANKS)]
 
 
 def known_methods(ranks_per_host: int = 1) -> list[str]:

@@ -88,9 +88,12 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     order = lab_module.interleaved(["a", "b", "c"], 4)
     assert [method for _, method in order] == list("abcbcacababc")
     assert [index for index, _ in order] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
-    # low_rank at rank 16 is accepted by name (flat or hierarchical), without joining the default list.
-    assert {"low_rank_r16", "low_rank_alt_r16", "low_rank_r16:hierarchical"} <= set(lab_module.known_methods())
+    # low_rank at rank 16 is accepted by name (flat or hierarchical), without joining the default list, and so is
+    # torch's PowerSGD at that rank, to compare it with.
+    accepted = set(lab_module.known_methods())
+    assert {"low_rank_r16", "low_rank_alt_r16", "low_rank_r16:hierarchical", "ddp_powersgd_r16"} <= accepted
     assert "low_rank_r16" not in lab_module.all_methods()
+    assert "ddp_powersgd_r16" not in lab_module.all_methods()
     assert "low_rank_r32" not in lab_module.known_methods()
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("the rest needs root, iproute2 and tc (network namespaces and shaping)")
