@@ -152,6 +152,11 @@ def accepted_methods() -> list[str]:
     return [*available_methods(), *extra_low_rank_methods()]
 
 
+def is_hook_method(method: str) -> bool:
+    """Whether ``method`` is DDP with one of torch's hooks: the fp16 hook, or PowerSGD at any rank (``_r16`` too)."""
+    return method == "ddp_fp16" or split_rank(method)[0] == "ddp_powersgd"
+
+
 def baseline_of(method: str) -> str:
     """The DDP run a method is compared with: DDP with Adam for the Adam family, DDP with SGD for the rest."""
     return "ddp_adam" if method in ADAM_METHODS else "ddp"
@@ -440,7 +445,7 @@ def job(args: argparse.Namespace) -> None:
     module, train_set, test_set = build_task(args.task, args.method, settings, args.steps)
     if args.method in {"ddp", "ddp_adam"}:
         strategy: Any = "ddp"
-    elif args.method in HOOK_METHODS:
+    elif is_hook_method(args.method):
         strategy = hook_strategy(args.method, args.steps)
     else:
         algorithm, keywords = bagua_algorithm(args.method, args.steps)
@@ -516,7 +521,7 @@ def run_job(task: str, method: str, seed: int, steps: int, timeout: int, eval_ev
             raise RuntimeError(f"{task}/{method}/seed {seed} failed:\n{(completed.stdout + completed.stderr)[-4000:]}")
         result = json.loads(result_file.read_text())
     hook = result.get("hook")
-    if method in HOOK_METHODS and (hook is None or hook["calls"] == 0):
+    if is_hook_method(method) and (hook is None or hook["calls"] == 0):
         raise RuntimeError(f"{task}/{method}/seed {seed}: the DDP communication hook never ran ({hook})")
     if hook is not None and "powersgd_iter" in hook and hook["powersgd_iter"] <= hook["powersgd_start_iter"]:
         raise RuntimeError(f"{task}/{method}/seed {seed}: PowerSGD never left its uncompressed start ({hook})")
