@@ -5,7 +5,9 @@ microseconds of host time per call. Here one C loop finds every chunk's range, o
 and decoding is one loop that can add into an output or sum the rows of several ranks. The per-element float32
 operations are those of the torch backend, in the same order (``v * scale``, round half to even, ``- lower``,
 clamp; decoding ``q * a`` then ``+ b``), built with ``-ffp-contract=off`` so that the compiler never fuses a
-multiply and an add, so every backend writes the same bytes and decodes to the same values. (Where a chunk's
+multiply and an add, so every backend writes the same bytes and decodes to the same values. (The sign of a zero
+range end, where a chunk holds zeros of both signs, is settled with the blocked backend's reductions, chunk by
+chunk where it arises.) (Where a chunk's
 ``|v * scale|`` stays below ``2^30`` the codes are computed in int32, which gives the same codes; see
 ``quantise_in_int32``.)
 
@@ -55,6 +57,7 @@ CACHE_ENV = "LIGHTNING_BAGUA_CACHE"
 _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const float LEVELS = 255.0f;
@@ -278,22 +281,28 @@ void lb_decode(const uint8_t *encoded, int64_t rows, int64_t row_stride, int64_t
     }
 }
 
-/* out = row_0 + row_1 + ... over the first numel codes of every row, in row order, block by block in cache. */
-void lb_decode_sum(const uint8_t *encoded, int64_t rows, int64_t row_stride, int64_t header_bytes, int64_t numel,
-                   float eps, float *out) {
+/* out = row_0 + row_1 + ... over the first numel codes of every row, in row order, block by block in cache. Every
+   row's decode factors are found once, not once per block. Returns -1 if their scratch cannot be allocated. */
+int lb_decode_sum(const uint8_t *encoded, int64_t rows, int64_t row_stride, int64_t header_bytes, int64_t numel,
+                  float eps, float *out) {
     const int64_t block = 4096;
+    float *factors = malloc(2 * (size_t)rows * sizeof(float));
+    if (!factors)
+        return -1;
+    for (int64_t row = 0; row < rows; ++row)
+        decode_params(encoded + row * row_stride, eps, factors + 2 * row, factors + 2 * row + 1);
     for (int64_t start = 0; start < numel; start += block) {
         int64_t n = numel - start < block ? numel - start : block;
         for (int64_t row = 0; row < rows; ++row) {
-            const uint8_t *source = encoded + row * row_stride;
-            float a, b;
-            decode_params(source, eps, &a, &b);
+            const uint8_t *codes = encoded + row * row_stride + header_bytes + start;
             if (row == 0)
-                affine(source + header_bytes + start, n, a, b, out + start);
+                affine(codes, n, factors[0], factors[1], out + start);
             else
-                affine_add(source + header_bytes + start, n, a, b, out + start);
+                affine_add(codes, n, factors[2 * row], factors[2 * row + 1], out + start);
         }
     }
+    free(factors);
+    return 0;
 }
 
 /* For every row r of a segment message (at byte offset[r], its real[r] codes into out[start[r] ..)): the sum of
@@ -336,10 +345,14 @@ def _compiler() -> str | None:
 
 def library_path() -> Path:
     """Where the compiled kernels live (or will): the cache directory, named by source, flags and machine."""
+    return _library_path(_compiler())
+
+
+def _library_path(compiler: str | None) -> Path:
     cache = os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lightning_bagua"
     )
-    key = "\0".join([_SOURCE, *_FLAGS, *_NATIVE_FLAGS, _cpu_features(), platform.system(), str(_compiler())])
+    key = "\0".join([_SOURCE, *_FLAGS, *_NATIVE_FLAGS, _cpu_features(), platform.system(), str(compiler)])
     return Path(cache) / f"codec-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -377,7 +390,7 @@ def _library() -> ctypes.CDLL | None:
         log.debug("The native codec kernels are disabled by %s=0.", DISABLE_ENV)
         return None
     compiler = _compiler()
-    path = library_path()
+    path = _library_path(compiler)
     try:
         if not path.exists():
             if compiler is None:
@@ -396,7 +409,7 @@ def _library() -> ctypes.CDLL | None:
     library.lb_decode.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, ctypes.c_int]
     library.lb_decode.restype = None
     library.lb_decode_sum.argtypes = [_ptr, _i64, _i64, _i64, _i64, _f32, _ptr]
-    library.lb_decode_sum.restype = None
+    library.lb_decode_sum.restype = ctypes.c_int
     library.lb_segment_ranges.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]
     library.lb_segment_ranges.restype = _i64
     library.lb_encode_rows.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64, _ptr]
@@ -437,16 +450,38 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
     ranges = torch.empty((2, num_chunks), dtype=torch.float32)
     lo, hi = ranges[0], ranges[1]
     if library.lb_row_ranges(pointer, numel, num_chunks, length, lo.data_ptr(), hi.data_ptr()):
-        # -0.0 and 0.0 compare equal, and the header carries the sign (a constant chunk decodes to it): where an
-        # extreme is zero, torch's own reductions say which, as in the other backends. Rare, so the cost is too.
-        torch_lo, torch_hi = _codec_blocked.row_ranges(tensor, num_chunks, length)
-        zero = (lo == 0) | (hi == 0)
-        lo[zero], hi[zero] = torch_lo[zero], torch_hi[zero]
+        _settle_zero_signs(tensor, lo, hi, length)
     encoded = torch.empty((num_chunks, header_bytes + length), dtype=torch.uint8)
     library.lb_compress(
         pointer, numel, num_chunks, length, eps, lo.data_ptr(), hi.data_ptr(), header_bytes, encoded.data_ptr()
     )
     return encoded
+
+
+def _settle_zero_signs(tensor: Tensor, lo: Tensor, hi: Tensor, length: int) -> None:
+    """Redo, with the blocked backend's torch reductions, the ranges of the chunks whose extreme is a zero.
+
+    -0.0 and 0.0 compare equal, and the header carries the sign (a constant chunk decodes to it): torch's own
+    reductions say which, as in the other backends. Only those chunks are reduced again, each as
+    :func:`~lightning_bagua.engine._codec_blocked.row_ranges` reduces it (a zero gradient region, such as the
+    embedding rows of tokens a batch did not see, would otherwise cost a whole second pass).
+    """
+    zero = ((lo == 0) | (hi == 0)).nonzero().view(-1)
+    full_rows, rest = divmod(tensor.numel(), length)
+    if full_rows == 1 and bool((zero == 0).any()):
+        lo[0], hi[0] = tensor[:length].amin(), tensor[:length].amax()
+    elif full_rows > 1:
+        full = zero[zero < full_rows]
+        if full.numel():
+            rows = tensor[: full_rows * length].view(full_rows, length)[full]
+            lo[full], hi[full] = rows.amin(dim=1), rows.amax(dim=1)
+    if rest and bool((zero == full_rows).any()):
+        tail = tensor[full_rows * length :]
+        lo[full_rows], hi[full_rows] = tail.amin(), tail.amax()
+    empty = zero[zero >= full_rows + (1 if rest else 0)]
+    if empty.numel():
+        lo[empty] = tensor[-1]
+        hi[empty] = tensor[-1]
 
 
 @torch.no_grad()
@@ -478,9 +513,11 @@ def decode_add(encoded: Tensor, out: Tensor, eps: float, header_bytes: int) -> N
 @torch.no_grad()
 def decode_sum(encoded: Tensor, out: Tensor, eps: float, header_bytes: int) -> None:
     """``out = row_0 + row_1 + ...`` (in this order, in float32) over the first ``out.numel()`` codes of every row."""
-    kernels().lb_decode_sum(
+    status = kernels().lb_decode_sum(
         encoded.data_ptr(), encoded.shape[0], _row_stride(encoded), header_bytes, out.numel(), eps, out.data_ptr()
     )
+    if status:
+        raise MemoryError(f"The native codec could not allocate the decode factors of {encoded.shape[0]} rows.")
 
 
 @torch.no_grad()

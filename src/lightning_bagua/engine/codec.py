@@ -70,8 +70,8 @@ class MinMaxUInt8Codec:
       alone would lose constants far from zero to float32 rounding and those below ``eps`` to zero).
 
     Backends: ``"torch"`` runs vectorised torch ops on any device (several passes over the data, the reference);
-    ``"native"`` runs fused C kernels on float32 CPU tensors (torch's reductions for the ranges, then one pass that
-    writes headers and codes; decoding is one pass, fused with a sum or an addition), built on first use with the
+    ``"native"`` runs fused C kernels on float32 CPU tensors (one pass finds the ranges, then one pass writes headers
+    and codes; decoding is one pass, fused with a sum or an addition), built on first use with the
     system's C compiler, and hands float16 and bfloat16 to the blocked ops; ``"blocked"`` runs the same torch ops on
     CPU tensors one cache-sized block at a time, in preallocated scratch (the input is read twice, once for the
     range and once to quantise, and each block goes through every step while in cache); ``"triton"`` runs fused CUDA
@@ -80,7 +80,10 @@ class MinMaxUInt8Codec:
     for float32 CPU tensors when they build (``LIGHTNING_BAGUA_NATIVE_CODEC=0`` turns them off), the blocked ops for
     other CPU tensors, torch otherwise. All do the same IEEE float32 operations per chunk (correctly rounded
     division, round-half-even), so they write the same bytes, and each can decode the others'; torch, native and
-    blocked decode to the same values, Triton's may differ in the last ulp (the kernel fuses ``q * a + b``).
+    blocked decode to the same values, Triton's may differ in the last ulp (the kernel fuses ``q * a + b``). One
+    exception: where a chunk's smallest or largest value is a zero and it holds zeros of both signs, the header
+    carries whichever zero the backend's reduction returned, which depends on the reduction's order (native and
+    blocked settle it alike, torch may return the other); the decoded values are the same.
 
     Decoding can be fused with what follows it: :meth:`decompress_sum` sums decoded rows (a reduction over the
     rows several ranks sent) and :meth:`decompress_add` adds decoded values into a buffer, without holding the
