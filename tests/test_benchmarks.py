@@ -132,3 +132,15 @@ def test_lm_step_time_resumes_from_whole_rounds(tmp_path: Path) -> None:
     other = run(*[argument if argument != "2" else "3" for argument in lm], "--repeats", "2", "--resume")
     assert other.returncode != 0
     assert "other settings" in other.stderr
+
+
+def test_low_rank_host_cost_times_every_setting_of_both_forms(tmp_path: Path) -> None:
+    command = ["--tasks", "digits", "--ranks", "2", "--rounds", "2", "--steps", "1", "--warmup", "1"]
+    completed = run(str(BENCHMARKS / "low_rank_host_cost.py"), *command, "--out", str(tmp_path))
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((tmp_path / "low_rank_host_cost_cpu.json").read_text())
+    timed = {(row["form"], row["setting"]) for row in report["results"]}
+    settings = ("gram_schmidt_torch", "qr_torch", "qr_native")
+    assert timed == {(form, setting) for form in ("two-sided", "alternate") for setting in settings}
+    assert all(len(row["rounds_s"]) == 2 and row["min_s"] > 0 for row in report["results"])
+    assert "python benchmarks/low_rank_host_cost.py" in (tmp_path / "low_rank_host_cost_cpu.md").read_text()

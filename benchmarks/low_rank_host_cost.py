@@ -1,0 +1,217 @@
+"""Host time of one ``low_rank`` bucket on a CPU: the current path against the earlier one, same gradients.
+
+``low_rank``'s step on a small model is mostly host work between two collectives. This times
+``low_rank_reduce_`` on the whole gradient of a convergence task's network as one bucket, in one process (a
+Gloo group of one, so the collectives cost next to nothing), under three settings of the same algorithm:
+
+* ``gram_schmidt_torch``: the earlier path: Gram-Schmidt column by column, and the factors coded with the
+  vectorised torch ops (``MinMaxUInt8Codec(backend="torch")``);
+* ``qr_torch``: the batched QR orthonormalisation, the factors still coded with torch ops;
+* ``qr_native``: the batched QR and the native codec kernels (what ``low_rank`` runs on a CPU now).
+
+Settings are interleaved over ``--rounds`` rounds of ``--steps`` timed calls each, after ``--warmup`` untimed
+ones; each round's median is kept, and the table gives the median over rounds with [min, max]. The two-sided form
+and ``alternate=True`` are both timed. Peers (DDP, its fp16 and PowerSGD hooks) are not here: their step times
+beside ``low_rank``'s are in ``time_to_accuracy_cpu.md`` and the network lab::
+
+    python benchmarks/low_rank_host_cost.py            # writes benchmarks/results/low_rank_host_cost_cpu.{json,md}
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from convergence import task_model
+from lightning_bagua.engine.algorithms import low_rank
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.communication import CommunicationCounter
+
+RESULTS = Path(__file__).parent / "results"
+SETTINGS = ("gram_schmidt_torch", "qr_torch", "qr_native")
+TASKS = ("digits", "charlm", "bytemlp")
+
+
+def gram_schmidt(matrices: Tensor) -> Tensor:
+    """The earlier orthonormalisation on every device: column by column, in place (a zero column stays zero)."""
+    tiny = torch.finfo(matrices.dtype).tiny
+    for j in range(matrices.shape[2]):
+        column = matrices[:, :, j : j + 1]
+        if j:
+            previous = matrices[:, :, :j]
+            column.sub_(previous @ (previous.transpose(1, 2) @ column))
+        column.div_(column.norm(dim=1, keepdim=True).clamp_min(tiny))
+    return matrices
+
+
+@contextmanager
+def orthonormalisation(setting: str) -> Iterator[None]:
+    """Run ``low_rank`` with Gram-Schmidt for the ``gram_schmidt_*`` settings, with its own function otherwise."""
+    original = low_rank.orthonormalise_columns
+    if setting.startswith("gram_schmidt"):
+        low_rank.orthonormalise_columns = gram_schmidt
+    try:
+        yield
+    finally:
+        low_rank.orthonormalise_columns = original
+
+
+def make_state(parameters: list[torch.nn.Parameter], rank: int, alternate: bool, setting: str) -> Any:
+    """A ``LowRankState`` for one flat participant, compressing from the first call, coded as ``setting`` says."""
+    backend = "native" if setting.endswith("native") else "torch"
+    return low_rank.LowRankState(
+        groups=None,  # type: ignore[arg-type]  # low_rank_reduce_ takes its group as an argument
+        counter=CommunicationCounter(),
+        executor=None,  # type: ignore[arg-type]
+        rank=rank,
+        warmup_steps=0,
+        alternate=alternate,
+        hierarchical=False,
+        names={id(parameter): f"p{index}" for index, parameter in enumerate(parameters)},
+        codec=MinMaxUInt8Codec(backend=backend),
+    )
+
+
+def timer(task: str, rank: int, alternate: bool, setting: str) -> Callable[[int], list[float]]:
+    """A function that times ``n`` calls of ``low_rank_reduce_`` on the task's whole gradient as one bucket."""
+    parameters = list(task_model(task).parameters())[::-1]  # the reducer's bucket order: last layers first
+    state = make_state(parameters, rank, alternate, setting)
+    slots = state.plan(parameters, 4)
+    gradient = torch.randn(
+        sum(parameter.numel() for parameter in parameters), generator=torch.Generator().manual_seed(0)
+    )
+
+    def run(calls: int) -> list[float]:
+        times = []
+        with orthonormalisation(setting):
+            for _ in range(calls):
+                bucket = gradient.clone()
+                start = time.perf_counter()
+                low_rank.low_rank_reduce_(bucket, slots, None, 1, state)
+                times.append(time.perf_counter() - start)
+        return times
+
+    return run
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    for task in args.tasks:
+        for rank in args.ranks:
+            for alternate in (False, True):
+                timers = {setting: timer(task, rank, alternate, setting) for setting in SETTINGS}
+                for run in timers.values():
+                    run(args.warmup)
+                rounds: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
+                for index in range(args.rounds):
+                    # Each round starts one setting later, so that no setting always runs first.
+                    order = SETTINGS[index % len(SETTINGS) :] + SETTINGS[: index % len(SETTINGS)]
+                    for setting in order:
+                        rounds[setting].append(statistics.median(timers[setting](args.steps)))
+                for setting in SETTINGS:
+                    values = rounds[setting]
+                    results.append(
+                        {
+                            "task": task,
+                            "rank": rank,
+                            "form": "alternate" if alternate else "two-sided",
+                            "setting": setting,
+                            "median_s": statistics.median(values),
+                            "min_s": min(values),
+                            "max_s": max(values),
+                            "rounds_s": values,
+                        }
+                    )
+                print(f"{task} r{rank} {'alternate' if alternate else 'two-sided'}: done", flush=True)
+    return results
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "Host time of one `low_rank` bucket (the whole gradient of the task's network), one process, one thread:"
+        " median over rounds of each round's median call, in ms [min, max], and the ratio to the earlier path"
+        " (`gram_schmidt_torch`).",
+        f"Written by `{report['command']}`; the numbers are in `low_rank_host_cost_cpu.json`.",
+        "",
+        "| task | rank | form | " + " | ".join(SETTINGS) + " |",
+        "|---|---|---|" + "---|" * len(SETTINGS),
+    ]
+    keyed = {(r["task"], r["rank"], r["form"], r["setting"]): r for r in report["results"]}
+    for task, rank, form in dict.fromkeys((r["task"], r["rank"], r["form"]) for r in report["results"]):
+        base = keyed[(task, rank, form, SETTINGS[0])]["median_s"]
+        cells = []
+        for setting in SETTINGS:
+            row = keyed[(task, rank, form, setting)]
+            cells.append(
+                f"{row['median_s'] * 1e3:.2f} [{row['min_s'] * 1e3:.2f}, {row['max_s'] * 1e3:.2f}]"
+                f" ({row['median_s'] / base:.2f}x)"
+            )
+        lines.append(f"| {task} | {rank} | {form} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--ranks", nargs="+", type=int, default=[8, 16], help="factor ranks (default: 8 16)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default: 7)")
+    parser.add_argument("--steps", type=int, default=30, help="timed calls per setting and round (default: 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per setting first (default: 5)")
+    parser.add_argument("--out", default=str(RESULTS), help="results folder (default: benchmarks/results)")
+    parser.add_argument("--no-save", action="store_true", help="print the table, write nothing")
+    arguments = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(arguments)
+    args.argv = arguments
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        results = measure(args)
+    finally:
+        dist.destroy_process_group()
+    report = {
+        "benchmark": "low_rank_host_cost",
+        "command": "python benchmarks/low_rank_host_cost.py " + " ".join(args.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "results": results,
+    }
+    report["command"] = report["command"].strip()
+    table = markdown(report)
+    print(table)
+    if not args.no_save:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "low_rank_host_cost_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "low_rank_host_cost_cpu.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()
