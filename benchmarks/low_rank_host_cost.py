@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -47,24 +46,12 @@ SETTINGS = ("gram_schmidt_torch", "qr_torch", "qr_native")
 TASKS = ("digits", "charlm", "bytemlp")
 
 
-def gram_schmidt(matrices: Tensor) -> Tensor:
-    """The earlier orthonormalisation on every device: column by column, in place (a zero column stays zero)."""
-    tiny = torch.finfo(matrices.dtype).tiny
-    for j in range(matrices.shape[2]):
-        column = matrices[:, :, j : j + 1]
-        if j:
-            previous = matrices[:, :, :j]
-            column.sub_(previous @ (previous.transpose(1, 2) @ column))
-        column.div_(column.norm(dim=1, keepdim=True).clamp_min(tiny))
-    return matrices
-
-
 @contextmanager
 def orthonormalisation(setting: str) -> Iterator[None]:
     """Run ``low_rank`` with Gram-Schmidt for the ``gram_schmidt_*`` settings, with its own function otherwise."""
     original = low_rank.orthonormalise_columns
     if setting.startswith("gram_schmidt"):
-        low_rank.orthonormalise_columns = gram_schmidt
+        low_rank.orthonormalise_columns = low_rank.gram_schmidt_
     try:
         yield
     finally:

@@ -50,6 +50,7 @@ __all__ = [
     "LowRankState",
     "TensorSlot",
     "factor_seed",
+    "gram_schmidt_",
     "low_rank_hook",
     "orthonormalise_columns",
 ]
@@ -179,6 +180,11 @@ def orthonormalise_columns(matrices: Tensor) -> Tensor:
         length_left = torch.diagonal(r, dim1=-2, dim2=-1)
         if not bool((length_left == 0).any()):
             return matrices.copy_(q.mul_(length_left.sign().unsqueeze(-2)))
+    return gram_schmidt_(matrices)
+
+
+def gram_schmidt_(matrices: Tensor) -> Tensor:
+    """:func:`orthonormalise_columns` written out column by column, on any device, in place; returns ``matrices``."""
     tiny = torch.finfo(matrices.dtype).tiny
     for j in range(matrices.shape[2]):
         column = matrices[:, :, j : j + 1]
