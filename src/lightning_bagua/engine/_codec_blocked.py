@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_bagua.engine._codec_params import LEVELS, decode_params, encode_params, range_header
 
-__all__ = ["BLOCK", "compress", "decode", "decode_add", "decode_sum", "row_ranges"]
+__all__ = ["BLOCK", "compress", "decode", "decode_add", "decode_sum", "fill_row_ranges", "row_ranges"]
 
 # Elements per block: 512 KiB of float32 (plus as much scratch) stays in a core's L2 on current x86 and Arm
 # server parts, while the per-op host cost (a few microseconds per torch call) stays small next to the work.
@@ -74,25 +74,39 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
 
 def row_ranges(tensor: Tensor, num_chunks: int, length: int) -> tuple[Tensor, Tensor]:
     """Per-chunk float32 ``lo`` and ``hi``, padding included (it repeats the last element, so only fills empty rows)."""
-    full_rows, rest = divmod(tensor.numel(), length)
     lo = torch.empty(num_chunks, dtype=torch.float32)
     hi = torch.empty(num_chunks, dtype=torch.float32)
+    fill_row_ranges(tensor, length, lo, hi)
+    return lo, hi
+
+
+def fill_row_ranges(tensor: Tensor, length: int, lo: Tensor, hi: Tensor, chunks: Tensor | None = None) -> None:
+    """Write :func:`row_ranges` into ``lo`` and ``hi``: of every chunk, or only of the int64 indices ``chunks``.
+
+    Each chunk is reduced the same way either way (the native backend redoes a few chunks with it).
+    """
+    full_rows, rest = divmod(tensor.numel(), length)
     if full_rows:
         # Min and max are exact in the input's dtype; NaN propagates into both.
         rows = tensor[: full_rows * length].view(full_rows, length)
+        full = None if chunks is None else chunks[chunks < full_rows]
         if full_rows == 1:
-            lo[0], hi[0] = rows[0].amin(), rows[0].amax()
-        else:
+            if full is None or full.numel():
+                lo[0], hi[0] = rows[0].amin(), rows[0].amax()
+        elif full is None:
             lo[:full_rows].copy_(rows.amin(dim=1))
             hi[:full_rows].copy_(rows.amax(dim=1))
-    if rest:
+        elif full.numel():
+            picked = rows[full]
+            lo[full], hi[full] = picked.amin(dim=1), picked.amax(dim=1)
+    if rest and (chunks is None or bool((chunks == full_rows).any())):
         tail = tensor[full_rows * length :]
         lo[full_rows], hi[full_rows] = tail.amin(), tail.amax()
     empty_from = full_rows + (1 if rest else 0)
-    if empty_from < num_chunks:
-        lo[empty_from:] = tensor[-1]
-        hi[empty_from:] = tensor[-1]
-    return lo, hi
+    empty = slice(empty_from, lo.numel()) if chunks is None else chunks[chunks >= empty_from]
+    if empty_from < lo.numel():
+        lo[empty] = tensor[-1]
+        hi[empty] = tensor[-1]
 
 
 def _quantise(values: Tensor, scale: float, lower: float, codes: Tensor) -> None:

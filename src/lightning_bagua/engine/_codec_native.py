@@ -450,38 +450,16 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
     ranges = torch.empty((2, num_chunks), dtype=torch.float32)
     lo, hi = ranges[0], ranges[1]
     if library.lb_row_ranges(pointer, numel, num_chunks, length, lo.data_ptr(), hi.data_ptr()):
-        _settle_zero_signs(tensor, lo, hi, length)
+        # -0.0 and 0.0 compare equal, and the header carries the sign (a constant chunk decodes to it): where an
+        # extreme is zero, the blocked backend's torch reductions say which. Only those chunks are reduced again:
+        # a zero region, such as the embedding rows of tokens a batch did not see, has one every step.
+        zero = ((lo == 0) | (hi == 0)).nonzero().view(-1)
+        _codec_blocked.fill_row_ranges(tensor, length, lo, hi, zero)
     encoded = torch.empty((num_chunks, header_bytes + length), dtype=torch.uint8)
     library.lb_compress(
         pointer, numel, num_chunks, length, eps, lo.data_ptr(), hi.data_ptr(), header_bytes, encoded.data_ptr()
     )
     return encoded
-
-
-def _settle_zero_signs(tensor: Tensor, lo: Tensor, hi: Tensor, length: int) -> None:
-    """Redo, with the blocked backend's torch reductions, the ranges of the chunks whose extreme is a zero.
-
-    -0.0 and 0.0 compare equal, and the header carries the sign (a constant chunk decodes to it): torch's own
-    reductions say which, as in the other backends. Only those chunks are reduced again, each as
-    :func:`~lightning_bagua.engine._codec_blocked.row_ranges` reduces it (a zero gradient region, such as the
-    embedding rows of tokens a batch did not see, would otherwise cost a whole second pass).
-    """
-    zero = ((lo == 0) | (hi == 0)).nonzero().view(-1)
-    full_rows, rest = divmod(tensor.numel(), length)
-    if full_rows == 1 and bool((zero == 0).any()):
-        lo[0], hi[0] = tensor[:length].amin(), tensor[:length].amax()
-    elif full_rows > 1:
-        full = zero[zero < full_rows]
-        if full.numel():
-            rows = tensor[: full_rows * length].view(full_rows, length)[full]
-            lo[full], hi[full] = rows.amin(dim=1), rows.amax(dim=1)
-    if rest and bool((zero == full_rows).any()):
-        tail = tensor[full_rows * length :]
-        lo[full_rows], hi[full_rows] = tail.amin(), tail.amax()
-    empty = zero[zero >= full_rows + (1 if rest else 0)]
-    if empty.numel():
-        lo[empty] = tensor[-1]
-        hi[empty] = tensor[-1]
 
 
 @torch.no_grad()
