@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_bagua.engine import _codec_native
-from lightning_bagua.engine._codec_segments import SegmentLayout
+from lightning_bagua.engine._codec_segments import SegmentLayout, segment_backend
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
 CODEC = MinMaxUInt8Codec(backend="torch")
@@ -153,3 +153,10 @@ def test_zero_extremes_carry_the_sign_torch_picks(backend):
     message = torch.zeros(layout.nbytes, dtype=torch.uint8)
     layout.encode_into(torch.cat(values), message)
     assert torch.equal(message, one_call_per_segment(segments, values))
+
+
+def test_the_segments_follow_the_codec_backend():
+    expected = {"torch": "torch", "blocked": "torch", "native": "native", "auto": "auto"}
+    for codec_backend, backend in expected.items():
+        assert segment_backend(MinMaxUInt8Codec(backend=codec_backend)) == backend, codec_backend
+    assert not SegmentLayout([(40, 2)], start=0, eps=CODEC.eps, backend=segment_backend(CODEC)).native

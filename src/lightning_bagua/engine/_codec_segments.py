@@ -21,9 +21,21 @@ from lightning_bagua.engine import _codec_native
 from lightning_bagua.engine._codec_params import decode_params, encode_params, quantise_rows_, range_header
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
-__all__ = ["SegmentBackend", "SegmentLayout"]
+__all__ = ["SegmentBackend", "SegmentLayout", "segment_backend"]
 
 SegmentBackend = Literal["auto", "torch", "native"]
+
+
+def segment_backend(codec: MinMaxUInt8Codec) -> SegmentBackend:
+    """Return the segment backend that follows ``codec``'s.
+
+    A codec told to run torch ops (or its blocked kernels) keeps the segments off the native kernels too, one told
+    ``"native"`` needs them, and the others leave the choice to ``"auto"``.
+    """
+    if codec.backend in ("torch", "blocked"):
+        return "torch"
+    return "native" if codec.backend == "native" else "auto"
+
 
 _HEADER_BYTES = MinMaxUInt8Codec.HEADER_BYTES
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_bagua.engine._codec_segments import SegmentBackend, SegmentLayout
+from lightning_bagua.engine._codec_segments import SegmentLayout, segment_backend
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -787,10 +787,7 @@ def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinM
         _offsets([slot.cols * rank for slot in factored]),
     )
     if factored:
-        # A codec told to run on torch ops (or its blocked kernels) keeps the segments off the native kernels too.
-        backend: SegmentBackend = (
-            "torch" if codec.backend in ("torch", "blocked") else "native" if codec.backend == "native" else "auto"
-        )
+        backend = segment_backend(codec)
         p_segments = [(slot.rows * rank, slot.p_chunks) for slot in factored]
         q_segments = [(slot.cols * rank, slot.q_chunks) for slot in factored]
         p_layout = SegmentLayout(p_segments, start, codec.eps, backend)
