@@ -54,6 +54,7 @@ import os
 import platform
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,8 @@ EXTRA_METHODS = (*ADAM_METHODS, "ddp_powersgd_r1")  # accepted, not in the defau
 RATES = ("100mbit", "1gbit", "10gbit", "unshaped")
 TASKS = ("mlp", "digits", "charlm", "bytemlp")  # mlp: the lab's own model (--width, --depth)
 FAILURE_GRACE_S = 20  # how long the other ranks may take to report after one rank failed
+FRAME_BYTES = 1514  # an Ethernet frame at an MTU of 1500, with its header
+BURST_US = 100.0  # a link's token bucket in microseconds of its time (link_burst_bytes)
 HOOK_WARMUP = 2  # uncompressed steps of PowerSGD and low_rank before they compress (inside the untimed warm-up)
 # Methods that run an algorithm with keywords of their own: method stem -> (algorithm, keywords).
 ALGORITHM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"low_rank_alt": ("low_rank", {"alternate": True})}
@@ -317,18 +320,30 @@ def run(*command: str) -> None:
     subprocess.run(command, check=True, capture_output=True, text=True)
 
 
-def shape(namespace: str, interface: str, rate: str) -> None:
+def link_burst_bytes(rate: str, burst_us: float = BURST_US) -> int:
+    """The token bucket of a link of ``rate``: ``burst_us`` of the link's time, and at least two full frames.
+
+    A real link never sends faster than its rate, but after an idle spell ``tbf`` lets a full bucket out at the
+    veth's speed. A step's messages come after such a spell (the compute between steps), so the bucket decides how
+    long a message smaller than it takes: with a bucket of 10 ms, as the lab had up to 2026-11-26, a message of
+    100 kB crossed a 100 Mbit/s link in a fraction of the 8 ms the link needs. A bucket of ``burst_us`` bounds that
+    gain to ``burst_us`` per message (two frames, where they take longer), and lets TCP keep a 1 Gbit/s link busy.
+    ``python benchmarks/network_lab.py --check-links`` measures both.
+    """
+    return max(2 * FRAME_BYTES, int(bits_per_second(rate) * burst_us / 8e6))
+
+
+def shape(namespace: str, interface: str, rate: str, burst_us: float = BURST_US) -> None:
     """Limit what ``interface`` (in ``namespace``) sends to ``rate``; ``unshaped`` leaves it alone."""
     if rate == "unshaped":
         return
-    # A token bucket of 10 ms at the rate (at least 64 KiB) lets TCP fill the link without bursting past it.
-    burst = max(64 * 1024, bits_per_second(rate) // 8 // 100)
+    burst = link_burst_bytes(rate, burst_us)
     run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
         "rate", rate, "burst", str(burst), "latency", "100ms")  # fmt: skip
 
 
 @contextmanager
-def lab_hosts(rate: str, count: int) -> Iterator[list[tuple[str, str, str]]]:
+def lab_hosts(rate: str, count: int, burst_us: float = BURST_US) -> Iterator[list[tuple[str, str, str]]]:
     """Create ``count`` namespaces joined by links shaped to ``rate``; yield (namespace, interface, address).
 
     Two hosts share one veth pair. More hosts each get a veth pair to a bridge in a switch namespace, both ends
@@ -353,7 +368,7 @@ def lab_hosts(rate: str, count: int) -> Iterator[list[tuple[str, str, str]]]:
                 run("ip", "link", "set", port, "netns", switch)
                 run("ip", "-n", switch, "link", "set", port, "master", "br0")
                 run("ip", "-n", switch, "link", "set", port, "up")
-                shape(switch, port, rate)
+                shape(switch, port, rate, burst_us)
         for namespace, interface, address in hosts:
             run("ip", "link", "set", interface, "netns", namespace)
             for scope in ("all", interface):
@@ -361,7 +376,7 @@ def lab_hosts(rate: str, count: int) -> Iterator[list[tuple[str, str, str]]]:
             run("ip", "-n", namespace, "link", "set", "lo", "up")
             run("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
             run("ip", "-n", namespace, "link", "set", interface, "up")
-            shape(namespace, interface, rate)
+            shape(namespace, interface, rate, burst_us)
         yield hosts
     finally:
         for namespace in namespaces:
@@ -605,7 +620,7 @@ def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
     results, failures = [], []
     started = time.perf_counter()
     for rate in args.rates:
-        with lab_hosts(rate, args.hosts) as hosts:
+        with lab_hosts(rate, args.hosts, args.burst_us) as hosts:
             rows, failed = measure(args, rate, methods, hosts)
         results += rows
         failures += failed
@@ -629,6 +644,135 @@ def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
     }
 
 
+PROBE_SIZES = (4_000, 16_000, 64_000, 256_000, 1_000_000, 4_000_000)  # bytes of one message
+PROBE_REPEATS = 7
+PROBE_IDLE_S = 0.05  # the pause before each message, as the compute between two steps
+
+
+def probe(role: str, address: str, port: int) -> None:
+    """One end of the link check; the client prints ``PROBE`` lines, one per message size.
+
+    The client sends each message of ``PROBE_SIZES`` ``PROBE_REPEATS`` times, each after ``PROBE_IDLE_S`` idle,
+    and times it from its first byte to the server's one-byte reply, which comes once the whole message is in.
+    """
+    if role == "server":
+        with socket.create_server((address, port)) as server:
+            connection, _ = server.accept()
+            with connection:
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for size in PROBE_SIZES:
+                    for _ in range(PROBE_REPEATS):
+                        received = 0
+                        while received < size:
+                            received += len(connection.recv(1 << 20))
+                        connection.sendall(b"k")
+        return
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            connection = socket.create_connection((address, port), timeout=30)
+            break
+        except OSError:  # the server is not listening yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    with connection:
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for size in PROBE_SIZES:
+            message, times = bytes(size), []
+            for _ in range(PROBE_REPEATS):
+                time.sleep(PROBE_IDLE_S)
+                start = time.perf_counter()
+                connection.sendall(message)
+                connection.recv(1)
+                times.append(time.perf_counter() - start)
+            print("PROBE " + json.dumps({"size": size, "times_s": times}), flush=True)
+
+
+def check_links(args: argparse.Namespace) -> dict[str, Any]:
+    """Time single messages over a link of every rate and bucket of ``args``; return the report."""
+    if os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None:
+        raise SystemExit("network_lab.py needs root, iproute2 and tc (network namespaces and shaping).")
+    bursts = args.check_links or [args.burst_us]
+    rows = []
+    for rate in args.rates:
+        for burst_us in bursts if rate != "unshaped" else [None]:
+            with lab_hosts(rate, 2, burst_us or BURST_US) as hosts:
+                port = random.randrange(20000, 60000)
+                script = [sys.executable, str(Path(__file__).resolve()), "--probe-port", str(port)]
+                server = subprocess.Popen(
+                    ["ip", "netns", "exec", hosts[1][0], *script, "--probe", "server", "--master", hosts[1][2]]
+                )
+                try:
+                    client = subprocess.run(
+                        ["ip", "netns", "exec", hosts[0][0], *script, "--probe", "client", "--master", hosts[1][2]],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                        timeout=600,
+                    )
+                finally:
+                    if server.poll() is None:
+                        server.kill()  # the client failed: nothing more will come
+                    server.wait()
+            for line in _lines(client.stdout, "PROBE"):
+                wire = None if rate == "unshaped" else line["size"] * 8 / bits_per_second(rate)
+                rows.append(
+                    {
+                        "rate": rate,
+                        "burst_us": burst_us,
+                        "burst_bytes": None if burst_us is None else link_burst_bytes(rate, burst_us),
+                        "size": line["size"],
+                        "median_s": statistics.median(line["times_s"]),
+                        "min_s": min(line["times_s"]),
+                        "max_s": max(line["times_s"]),
+                        "rate_bound_s": wire,
+                    }
+                )
+    return {
+        "benchmark": "link check: one message at a time over the lab's shaped link between two hosts",
+        "command": "python benchmarks/network_lab.py " + " ".join(args.argv),
+        "settings": {
+            "rates": args.rates,
+            "bursts_us": bursts,
+            "sizes": list(PROBE_SIZES),
+            "repeats": PROBE_REPEATS,
+            "idle_s": PROBE_IDLE_S,
+        },
+        "machine": machine(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "results": rows,
+    }
+
+
+def links_markdown(report: dict[str, Any]) -> str:
+    """The link check as a table: a column per (rate, bucket), a row per message size."""
+    columns = list(dict.fromkeys((row["rate"], row["burst_us"]) for row in report["results"]))
+    by_key = {(row["rate"], row["burst_us"], row["size"]): row for row in report["results"]}
+    settings = report["settings"]
+    header = [rate if burst is None else f"{rate}, bucket {burst:g} us" for rate, burst in columns]
+    lines = [
+        "Time of one message from its first byte sent to the receiver's one-byte reply, after"
+        f" {settings['idle_s'] * 1e3:g} ms idle: median of {settings['repeats']} [min, max] in ms; `size / rate` is"
+        " the least time the link's rate allows for the message's bytes alone. The bucket is `tbf`'s, in"
+        " microseconds of the link's time (`link_burst_bytes`).",
+        f"Written by `{report['command']}`; the numbers are in `network_lab_links.json`.",
+        "",
+        "| message | " + " | ".join(header) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for size in settings["sizes"]:
+        cells = []
+        for rate, burst in columns:
+            row = by_key[(rate, burst, size)]
+            cell = f"{row['median_s'] * 1e3:.2f} [{row['min_s'] * 1e3:.2f}, {row['max_s'] * 1e3:.2f}]"
+            if row["rate_bound_s"] is not None:
+                cell += f" (size / rate {row['rate_bound_s'] * 1e3:.2f})"
+            cells.append(cell)
+        lines.append(f"| {size / 1e3:g} kB | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def machine() -> dict[str, Any]:
     """Python, torch, Lightning, the platform and the load when the report was written."""
     import lightning
@@ -646,6 +790,16 @@ def machine() -> dict[str, Any]:
 
 
 def orchestrate(args: argparse.Namespace) -> None:
+    if args.check_links is not None:
+        report = check_links(args)
+        table = links_markdown(report)
+        if not args.no_save:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "network_lab_links.json").write_text(json.dumps(report, indent=2) + "\n")
+            (out / "network_lab_links.md").write_text(table)
+        print(table)
+        return
     report = lab_report(args, "python benchmarks/network_lab.py " + " ".join(args.argv))
     methods = report["settings"]["methods"]
     table = markdown(report["results"], args.rates, methods, report)
@@ -681,6 +835,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="launch as a plain env:// launcher does, without LOCAL_WORLD_SIZE: the engine finds the hosts itself",
     )
+    parser.add_argument(
+        "--burst-us",
+        type=float,
+        default=BURST_US,
+        help=f"each link's token bucket, in microseconds of its time (default: {BURST_US:g}; see link_burst_bytes)",
+    )
+    parser.add_argument(
+        "--check-links",
+        nargs="*",
+        type=float,
+        default=None,
+        metavar="BURST_US",
+        help="time single messages over each rate's link, with each bucket given (default: --burst-us), and write"
+        " network_lab_links.*; no training",
+    )
     parser.add_argument("--out", default=str(RESULTS), help="results folder (default: benchmarks/results)")
     parser.add_argument("--no-save", action="store_true", help="print the table, write nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -689,17 +858,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--probe", choices=("server", "client"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-port", type=int, default=0, help=argparse.SUPPRESS)
     arguments = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(arguments)
     if args.warmup <= HOOK_WARMUP:
         parser.error(f"--warmup must exceed {HOOK_WARMUP} (PowerSGD and low_rank compress after it), got {args.warmup}")
+    for burst_us in [args.burst_us, *(args.check_links or [])]:
+        if not burst_us > 0:
+            parser.error(
+                f"a link's bucket must be a positive number of microseconds (e.g. {BURST_US:g}), got {burst_us:g}"
+            )
     args.argv = arguments
     return args
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.worker:
+    if arguments.probe is not None:
+        probe(arguments.probe, arguments.master, arguments.probe_port)
+    elif arguments.worker:
         worker(arguments)
     else:
         orchestrate(arguments)
