@@ -111,6 +111,33 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     assert "over 2 interleaved rounds [min, max]" in (out / "network_lab_cpu_digits.md").read_text()
 
 
+def test_network_lab_links_send_no_faster_than_their_rate(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("network_lab", BENCHMARKS / "network_lab.py")
+    assert spec is not None
+    assert spec.loader is not None
+    lab_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab_module)
+    # 100 us of the link, and never less than two full frames.
+    assert lab_module.link_burst_bytes("100mbit") == 2 * 1514
+    assert lab_module.link_burst_bytes("1gbit") == 12_500
+    assert lab_module.link_burst_bytes("10gbit", burst_us=10_000) == 12_500_000
+    with pytest.raises(SystemExit):
+        lab_module.parse_args(["--burst-us", "0"])
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("the rest needs root, iproute2 and tc (network namespaces and shaping)")
+    out = tmp_path / "results"
+    completed = run(str(BENCHMARKS / "network_lab.py"), "--check-links", "--rates", "100mbit", "--out", str(out))
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "network_lab_links.json").read_text())
+    rows = {row["size"]: row for row in report["results"]}
+    assert set(rows) == set(lab_module.PROBE_SIZES)
+    # Once a message outgrows the bucket, the link's rate bounds its time from below: a 10 ms bucket, as the lab
+    # had before, lets 64 kB through in a fraction of the 5 ms it needs, and fails this.
+    for size in (64_000, 256_000):
+        assert rows[size]["min_s"] >= 0.9 * rows[size]["rate_bound_s"], rows[size]
+    assert "100mbit, bucket 100 us" in (out / "network_lab_links.md").read_text()
+
+
 def test_lm_step_time_resumes_from_whole_rounds(tmp_path: Path) -> None:
     # The tiny CPU model: one round of DDP, then a resumed run to two rounds that runs only the second.
     lm = [str(BENCHMARKS / "lm_step_time.py"), "--cpu", "--regimes", "nvlink", "--methods", "ddp"]
