@@ -32,8 +32,9 @@ exact average inside a host, compression between the two hosts) compute what the
 ``:flat`` compressed method over four ranks compresses differently, and its two-process curve is an
 approximation.
 
-Torch's PowerSGD hook aborts on Gloo with a size mismatch when DDP's gradient spans more than one bucket
-("Received data size doesn't match expected size"). Under Lightning's defaults (a first bucket of 1 MB) that is
+Torch's PowerSGD hook fails on Gloo when DDP's gradient spans more than one bucket: the ranks' collectives
+interleave differently, and a run aborts with a size mismatch ("Received data size doesn't match expected
+size"), a reset connection, or a receive that waits until its timeout. Under Lightning's defaults (a first bucket of 1 MB) that is
 the case for ``bytemlp``: its training fails, and the failure is reported (not left out). The lab's DDP uses
 10 MB buckets (the engine's bucket size), where ``bytemlp``'s gradient is one bucket, so its step time and
 overhead are still measured. A method that fails on one seed is not started again on the task's other seeds.
