@@ -34,10 +34,11 @@ approximation.
 
 Torch's PowerSGD hook fails on Gloo when DDP's gradient spans more than one bucket: the ranks' collectives
 interleave differently, and a run aborts with a size mismatch ("Received data size doesn't match expected
-size"), a reset connection, or a receive that waits until its timeout. Under Lightning's defaults (a first bucket of 1 MB) that is
-the case for ``bytemlp``: its training fails, and the failure is reported (not left out). The lab's DDP uses
-10 MB buckets (the engine's bucket size), where ``bytemlp``'s gradient is one bucket, so its step time and
-overhead are still measured. A method that fails on one seed is not started again on the task's other seeds.
+size"), a reset connection, or a receive that waits until its timeout. Under Lightning's defaults (a first
+bucket of 1 MB) that is the case for ``bytemlp``: its training fails, and the failure is reported (not left
+out). The lab's DDP uses 10 MB buckets (the engine's bucket size), where ``bytemlp``'s gradient is one bucket,
+so its step time and overhead are still measured. A method that fails on one seed is not started again on the
+task's other seeds.
 
 Tasks (convergence.py): ``digits`` (the example's perceptron, 9k parameters), ``charlm`` (a causal convolutional
 byte model, 0.1M) and ``bytemlp`` (a wide byte perceptron, 2.4M, where the link sets the pace on slow links).

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,12 +79,18 @@ def test_time_to_accuracy_tiny_curves_with_cpu_hooks(tmp_path: Path) -> None:
     assert "python benchmarks/time_to_accuracy.py" in (out / "time_to_accuracy_cpu.md").read_text()
 
 
-def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
+def network_lab() -> Any:
+    """``benchmarks/network_lab.py`` as a module (the benchmarks are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location("network_lab", BENCHMARKS / "network_lab.py")
     assert spec is not None
     assert spec.loader is not None
-    lab_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lab_module)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
+    lab_module = network_lab()
     # Round-robin, each round starting one method later.
     order = lab_module.interleaved(["a", "b", "c"], 4)
     assert [method for _, method in order] == list("abcbcacababc")
@@ -112,11 +119,7 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
 
 
 def test_network_lab_links_send_no_faster_than_their_rate(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("network_lab", BENCHMARKS / "network_lab.py")
-    assert spec is not None
-    assert spec.loader is not None
-    lab_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lab_module)
+    lab_module = network_lab()
     # 100 us of the link, and never less than two full frames.
     assert lab_module.link_burst_bytes("100mbit") == 2 * 1514
     assert lab_module.link_burst_bytes("1gbit") == 12_500
