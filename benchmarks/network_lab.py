@@ -601,10 +601,15 @@ def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], p
     return True
 
 
-def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Measure every method at every rate of ``args`` and return the report (settings, machine, results)."""
+def require_lab_tools() -> None:
+    """Stop with a message unless this process may create namespaces and shape links (root, ``ip``, ``tc``)."""
     if os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None:
         raise SystemExit("network_lab.py needs root, iproute2 and tc (network namespaces and shaping).")
+
+
+def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Measure every method at every rate of ``args`` and return the report (settings, machine, results)."""
+    require_lab_tools()
     if args.hosts < 2 or args.ranks_per_host < 1:
         raise SystemExit("The lab needs at least two hosts and one rank per host.")
     if args.rounds < 1:
@@ -691,8 +696,7 @@ def probe(role: str, address: str, port: int) -> None:
 
 def check_links(args: argparse.Namespace) -> dict[str, Any]:
     """Time single messages over a link of every rate and bucket of ``args``; return the report."""
-    if os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None:
-        raise SystemExit("network_lab.py needs root, iproute2 and tc (network namespaces and shaping).")
+    require_lab_tools()
     bursts = args.check_links or [args.burst_us]
     rows = []
     for rate in args.rates:
@@ -794,26 +798,26 @@ def orchestrate(args: argparse.Namespace) -> None:
         report = check_links(args)
         table = links_markdown(report)
         if not args.no_save:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "network_lab_links.json").write_text(json.dumps(report, indent=2) + "\n")
-            (out / "network_lab_links.md").write_text(table)
+            write_report(Path(args.out), "network_lab_links", report, table)
         print(table)
         return
     report = lab_report(args, "python benchmarks/network_lab.py " + " ".join(args.argv))
     methods = report["settings"]["methods"]
     table = markdown(report["results"], args.rates, methods, report)
-    if args.no_save:
-        print(table)
-        return
-    out = Path(args.out)
+    if not args.no_save:
+        out = Path(args.out)
+        stem = layout_name(args.hosts, args.ranks_per_host, args.no_local_world_size, args.task)
+        write_report(out, stem, report, table)
+        title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
+        chart(report["results"], args.rates, methods, out / f"{stem}.png", title)
+    print(table)
+
+
+def write_report(out: Path, stem: str, report: dict[str, Any], table: str) -> None:
+    """Write ``report`` to ``out/<stem>.json`` and its table to ``out/<stem>.md``."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = layout_name(args.hosts, args.ranks_per_host, args.no_local_world_size, args.task)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{stem}.md").write_text(table)
-    title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
-    chart(report["results"], args.rates, methods, out / f"{stem}.png", title)
-    print(table)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
