@@ -669,7 +669,10 @@ def probe(role: str, address: str, port: int) -> None:
                     for _ in range(PROBE_REPEATS):
                         received = 0
                         while received < size:
-                            received += len(connection.recv(1 << 20))
+                            chunk = connection.recv(1 << 20)
+                            if not chunk:  # the client is gone: an empty read would repeat forever
+                                raise ConnectionError(f"the link check's client left after {received} of {size} bytes")
+                            received += len(chunk)
                         connection.sendall(b"k")
         return
     deadline = time.monotonic() + 30
