@@ -89,6 +89,12 @@ def network_lab() -> Any:
     return module
 
 
+def skip_without_lab_tools() -> None:
+    """Skip the rest of a test where the lab cannot create namespaces and shape links (root, ``ip``, ``tc``)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("the rest needs root, iproute2 and tc (network namespaces and shaping)")
+
+
 def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     lab_module = network_lab()
     # Round-robin, each round starting one method later.
@@ -102,8 +108,7 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     assert "low_rank_r16" not in lab_module.all_methods()
     assert "ddp_powersgd_r16" not in lab_module.all_methods()
     assert "low_rank_r32" not in lab_module.known_methods()
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("the rest needs root, iproute2 and tc (network namespaces and shaping)")
+    skip_without_lab_tools()
     out = tmp_path / "results"
     lab = [str(BENCHMARKS / "network_lab.py"), "--task", "digits", "--rates", "unshaped", "--rounds", "2"]
     completed = run(*lab, "--steps", "1", "--methods", "single", "ddp", "ddp_powersgd_r4", "--out", str(out))
@@ -126,8 +131,7 @@ def test_network_lab_links_send_no_faster_than_their_rate(tmp_path: Path) -> Non
     assert lab_module.link_burst_bytes("10gbit", burst_us=10_000) == 12_500_000
     with pytest.raises(SystemExit):
         lab_module.parse_args(["--burst-us", "0"])
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("the rest needs root, iproute2 and tc (network namespaces and shaping)")
+    skip_without_lab_tools()
     out = tmp_path / "results"
     completed = run(str(BENCHMARKS / "network_lab.py"), "--check-links", "--rates", "100mbit", "--out", str(out))
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
