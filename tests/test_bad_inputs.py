@@ -67,6 +67,15 @@ def _bucket_size_from_environment(value: str) -> Callable[[], float]:
     return read
 
 
+def _strategy_with_gloo_scheduling(value: str) -> Callable[[], object]:
+    def build() -> object:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("LIGHTNING_BAGUA_GLOO_SCHED_BATCH", value)
+            return BaguaStrategy()
+
+    return build
+
+
 # id: (what to call, the exception type, a regular expression its message must match)
 IN_PROCESS: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
     "unknown algorithm name": (
@@ -125,6 +134,11 @@ IN_PROCESS: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
         _bucket_size_from_environment("ten"),
         ValueError,
         r"BAGUA_DEFAULT_BUCKET_SIZE='ten'",
+    ),
+    "gloo scheduling variable neither 0 nor 1": (
+        _strategy_with_gloo_scheduling("yes"),
+        ValueError,
+        r"LIGHTNING_BAGUA_GLOO_SCHED_BATCH='yes' must be 1 .*or 0",
     ),
     "saved algorithm state with a missing key": (
         lambda: check_state_keys("decentralized", {"forward_passes": 3}, {"forward_passes": int, "rounds": int}),

@@ -178,3 +178,16 @@ def test_low_rank_host_cost_times_every_setting_of_both_forms(tmp_path: Path) ->
     assert timed == {(form, setting) for form in ("two-sided", "alternate") for setting in settings}
     assert all(len(row["rounds_s"]) == 2 and row["min_s"] > 0 for row in report["results"])
     assert "python benchmarks/low_rank_host_cost.py" in (tmp_path / "low_rank_host_cost_cpu.md").read_text()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux scheduling policy")
+def test_gloo_scheduling_times_both_policies_of_every_communication(tmp_path: Path) -> None:
+    command = ["--rounds", "2", "--steps", "3", "--warmup", "1", "--compute-ms", "0.1"]
+    completed = run(str(BENCHMARKS / "gloo_scheduling.py"), *command, "--out", str(tmp_path))
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((tmp_path / "gloo_scheduling_cpu.json").read_text())
+    timed = {(entry["communication"], entry["policy"]) for entry in report["summary"]}
+    assert timed == {(c, p) for c in ("exchange", "all_gather", "all_reduce") for p in ("default", "sched_batch")}
+    assert len(report["rounds"]) == 2 * 6 * 2  # rounds x settings x ranks
+    assert all(row["median_ms"] > 0 and row["p90_ms"] >= row["median_ms"] for row in report["rounds"])
+    assert "python benchmarks/gloo_scheduling.py" in (tmp_path / "gloo_scheduling_cpu.md").read_text()

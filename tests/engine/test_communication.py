@@ -6,18 +6,21 @@ import socket
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_bagua.engine import BaguaDistributedDataParallel, CommunicationCounter, NodeLayout
+from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter, NodeLayout
 from lightning_bagua.engine import communication as communication_module
 from lightning_bagua.engine.communication import (
     OrderedExecutor,
     all_gather_into,
     all_to_all_into,
+    batch_schedule,
+    gloo_threads_batch_scheduled,
     host_identity,
     ranks_per_node_from_hosts,
     start_exchange,
@@ -279,3 +282,74 @@ def test_cpu_point_to_point_exchanges_equal_gloo_collectives(world_size):
         assert outcomes, f"rank {rank} compared nothing"
         assert all(outcomes.values()), f"rank {rank}: {outcomes}"
         assert len(outcomes) == (8 if rank % 2 else 4), f"rank {rank}: {sorted(outcomes)}"
+
+
+def _thread_policies() -> dict[int, tuple[str, int]]:
+    policies = {}
+    for name in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{name}/comm") as comm:
+            policies[int(name)] = (comm.read().strip(), os.sched_getscheduler(int(name)))
+    return policies
+
+
+def _scheduling_of_the_engine_threads(rank: int, world_size: int, hierarchical: bool) -> dict[str, Any]:
+    before = _thread_policies()
+    model = BaguaDistributedDataParallel(
+        nn.Linear(8, 4), algorithm=Algorithm.init("bytegrad", hierarchical=hierarchical), ranks_per_node=2
+    )
+    after = _thread_policies()
+    model(torch.randn(3, 8)).sum().backward()  # the batch-scheduled threads still communicate
+    gradient = next(model.parameters()).grad.clone()
+    check = gradient.clone()
+    dist.all_reduce(check)  # on the default group, whose threads are torch's own
+    model.close()
+    new = {tid: policy for tid, policy in after.items() if tid not in before}
+    # Compared by policy alone: a thread may name itself after it starts.
+    changed = {tid: after[tid] for tid, (_, policy) in before.items() if tid in after and after[tid][1] != policy}
+    return {
+        "old_changed": changed,
+        "old_policies": {policy for _, policy in before.values()},
+        "new_batch": sorted(name for name, policy in new.values() if policy == os.SCHED_BATCH),
+        "new_other": sorted(name for name, policy in new.values() if policy != os.SCHED_BATCH),
+        "same_gradient_everywhere": torch.allclose(check / world_size, gradient, atol=1e-6),
+    }
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux scheduling policy")
+@pytest.mark.parametrize(("world_size", "hierarchical"), [(2, False), (4, True)])
+def test_engine_runs_the_threads_of_its_gloo_groups_under_sched_batch(world_size, hierarchical):
+    results = run_processes(_scheduling_of_the_engine_threads, world_size, hierarchical)
+    for rank, result in enumerate(results):
+        assert result["old_changed"] == {}, f"rank {rank}: threads that existed before the wrapper changed policy"
+        assert result["old_policies"] == {os.SCHED_OTHER}, f"rank {rank}"
+        # One I/O loop and its workers per group: the flat group, and with two levels the node's and the leaders'.
+        assert len(result["new_batch"]) >= (3 if hierarchical else 1), f"rank {rank}: {result}"
+        # Only the engine's executor (a Python thread) may keep the default; every Gloo thread is batch-scheduled.
+        assert not any(name.startswith(("gloo", "pt_gloo")) for name in result["new_other"]), f"rank {rank}: {result}"
+        assert result["same_gradient_everywhere"], f"rank {rank}"
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux scheduling policy")
+def test_engine_leaves_its_gloo_threads_alone_when_told_to():
+    results = run_processes(_scheduling_of_the_engine_threads, 2, False, env={"LIGHTNING_BAGUA_GLOO_SCHED_BATCH": "0"})
+    for result in results:
+        assert result["new_batch"] == [], result
+        assert result["same_gradient_everywhere"]
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("1", True), ("0", False)])
+def test_gloo_threads_batch_scheduled_reads_its_variable(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("LIGHTNING_BAGUA_GLOO_SCHED_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("LIGHTNING_BAGUA_GLOO_SCHED_BATCH", value)
+    assert gloo_threads_batch_scheduled() is (expected and hasattr(os, "SCHED_BATCH"))
+
+
+def test_batch_schedule_skips_threads_that_have_ended():
+    if not hasattr(os, "SCHED_BATCH"):
+        assert gloo_threads_batch_scheduled() is False
+        return
+    with open("/proc/sys/kernel/pid_max") as pid_max:
+        no_such_thread = int(pid_max.read()) + 1  # as a thread that ended between listing and scheduling
+    assert batch_schedule({no_such_thread}) == []

@@ -25,13 +25,17 @@ __all__ = [
     "OrderedExecutor",
     "all_gather_into",
     "all_to_all_into",
+    "batch_schedule",
     "gather_hosts",
+    "gloo_threads_batch_scheduled",
     "host_identity",
     "ranks_per_node_from_hosts",
     "start_exchange",
 ]
 
 log = logging.getLogger(__name__)
+
+GLOO_SCHED_BATCH_VARIABLE = "LIGHTNING_BAGUA_GLOO_SCHED_BATCH"
 
 ProcessGroup = dist.ProcessGroup
 
@@ -406,6 +410,8 @@ class CommunicationGroups:
         from_hosts = layout_ranks_per_node is None and NodeLayout.from_environment() is None
         # A bad explicit layout fails here, before any communicator exists.
         layout = None if from_hosts else NodeLayout.detect(len(global_ranks), layout_ranks_per_node)
+        batch_scheduled = gloo_threads_batch_scheduled()  # a bad setting fails here too
+        threads_before = _thread_ids()
         flat = dist.new_group(ranks=global_ranks, timeout=timeout)
         if layout is None:
             hosts = gather_hosts(flat, device if device is not None else torch.device("cpu"))
@@ -424,6 +430,8 @@ class CommunicationGroups:
             owned.append(leaders_group)
             if rank in layout.leaders():
                 inter_node = leaders_group
+        if batch_scheduled and dist.get_backend(flat) == "gloo":
+            batch_schedule(_thread_ids() - threads_before)
         return cls(layout, rank, global_ranks, flat, intra_node, inter_node, owned)
 
     @property
@@ -587,6 +595,55 @@ def all_reduce_hierarchically(
     return tensor
 
 
+def gloo_threads_batch_scheduled() -> bool:
+    """Whether the engine runs the threads of its Gloo groups under ``SCHED_BATCH`` (see :func:`batch_schedule`).
+
+    Yes on Linux unless ``LIGHTNING_BAGUA_GLOO_SCHED_BATCH=0``; never where the platform lacks the policy.
+
+    Raises:
+        ValueError: if ``LIGHTNING_BAGUA_GLOO_SCHED_BATCH`` is neither ``0`` nor ``1``.
+    """
+    value = os.environ.get(GLOO_SCHED_BATCH_VARIABLE, "1")
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{GLOO_SCHED_BATCH_VARIABLE}={value!r} must be 1 (run the engine's Gloo threads under SCHED_BATCH, the"
+            " default) or 0 (leave them as torch starts them)."
+        )
+    return value == "1" and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH")
+
+
+def batch_schedule(thread_ids: set[int]) -> list[int]:
+    """Put the given threads of this process under Linux's ``SCHED_BATCH`` policy; return those it applied to.
+
+    The engine gives it the threads that creating its Gloo groups started: each group's I/O loop and its
+    workers. Gloo's I/O loop only *tries* the lock of a connection, and when the thread that holds it is writing
+    to that socket, it returns at once to ``epoll``, which reports the socket ready again: it spins. Woken by the
+    writer's own traffic, it preempts the writer on the writer's core, so the writer cannot finish and release the
+    lock until the scheduler's tick ends the loop's slice. On a host whose cores are busy (CPU training, or several
+    ranks per host) an exchange of a few kB then takes a whole tick instead of the fraction of a millisecond it
+    needs, at random. ``SCHED_BATCH`` changes one thing: a woken thread does not preempt the running one. The
+    threads keep their share of the CPU, and an idle core still takes them at once.
+    ``benchmarks/gloo_scheduling.py`` measures it.
+
+    Threads that have ended meanwhile, or that the process may not change, are skipped.
+
+    Args:
+        thread_ids: thread ids of this process (``/proc/self/task``).
+
+    Returns:
+        The ids now under ``SCHED_BATCH``, sorted.
+    """
+    applied = []
+    for thread_id in sorted(thread_ids):
+        try:
+            os.sched_setscheduler(thread_id, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as error:  # ended since it was listed, or not ours to change: it keeps its policy
+            log.debug("Thread %d keeps its scheduling policy: %s", thread_id, error)
+            continue
+        applied.append(thread_id)
+    return applied
+
+
 def start_exchange(operations: list[dist.P2POp]) -> list[dist.Work]:
     """Start point-to-point operations with every receive posted before any send, and return their works.
 
@@ -605,6 +662,14 @@ def start_exchange(operations: list[dist.P2POp]) -> list[dist.Work]:
     receives = [operation for operation in operations if operation.op is dist.irecv]
     sends = [operation for operation in operations if operation.op is not dist.irecv]
     return dist.batch_isend_irecv(receives + sends) if operations else []
+
+
+def _thread_ids() -> set[int]:
+    """Ids of this process's threads; empty where ``/proc`` does not list them (not Linux)."""
+    try:
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
 
 
 def all_to_all_into(output: Tensor, tensor: Tensor, group: ProcessGroup | None) -> None:

@@ -10,6 +10,7 @@ from torch.distributed import ReduceOp
 
 from lightning_bagua.engine import Algorithm
 from lightning_bagua.engine.autotune import AutotuneSetting, autotune_from_environment
+from lightning_bagua.engine.communication import gloo_threads_batch_scheduled
 
 __all__ = [
     "autotune_metrics",
@@ -50,6 +51,7 @@ def check_engine_arguments(
         not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0
     ):
         raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
+    gloo_threads_batch_scheduled()  # its environment variable is checked before any process group starts
     return built
 
 
