@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {key: getattr(args, key) for key in ("world_size", "compute_ms", "kib", "steps", "warmup", "rounds")}
     report = {
         "benchmark": "gloo_scheduling",
-        "command": "python benchmarks/gloo_scheduling.py " + " ".join(args.argv),
+        "command": " ".join(["python benchmarks/gloo_scheduling.py", *args.argv]),
         "settings": settings,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "versions": {"torch": torch.__version__},

@@ -58,22 +58,15 @@ def _launch(*argv: str) -> Callable[[], None]:
     return run
 
 
-def _bucket_size_from_environment(value: str) -> Callable[[], float]:
-    def read() -> float:
+def _with_variable(name: str, value: str, call: Callable[[], object]) -> Callable[[], object]:
+    """``call``, run with the environment variable ``name`` set to ``value``."""
+
+    def run() -> object:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("BAGUA_DEFAULT_BUCKET_SIZE", value)
-            return default_bucket_cap_mb()
+            patch.setenv(name, value)
+            return call()
 
-    return read
-
-
-def _strategy_with_gloo_scheduling(value: str) -> Callable[[], object]:
-    def build() -> object:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("LIGHTNING_BAGUA_GLOO_SCHED_BATCH", value)
-            return BaguaStrategy()
-
-    return build
+    return run
 
 
 # id: (what to call, the exception type, a regular expression its message must match)
@@ -131,12 +124,12 @@ IN_PROCESS: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
         r"'median'.*'sum'",
     ),
     "bucket size variable not a number": (
-        _bucket_size_from_environment("ten"),
+        _with_variable("BAGUA_DEFAULT_BUCKET_SIZE", "ten", default_bucket_cap_mb),
         ValueError,
         r"BAGUA_DEFAULT_BUCKET_SIZE='ten'",
     ),
     "gloo scheduling variable neither 0 nor 1": (
-        _strategy_with_gloo_scheduling("yes"),
+        _with_variable("LIGHTNING_BAGUA_GLOO_SCHED_BATCH", "yes", BaguaStrategy),
         ValueError,
         r"LIGHTNING_BAGUA_GLOO_SCHED_BATCH='yes' must be 1 .*or 0",
     ),

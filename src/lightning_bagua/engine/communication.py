@@ -431,7 +431,8 @@ class CommunicationGroups:
             if rank in layout.leaders():
                 inter_node = leaders_group
         if batch_scheduled and dist.get_backend(flat) == "gloo":
-            batch_schedule(_thread_ids() - threads_before)
+            scheduled = batch_schedule(_thread_ids() - threads_before)
+            log.debug("%d threads of the engine's Gloo groups run under SCHED_BATCH", len(scheduled))
         return cls(layout, rank, global_ranks, flat, intra_node, inter_node, owned)
 
     @property
