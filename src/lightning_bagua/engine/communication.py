@@ -620,10 +620,10 @@ def batch_schedule(thread_ids: set[int]) -> list[int]:
     workers. Gloo's I/O loop only *tries* the lock of a connection, and when the thread that holds it is writing
     to that socket, it returns at once to ``epoll``, which reports the socket ready again: it spins. Woken by
     traffic while the writer holds the lock, it can preempt the writer on the writer's core, and the writer cannot
-    finish and release the lock until the scheduler's tick ends the loop's slice. On a host whose cores are busy (CPU training, or several
-    ranks per host) an exchange of a few kB then takes a whole tick instead of the fraction of a millisecond it
-    needs, at random. ``SCHED_BATCH`` changes one thing: a woken thread does not preempt the running one. The
-    threads keep their share of the CPU, and an idle core still takes them at once.
+    finish and release the lock until the scheduler's tick ends the loop's slice. On a host whose cores are busy
+    (CPU training, or several ranks per host) an exchange of a few kB then takes a whole tick instead of the
+    fraction of a millisecond it needs, at random. ``SCHED_BATCH`` changes one thing: a woken thread does not
+    preempt the running one. The threads keep their share of the CPU, and an idle core still takes them at once.
     ``benchmarks/gloo_scheduling.py`` measures it.
 
     Threads that have ended meanwhile, or that the process may not change, are skipped.
