@@ -410,8 +410,9 @@ class CommunicationGroups:
         from_hosts = layout_ranks_per_node is None and NodeLayout.from_environment() is None
         # A bad explicit layout fails here, before any communicator exists.
         layout = None if from_hosts else NodeLayout.detect(len(global_ranks), layout_ranks_per_node)
-        batch_scheduled = gloo_threads_batch_scheduled()  # a bad setting fails here too
-        threads_before = _thread_ids()
+        # A bad setting fails here too. new_group takes the default group's backend: decide before it starts threads.
+        batch_scheduled = gloo_threads_batch_scheduled() and dist.get_backend() == "gloo"
+        threads_before = _thread_ids() if batch_scheduled else set()
         flat = dist.new_group(ranks=global_ranks, timeout=timeout)
         if layout is None:
             hosts = gather_hosts(flat, device if device is not None else torch.device("cpu"))
@@ -430,7 +431,7 @@ class CommunicationGroups:
             owned.append(leaders_group)
             if rank in layout.leaders():
                 inter_node = leaders_group
-        if batch_scheduled and dist.get_backend(flat) == "gloo":
+        if batch_scheduled:
             scheduled = batch_schedule(_thread_ids() - threads_before)
             log.debug("%d threads of the engine's Gloo groups run under SCHED_BATCH", len(scheduled))
         return cls(layout, rank, global_ranks, flat, intra_node, inter_node, owned)
