@@ -21,10 +21,7 @@ beside DDP, its fp16 hook and its PowerSGD hook are in ``time_to_accuracy_cpu.md
 
 import argparse
 import datetime
-import json
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -35,7 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as multiprocessing
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from dead_rank_exit import free_port
 from lightning_bagua.engine.communication import GLOO_SCHED_BATCH_VARIABLE, CommunicationGroups, all_gather_into
+from network_lab import interleaved, machine, write_report
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("default", "sched_batch")
@@ -88,13 +89,9 @@ def worker(rank: int, args: argparse.Namespace, port: int, schedule: list[tuple[
 
 
 def interleaved_schedule(rounds: int) -> list[tuple[int, str, str]]:
-    """Every (policy, communication) once per round, each round starting one setting later."""
-    settings = [(policy, communication) for communication in COMMUNICATIONS for policy in POLICIES]
-    schedule = []
-    for round_index in range(rounds):
-        shift = round_index % len(settings)
-        schedule += [(round_index, *setting) for setting in settings[shift:] + settings[:shift]]
-    return schedule
+    """Every (policy, communication) once per round, each round starting one setting later (the lab's order)."""
+    settings = [f"{policy}:{communication}" for communication in COMMUNICATIONS for policy in POLICIES]
+    return [(round_index, *setting.split(":")) for round_index, setting in interleaved(settings, rounds)]
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -155,9 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     if not hasattr(os, "SCHED_BATCH"):
         raise SystemExit("SCHED_BATCH is a Linux scheduling policy; this benchmark needs Linux.")
     schedule = interleaved_schedule(args.rounds)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     started = time.perf_counter()
@@ -176,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "gloo_scheduling",
         "command": " ".join(["python benchmarks/gloo_scheduling.py", *args.argv]),
         "settings": settings,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "versions": {"torch": torch.__version__},
+        "machine": machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "total_wall_s": time.perf_counter() - started,
         "summary": summarise(rows),
@@ -185,10 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     table = markdown(report)
     if not args.no_save:
-        out_dir = Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "gloo_scheduling_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out_dir / "gloo_scheduling_cpu.md").write_text(table)
+        write_report(Path(args.out), "gloo_scheduling_cpu", report, table)
     print(table)
 
 
