@@ -37,7 +37,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 from convergence import task_model
-from lightning_bagua.engine.algorithms import low_rank
+from lightning_bagua.engine.algorithms import _low_rank_factors, low_rank
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter
 
@@ -49,13 +49,13 @@ TASKS = ("digits", "charlm", "bytemlp")
 @contextmanager
 def orthonormalisation(setting: str) -> Iterator[None]:
     """Run ``low_rank`` with Gram-Schmidt for the ``gram_schmidt_*`` settings, with its own function otherwise."""
-    original = low_rank.orthonormalise_columns
+    original = _low_rank_factors.orthonormalise_columns
     if setting.startswith("gram_schmidt"):
-        low_rank.orthonormalise_columns = low_rank.gram_schmidt_
+        _low_rank_factors.orthonormalise_columns = low_rank.gram_schmidt_
     try:
         yield
     finally:
-        low_rank.orthonormalise_columns = original
+        _low_rank_factors.orthonormalise_columns = original
 
 
 def make_state(parameters: list[torch.nn.Parameter], rank: int, alternate: bool, setting: str) -> Any:

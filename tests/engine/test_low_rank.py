@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, LowRankAlgorithm
-from lightning_bagua.engine.algorithms import low_rank
+from lightning_bagua.engine.algorithms import _low_rank_factors, _low_rank_step, low_rank
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.communication import CommunicationCounter
 from tests.distributed import assert_ranks_identical, run_processes
 from tests.engine.test_data_parallel import STEPS, batch_for, make_model, make_optimizer, train_reference
 
@@ -127,7 +128,27 @@ def train_with_low_rank(
         recorded.append(([slot.name for slot in slots], before, after.detach().cpu().clone()))
         return after
 
+    original_add = _low_rank_step.StepBatcher.add
+    held: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+
+    def add_spy(self, state, buffer, slots, step, last):
+        """The whole-step path: each bucket's input when handed over, its result once the step's last is reduced."""
+        names = {slot.name for slot in slots}
+        states_before.append(
+            {
+                kind: to_cpu({name: tensor for name, tensor in getattr(state, kind).items() if name in names})
+                for kind in ("errors", "factors")
+            }
+        )
+        held.append(([slot.name for slot in slots], buffer.detach().cpu().clone(), buffer))
+        future = original_add(self, state, buffer, slots, step, last)
+        if last:
+            recorded.extend((names, before, buffer.detach().cpu().clone()) for names, before, buffer in held)
+            held.clear()
+        return future
+
     low_rank.reduce_bucket = spy
+    _low_rank_step.StepBatcher.add = add_spy
     model = make_model().to(device)
     optimizer = make_optimizer(model)
     ddp = BaguaDistributedDataParallel(
@@ -154,6 +175,7 @@ def train_with_low_rank(
     saved = {key: to_cpu(value) if isinstance(value, dict) else value for key, value in saved.items()}
     ddp.close()
     low_rank.reduce_bucket = original
+    _low_rank_step.StepBatcher.add = original_add
     return {
         "state": to_cpu(model.state_dict()),
         "buckets": recorded,
@@ -361,9 +383,11 @@ def assert_exact_and_rank_r(results: list[dict], average: bool) -> None:
                 assert torch.equal(after[piece], total / len(inputs) if average else total), name
 
 
-def resume_runs(rank: int, world_size: int, cut: int, alternate: bool = False) -> dict:
+def resume_runs(rank: int, world_size: int, cut: int, alternate: bool = False, whole_step: bool | None = None) -> dict:
     def train(model, optimizer, steps, state=None):
-        algorithm = LowRankAlgorithm(rank=RANK, warmup_steps=1, hierarchical=False, alternate=alternate)
+        algorithm = LowRankAlgorithm(
+            rank=RANK, warmup_steps=1, hierarchical=False, alternate=alternate, whole_step=whole_step
+        )
         ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, bucket_cap_mb=0.004)
         if state is not None:
             ddp.load_bagua_state_dict(state)
@@ -399,9 +423,10 @@ def resume_runs(rank: int, world_size: int, cut: int, alternate: bool = False) -
     return {"uninterrupted": uninterrupted, "resumed": fresh.state_dict(), "saved": saved["state"]}
 
 
-def test_resume_is_bit_exact():
+@pytest.mark.parametrize("whole_step", [False, True], ids=["per_bucket", "whole_step"])
+def test_resume_is_bit_exact(whole_step):
     """Cut after the compressed phase began: the errors and warm-start factors carry the run on bit for bit."""
-    for result in run_processes(resume_runs, 2, 3):
+    for result in run_processes(resume_runs, 2, 3, False, whole_step):
         assert set(result["saved"]["errors"]) == FACTORED
         assert result["saved"]["steps"] == 3
         for name, tensor in result["uninterrupted"].items():
@@ -415,6 +440,45 @@ def test_alternating_resume_is_bit_exact(cut):
         assert set(result["saved"]["left_factors"]) == FACTORED
         for name, tensor in result["uninterrupted"].items():
             assert torch.equal(result["resumed"][name], tensor), name
+
+
+@pytest.mark.parametrize(("world_size", "average"), [(2, True), (4, True), (2, False)])
+def test_whole_step_low_rank_matches_the_simulation_bucket_by_bucket(world_size, average):
+    """All buckets of a step reduced together, batched by shape: each tensor's math is the per-bucket path's."""
+    kwargs = {"rank": RANK, "warmup_steps": 0, "hierarchical": False, "average": average, "whole_step": True}
+    results = run_processes(train_with_low_rank, world_size, kwargs, None)
+    assert_buckets_match(results, [[rank] for rank in range(world_size)], average)
+    assert_each_bucket_matches_from_its_state(results, average)
+    assert_exact_and_rank_r(results, average)
+    for result in results:
+        assert max(len(step["buckets"]) for step in result["counts"]) > 1, "expected several buckets per step"
+        for step in result["counts"]:
+            # Two all-gathers a step, whatever the number of buckets: the messages of one bucket holding them all.
+            assert step["calls"] == {"all_gather": 2}
+            assert step["bytes"]["all_gather"] == sum(message_bytes(list(SHAPES)))
+            assert step["uncompressed"] == 4 * sum(rows * cols for rows, cols in SHAPES.values())
+        assert result["phases"] == [{"compressed": 1.0}] * STEPS
+
+
+def test_whole_step_hierarchical_on_two_nodes_of_two():
+    kwargs = {"rank": RANK, "warmup_steps": 0, "hierarchical": True, "whole_step": True}
+    results = run_processes(train_with_low_rank, 4, kwargs, 2)
+    assert_buckets_match(results, [[0, 1], [2, 3]], average=True)
+    for rank, result in enumerate(results):
+        for step in result["counts"]:
+            buckets = len(step["buckets"])
+            # Only the node leaders (local rank 0) exchange factors.
+            leader = {"all_gather": 2} if rank % 2 == 0 else {}
+            assert step["calls"] == {"reduce": buckets, "broadcast": buckets, **leader}
+
+
+def test_whole_step_and_per_bucket_paths_train_alike():
+    """The two paths code the same factors: the weights they train part by float rounding only."""
+    kwargs = {"rank": RANK, "warmup_steps": 1, "hierarchical": False}
+    per_bucket = run_processes(train_with_low_rank, 2, {**kwargs, "whole_step": False}, None)
+    whole_step = run_processes(train_with_low_rank, 2, {**kwargs, "whole_step": True}, None)
+    for name, tensor in per_bucket[0]["state"].items():
+        torch.testing.assert_close(whole_step[0]["state"][name], tensor, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(("world_size", "average"), [(2, True), (4, True), (2, False)])
@@ -458,6 +522,7 @@ def test_low_rank_trains_close_to_full_precision():
         ({"hierarchical": 1}, TypeError, "`hierarchical` must be a bool"),
         ({"average": None}, TypeError, "`average` must be a bool"),
         ({"alternate": 1}, TypeError, "`alternate` must be a bool"),
+        ({"whole_step": 1}, TypeError, "`whole_step` must be a bool"),
         ({"ranks": 2}, TypeError, "Unknown keyword argument(s) 'ranks'"),
     ],
 )
@@ -469,7 +534,7 @@ def test_bad_keywords_name_the_value(kwargs, error, shown):
 def test_bad_state_names_the_keys():
     algorithm = LowRankAlgorithm(rank=RANK)
     assert repr(algorithm) == (
-        "LowRankAlgorithm(rank=2, warmup_steps=10, hierarchical=True, average=True, alternate=False)"
+        "LowRankAlgorithm(rank=2, warmup_steps=10, hierarchical=True, average=True, alternate=False, whole_step=None)"
     )
     assert Algorithm.init("low_rank") == LowRankAlgorithm(
         rank=8, warmup_steps=10, hierarchical=True, average=True, alternate=False
@@ -507,7 +572,7 @@ def test_zero_and_non_finite_gradients_keep_the_state_finite():
     """A zero gradient stays zero (no NaN from normalising nothing); a non-finite one leaves errors and factors."""
     state = low_rank.LowRankState(
         groups=None,  # type: ignore[arg-type]
-        counter=low_rank.CommunicationCounter(),
+        counter=CommunicationCounter(),
         executor=None,  # type: ignore[arg-type]
         rank=RANK,
         names={},
@@ -516,8 +581,8 @@ def test_zero_and_non_finite_gradients_keep_the_state_finite():
     assert slot.factored
     zero = torch.zeros(64 * 16)
     # One participant: the all-gather is a copy (world size 1 needs no process group for the exchange helpers).
-    original = low_rank.all_gather_into
-    low_rank.all_gather_into = lambda output, tensor, group: output.copy_(tensor.view(1, -1))
+    original = _low_rank_factors.all_gather_into
+    _low_rank_factors.all_gather_into = lambda output, tensor, group: output.copy_(tensor.view(1, -1))
     try:
         low_rank.low_rank_reduce_(zero, [slot], None, 1, state)
         assert torch.equal(zero, torch.zeros(64 * 16))
@@ -532,7 +597,58 @@ def test_zero_and_non_finite_gradients_keep_the_state_finite():
         assert torch.equal(state.errors["w"], error)
         assert torch.equal(state.factors["w"], factor)
     finally:
-        low_rank.all_gather_into = original
+        _low_rank_factors.all_gather_into = original
+
+
+def test_whole_step_zero_and_non_finite_gradients_keep_the_state_finite():
+    """The whole-step path's device-side check: a non-finite step leaves every error and factor as it was."""
+    state = low_rank.LowRankState(
+        groups=None,  # type: ignore[arg-type]
+        counter=CommunicationCounter(),
+        executor=None,  # type: ignore[arg-type]
+        rank=RANK,
+        names={},
+        whole_step=True,
+    )
+    slots = [
+        low_rank.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec),
+        low_rank.plan_slot("b", 64 * 16, torch.Size([16]), RANK, 4, state.codec),
+        low_rank.plan_slot("v", 64 * 16 + 16, torch.Size([64, 16]), RANK, 4, state.codec),
+    ]
+    numel = 2 * 64 * 16 + 16
+    original = _low_rank_factors.all_gather_into
+    _low_rank_factors.all_gather_into = lambda output, tensor, group: output.copy_(tensor.view(1, -1))
+    try:
+        zero = torch.zeros(numel)
+        _low_rank_step.reduce_step(state, [zero], [slots], None, 1)
+        assert torch.equal(zero, torch.zeros(numel))
+        grad = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        exact = grad[64 * 16 : 64 * 16 + 16].clone()
+        _low_rank_step.reduce_step(state, [grad], [slots], None, 1)
+        assert torch.equal(grad[64 * 16 : 64 * 16 + 16], exact)  # one participant: the exact mean is itself
+        errors = {name: state.errors[name].clone() for name in ("w", "v")}
+        factors = {name: state.factors[name].clone() for name in ("w", "v")}
+        assert all(torch.isfinite(tensor).all() for tensor in [*errors.values(), *factors.values()])
+        # The same shape twice: one batch, yet each keeps its own error.
+        assert not torch.equal(errors["w"], errors["v"])
+        bad = torch.full((numel,), math.inf)
+        _low_rank_step.reduce_step(state, [bad], [slots], None, 1)
+        for name in ("w", "v"):
+            assert torch.equal(state.errors[name], errors[name])
+            assert torch.equal(state.factors[name], factors[name])
+        # A new layout (DDP's rebuilt buckets) takes the errors and factors over by name.
+        state.forget_step_plan()
+        _low_rank_step.reduce_step(state, [zero.clone()], [slots], None, 1)
+    finally:
+        _low_rank_factors.all_gather_into = original
+
+
+def test_whole_step_is_refused_with_alternate():
+    with pytest.raises(ValueError, match=r"`whole_step=True` does not support `alternate=True`"):
+        LowRankAlgorithm(alternate=True, whole_step=True)
+    with pytest.raises(TypeError, match="whole_step"):
+        LowRankAlgorithm(whole_step="yes")  # type: ignore[arg-type]
+    assert LowRankAlgorithm(alternate=True).whole_step is False
 
 
 def test_batched_orthonormalisation_is_the_per_gradient_one():

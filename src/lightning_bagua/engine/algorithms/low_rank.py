@@ -20,7 +20,6 @@ gradients of the same row count): the error-feedback and warm-start state is kep
 """
 
 import logging
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_bagua.engine._codec_segments import SegmentLayout, segment_backend
+from lightning_bagua.engine.algorithms import _low_rank_step
+from lightning_bagua.engine.algorithms._low_rank_bucket import BucketPlan, low_rank_reduce_, plan_bucket
+from lightning_bagua.engine.algorithms._low_rank_factors import (
+    CODEC_CHUNK_ELEMENTS,
+    MAX_FACTOR_BYTES_FRACTION,
+    TensorSlot,
+    factor_seed,
+    gram_schmidt_,
+    initial_factor,
+    initial_left_factor,
+    orthonormalise_columns,
+    plan_slot,
+)
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -43,156 +54,24 @@ from lightning_bagua.engine.algorithms.base import (
 )
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceState, gradient_allreduce_hook
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
-from lightning_bagua.engine.communication import CommunicationCounter, all_gather_into, all_reduce_hierarchically
+from lightning_bagua.engine.communication import all_reduce_hierarchically
 
 __all__ = [
+    "CODEC_CHUNK_ELEMENTS",
+    "MAX_FACTOR_BYTES_FRACTION",
     "LowRankAlgorithm",
     "LowRankState",
     "TensorSlot",
     "factor_seed",
     "gram_schmidt_",
     "low_rank_hook",
+    "low_rank_reduce_",
     "orthonormalise_columns",
+    "plan_slot",
+    "reduce_bucket",
 ]
 
 log = logging.getLogger(__name__)
-
-# Elements of a factor column per codec chunk: each chunk has its own range (32 header bytes, 3% of 1024 codes).
-CODEC_CHUNK_ELEMENTS = 1024
-# A tensor is factored only if its two 8-bit factors (headers included) weigh at most this fraction of its bytes.
-MAX_FACTOR_BYTES_FRACTION = 0.25
-# Messages are padded to whole 8-byte words, so that a gathered row's full-precision part can be viewed as floats.
-_ALIGNMENT = 8
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one gradient lives in a flat bucket, and how ``low_rank`` sends it.
-
-    Args:
-        name: the parameter's name.
-        offset: its first element in the bucket.
-        rows: ``n``, the gradient's first dimension (1 for a scalar or 1-D tensor, which is never factored).
-        cols: ``m``, the product of the other dimensions.
-        factored: whether it travels as rank-``r`` factors (else at full precision).
-        p_chunks: codec chunks of the ``P`` factor (``r`` columns of ``n`` elements).
-        q_chunks: codec chunks of the ``Q`` factor (``r`` columns of ``m`` elements).
-    """
-
-    name: str
-    offset: int
-    rows: int
-    cols: int
-    factored: bool
-    p_chunks: int = 0
-    q_chunks: int = 0
-
-    @property
-    def numel(self) -> int:
-        """The gradient's number of elements."""
-        return self.rows * self.cols
-
-
-def _chunks_for_columns(length: int, rank: int) -> int:
-    """Codec chunks for ``rank`` columns of ``length`` elements: about one range per column piece."""
-    return rank * -(-length // CODEC_CHUNK_ELEMENTS)
-
-
-def plan_slot(
-    name: str, offset: int, shape: torch.Size, rank: int, element_size: int, codec: MinMaxUInt8Codec
-) -> TensorSlot:
-    """Decide how the gradient of one parameter travels, from its shape alone (the same on every rank).
-
-    A gradient of ``n x m`` (first dimension by the rest) is factored when it has at least two dimensions, rank
-    ``r`` is below ``min(n, m)`` and its two 8-bit factors weigh at most :data:`MAX_FACTOR_BYTES_FRACTION` of
-    its full-precision bytes; otherwise it travels exactly, at full precision.
-
-    Args:
-        name: the parameter's name.
-        offset: its first element in the bucket.
-        shape: the gradient's shape.
-        rank: the factors' rank ``r``.
-        element_size: bytes per gradient element.
-        codec: the codec (for its chunk sizes).
-
-    Returns:
-        The slot.
-    """
-    numel = shape.numel()
-    rows = shape[0] if len(shape) >= 2 else 1
-    cols = numel // rows if rows else 0
-    if len(shape) < 2 or min(rows, cols) <= rank:
-        return TensorSlot(name, offset, rows, cols, factored=False)
-    p_chunks, q_chunks = _chunks_for_columns(rows, rank), _chunks_for_columns(cols, rank)
-    factor_bytes = p_chunks * codec.row_bytes(rows * rank, p_chunks) + q_chunks * codec.row_bytes(cols * rank, q_chunks)
-    if factor_bytes > MAX_FACTOR_BYTES_FRACTION * numel * element_size:
-        return TensorSlot(name, offset, rows, cols, factored=False)
-    return TensorSlot(name, offset, rows, cols, True, p_chunks, q_chunks)
-
-
-def factor_seed(rows: int, cols: int, rank: int) -> int:
-    """Return the seed of a gradient's first ``Q``: the CRC-32 of ``"{rows}x{cols}|{rank}"``.
-
-    Every rank derives the same seed (Python's ``hash`` would differ between processes). The shape alone, not the
-    parameter's name, so that a model trains the same under the Trainer and under Fabric, which name it apart.
-    """
-    return zlib.crc32(f"{rows}x{cols}|{rank}".encode())
-
-
-def initial_factor(slot: TensorSlot, rank: int, device: torch.device) -> Tensor:
-    """Return the first ``Q`` of ``slot``: ``m x r`` standard normal from :func:`factor_seed`, orthonormalised."""
-    generator = torch.Generator().manual_seed(factor_seed(slot.rows, slot.cols, rank))
-    q = torch.randn(slot.cols, rank, generator=generator, dtype=torch.float32)
-    return orthonormalise_columns(q.unsqueeze(0))[0].to(device)
-
-
-def initial_left_factor(slot: TensorSlot, rank: int, device: torch.device) -> Tensor:
-    """Return the ``P_hat`` an alternating ``Q`` step uses before any ``P`` step kept one: ``n x r``, orthonormal.
-
-    Only reached when the first ``P`` step of a bucket was not finite; seeded as :func:`initial_factor`, from the
-    shape and a prefix of its own.
-    """
-    generator = torch.Generator().manual_seed(zlib.crc32(f"P|{slot.rows}x{slot.cols}|{rank}".encode()))
-    p = torch.randn(slot.rows, rank, generator=generator, dtype=torch.float32)
-    return orthonormalise_columns(p.unsqueeze(0))[0].to(device)
-
-
-def orthonormalise_columns(matrices: Tensor) -> Tensor:
-    """Orthonormalise the columns of each matrix of a ``(b, k, r)`` batch by Gram-Schmidt, in place.
-
-    Column ``j`` loses its projections on columns ``0..j-1``, then is divided by its norm. A column with no
-    length left (a zero gradient, or one of rank below ``r``) stays zero instead of becoming NaN.
-
-    On a CPU the same basis comes from one batched Householder QR, ``A = Q R`` (LAPACK), with each column of ``Q``
-    multiplied by the sign of ``R``'s diagonal entry (``R_jj`` is the length column ``j`` has left): a few calls
-    instead of several per column, about ten times less host time at ``r = 8``, equal to float rounding. Where
-    some ``R_jj`` is exactly zero, QR would keep the later columns orthogonal to a direction of its own choosing,
-    so that batch takes the column-by-column loop, as on CUDA.
-
-    Args:
-        matrices: a float tensor of shape ``(b, k, r)``.
-
-    Returns:
-        ``matrices``.
-    """
-    if matrices.device.type == "cpu":
-        q, r = torch.linalg.qr(matrices)
-        length_left = torch.diagonal(r, dim1=-2, dim2=-1)
-        if not bool((length_left == 0).any()):
-            return matrices.copy_(q.mul_(length_left.sign().unsqueeze(-2)))
-    return gram_schmidt_(matrices)
-
-
-def gram_schmidt_(matrices: Tensor) -> Tensor:
-    """:func:`orthonormalise_columns` written out column by column, on any device, in place; returns ``matrices``."""
-    tiny = torch.finfo(matrices.dtype).tiny
-    for j in range(matrices.shape[2]):
-        column = matrices[:, :, j : j + 1]
-        if j:
-            previous = matrices[:, :, :j]
-            column.sub_(previous @ (previous.transpose(1, 2) @ column))
-        column.div_(column.norm(dim=1, keepdim=True).clamp_min(tiny))
-    return matrices
 
 
 class LowRankImpl(AlgorithmImpl):
@@ -212,6 +91,7 @@ class LowRankImpl(AlgorithmImpl):
             # every rank leads its node and the factor exchange is the inter-node level).
             full_precision_only=algorithm.hierarchical and groups.layout.num_nodes == 1,
             full_precision=GradientAllReduceState.from_context(context, average=algorithm.average),
+            whole_step=algorithm.whole_step if algorithm.whole_step is not None else context.device.type == "cuda",
             names={id(parameter): name for name, parameter in context.named_parameters},
             device=context.device,
         )
@@ -239,11 +119,11 @@ class LowRankImpl(AlgorithmImpl):
         state = self.state
         saved: dict[str, Any] = {
             "steps": state.steps,
-            "errors": {name: error.clone() for name, error in state.errors.items()},
-            "factors": {name: factor.clone() for name, factor in state.factors.items()},
+            "errors": {name: _copy(error) for name, error in state.errors.items()},
+            "factors": {name: _copy(factor) for name, factor in state.factors.items()},
         }
         if state.alternate:
-            saved["left_factors"] = {name: factor.clone() for name, factor in state.left_factors.items()}
+            saved["left_factors"] = {name: _copy(factor) for name, factor in state.left_factors.items()}
         return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -286,6 +166,7 @@ class LowRankImpl(AlgorithmImpl):
         self.state.errors = loaded["errors"]
         self.state.factors = loaded["factors"]
         self.state.left_factors = loaded.get("left_factors", {})
+        self.state.forget_step_plan()
 
 
 @register_algorithm("low_rank")
@@ -303,6 +184,12 @@ class LowRankAlgorithm(Algorithm):
         alternate: exchange one factor per step, ``P`` and ``Q`` in turn (ACP-SGD): one collective per bucket
             instead of two, and half the encoding and projecting, for an approximation refreshed from one side
             each step.
+        whole_step: reduce all of a step's buckets together once backward has handed over the last, batched by
+            shape (:mod:`~lightning_bagua.engine.algorithms._low_rank_step`): a few launches per distinct shape
+            instead of several per gradient, and two collectives a step, for no overlap of the exchange with
+            backward. ``None`` (the default) takes it on CUDA, where the per-bucket path is bound by the host,
+            and not on CPU, where the per-bucket path overlaps backward on the engine's worker thread. Not with
+            ``alternate=True``.
     """
 
     single_node_effect = "nothing is compressed: every bucket is all-reduced at full precision"
@@ -315,6 +202,7 @@ class LowRankAlgorithm(Algorithm):
         hierarchical: bool = True,
         average: bool = True,
         alternate: bool = False,
+        whole_step: bool | None = None,
     ) -> None:
         check_positive_int(self.name, "rank", rank)
         check_keyword_type(self.name, "warmup_steps", warmup_steps, int)
@@ -326,6 +214,14 @@ class LowRankAlgorithm(Algorithm):
         check_keyword_type(self.name, "hierarchical", hierarchical, bool)
         check_keyword_type(self.name, "average", average, bool)
         check_keyword_type(self.name, "alternate", alternate, bool)
+        if whole_step is not None:
+            check_keyword_type(self.name, "whole_step", whole_step, bool)
+        if whole_step and alternate:
+            raise ValueError(
+                f"Algorithm {self.name!r}: `whole_step=True` does not support `alternate=True` yet. Pass"
+                " `whole_step=False` to alternate the factors bucket by bucket, or `alternate=False`."
+            )
+        self.whole_step: bool | None = False if alternate else whole_step
         self.rank = rank
         self.alternate = alternate
         self.warmup_steps = warmup_steps
@@ -357,6 +253,8 @@ class LowRankState(HookState):
         left_factors: with ``alternate``, the orthonormalised ``P_hat`` (``n x r``) of the last ``P`` step.
         exchange_left: with ``alternate``, whether the step being reduced exchanges ``P`` (else ``Q``).
         last_compressed: whether the last bucket handed over was compressed (``None`` before one).
+        whole_step: reduce each step's buckets together (:mod:`~lightning_bagua.engine.algorithms._low_rank_step`).
+        batcher: holds a step's buckets for the whole-step path.
     """
 
     rank: int = 8
@@ -375,8 +273,12 @@ class LowRankState(HookState):
     left_factors: dict[str, Tensor] = field(default_factory=dict)
     exchange_left: bool = True
     last_compressed: bool | None = None
+    whole_step: bool = False
+    batcher: _low_rank_step.StepBatcher = field(default_factory=_low_rank_step.StepBatcher, repr=False)
+    _step_plan: _low_rank_step.StepPlan | None = field(default=None, repr=False)
+    _step_plan_key: tuple[Any, ...] | None = field(default=None, repr=False)
     _plans: dict[tuple[str, ...], list[TensorSlot]] = field(default_factory=dict, repr=False)
-    _bucket_plans: dict[tuple[Any, ...], "_BucketPlan"] = field(default_factory=dict, repr=False)
+    _bucket_plans: dict[tuple[Any, ...], BucketPlan] = field(default_factory=dict, repr=False)
     # ``M`` of every factored parameter (its error plus its gradient), a buffer kept between steps.
     _scratch: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
@@ -392,13 +294,30 @@ class LowRankState(HookState):
             self._plans[names] = slots
         return slots
 
-    def bucket_plan(self, slots: list[TensorSlot], tensor: Tensor) -> "_BucketPlan":
+    def bucket_plan(self, slots: list[TensorSlot], tensor: Tensor) -> BucketPlan:
         """Return how a bucket laid out as ``slots`` travels (cached per layout, dtype and device)."""
         key = (tuple(slots), tensor.dtype, tensor.device)
         plan = self._bucket_plans.get(key)
         if plan is None:
-            plan = self._bucket_plans[key] = _plan_bucket(slots, tensor, self.rank, self.codec)
+            plan = self._bucket_plans[key] = plan_bucket(slots, tensor, self.rank, self.codec)
         return plan
+
+    def step_plan(self, layouts: Sequence[Sequence[TensorSlot]], device: torch.device) -> _low_rank_step.StepPlan:
+        """Return the whole-step plan of a step laid out in ``layouts``, bound to this state's errors and factors.
+
+        One plan is kept: another layout (DDP's rebuilt buckets) makes a new one, which takes over the errors and
+        factors by parameter name.
+        """
+        key = (tuple(tuple(slots) for slots in layouts), device)
+        if self._step_plan is None or key != self._step_plan_key:
+            plan = _low_rank_step.StepPlan(layouts, self.rank, self.codec, device)
+            plan.bind(self)
+            self._step_plan, self._step_plan_key = plan, key
+        return self._step_plan
+
+    def forget_step_plan(self) -> None:
+        """Drop the whole-step plan, so that the next step binds a new one to the errors and factors held now."""
+        self._step_plan = self._step_plan_key = None
 
     def factor(self, slot: TensorSlot) -> Tensor:
         """Return the warm-start ``Q`` of ``slot``, created on first use."""
@@ -516,6 +435,7 @@ def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
     state.last_compressed = compressed
     # The same for every bucket of a step: the step's jobs all finish before the next step's first hook.
     state.exchange_left = (state.steps - state.warmup_steps) % 2 == 0
+    step = state.steps
     if bucket.is_last():
         state.steps += 1
     if not compressed:
@@ -523,6 +443,8 @@ def low_rank_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
         return gradient_allreduce_hook(state.full_precision, bucket)
     buffer = bucket.buffer()
     slots = state.plan(bucket.parameters(), buffer.element_size())
+    if state.whole_step:
+        return state.batcher.add(state, buffer, slots, step, last=bucket.is_last())
     # Looked up at call time, so that a test can observe every bucket's input and output.
     return state.executor.submit(lambda: reduce_bucket(state, buffer, slots), last=bucket.is_last())
 
@@ -543,310 +465,6 @@ def reduce_bucket(state: LowRankState, buffer: Tensor, slots: list[TensorSlot]) 
     return low_rank_reduce_(buffer, slots, groups.flat, groups.world_size, state)
 
 
-def low_rank_reduce_(
-    tensor: Tensor, slots: list[TensorSlot], group: dist.ProcessGroup | None, n: int, state: LowRankState
-) -> Tensor:
-    """Run steps 1-7 of :func:`low_rank_hook` on ``tensor`` among the ``n`` ranks of ``group``, in place.
-
-    Args:
-        tensor: this participant's flat bucket; overwritten with the result.
-        slots: where each gradient lives in ``tensor`` and whether it factors.
-        group: the group to exchange over.
-        n: the size of ``group``.
-        state: the codec, counter, factors and errors.
-
-    Returns:
-        ``tensor``.
-    """
-    if state.alternate:
-        return _alternating_reduce_(tensor, slots, group, n, state)
-    plan = state.bucket_plan(slots, tensor)
-    rank = state.rank
-    views = [tensor[slot.offset : slot.offset + slot.numel].view(slot.rows, slot.cols) for slot in plan.factored]
-
-    # Steps 1-2: M_i into the slot's scratch, P_i^T straight into the flat factor buffer.
-    corrected = [state.corrected(slot, view) for slot, view in zip(plan.factored, views, strict=True)]
-    p_flat = torch.empty(plan.p_elements, dtype=torch.float32, device=tensor.device)
-    for slot, m, offset in zip(plan.factored, corrected, plan.p_offsets, strict=True):
-        torch.mm(state.factor(slot).T, m.T, out=p_flat[offset : offset + slot.rows * rank].view(rank, slot.rows))
-
-    # Step 3: [exact bytes | P codes], one all-gather.
-    message = _message_with_exact(tensor, plan, plan.first_message_bytes)
-    if plan.p_layout is not None:
-        plan.p_layout.encode_into(p_flat, message)
-    gathered = _all_gather_bytes(message, group, n, state.counter, plan.first_share)
-    _reduce_exact(tensor, plan, gathered, n, state.average)
-    if plan.p_layout is None or plan.q_layout is None:
-        return tensor
-    p_sums = plan.p_layout.decode_sum(gathered)
-
-    # Step 4, batched over the gradients with the same number of rows: a few launches per bucket, not per gradient.
-    p_hats = _orthonormalised(p_sums, plan.p_offsets, plan.p_sizes, plan.same_rows, rank)
-
-    # Steps 5-6: Q_i^T = P_hat^T M_i straight into the flat factor buffer.
-    q_flat = torch.empty(plan.q_elements, dtype=torch.float32, device=tensor.device)
-    for slot, m, p_hat, offset in zip(plan.factored, corrected, p_hats, plan.q_offsets, strict=True):
-        torch.mm(p_hat.T, m, out=q_flat[offset : offset + slot.cols * rank].view(rank, slot.cols))
-    message = torch.zeros(plan.second_message_bytes, dtype=torch.uint8, device=tensor.device)
-    plan.q_layout.encode_into(q_flat, message)
-    gathered = _all_gather_bytes(message, group, n, state.counter, plan.bucket_bytes - plan.first_share)
-    q_sums = plan.q_layout.decode_sum(gathered)
-    if state.average:
-        q_sums.div_(n)
-
-    # Step 7.
-    finite = _finite(p_sums, q_sums, rank)
-    for slot, view, m, p_hat, offset in zip(plan.factored, views, corrected, p_hats, plan.q_offsets, strict=True):
-        q = q_sums[offset : offset + slot.cols * rank].view(rank, slot.cols).T
-        state.finish(slot, view, m, p_hat, q, finite)
-        state.keep_factor(state.factors, slot.name, q, finite)
-    return tensor
-
-
-def _alternating_reduce_(
-    tensor: Tensor, slots: list[TensorSlot], group: dist.ProcessGroup | None, n: int, state: LowRankState
-) -> Tensor:
-    """Reduce ``tensor`` exchanging one factor, ``P`` or ``Q`` as ``state.exchange_left`` says, in place.
-
-    ACP-SGD ("alternate compressed PowerSGD", from *Evaluation and Optimization of Gradient Compression for
-    Distributed Deep Learning*) alternates PowerSGD's two half-steps between training steps, so each step takes
-    one collective. Among the ``n`` participants, for every gradient
-    ``G_i`` that factors, with its error ``e_i`` and the orthonormal factors ``Q_hat`` (``m x r``) and ``P_hat``
-    (``n x r``) the last steps kept (at first ``Q_hat`` from :func:`factor_seed`, as :func:`low_rank_hook`):
-
-    1. Add the error: ``M_i = G_i + e_i``.
-    2. On a ``P`` step (the first compressed step, then every other one): ``P_i = M_i Q_hat``. On a ``Q`` step:
-       ``Q_i = M_i^T P_hat``.
-    3. One all-gather per bucket of ``[exact bytes | 8-bit codes of the P_i (or Q_i)]``; every participant decodes
-       every row and sums in participant order, divided by ``n`` if ``average``: ``P = sum_i D(C(P_i)) / n``.
-    4. Reconstruct: ``G_hat = P Q_hat^T`` (``Q`` step: ``G_hat = P_hat Q^T``), the mean of the ``M_i`` projected on
-       the kept factor's span; ``e_i = M_i - G_hat``.
-    5. Keep ``P_hat = orth(P)`` (``Q`` step: ``Q_hat = orth(Q)``) for the next step. A bucket whose result is not
-       finite (``|P| >= float32 max / r``, or NaN) keeps its previous errors and factors.
-
-    Args:
-        tensor: this participant's flat bucket; overwritten with the result.
-        slots: where each gradient lives in ``tensor`` and whether it factors.
-        group: the group to exchange over.
-        n: the size of ``group``.
-        state: the codec, counter, factors, errors and phase.
-
-    Returns:
-        ``tensor``.
-    """
-    plan = state.bucket_plan(slots, tensor)
-    rank = state.rank
-    left_step = state.exchange_left
-    sizes, offsets, layout, message_bytes, batches = plan.alternating_side(left_step)
-    if left_step:
-        kept, store = [state.factor(slot) for slot in plan.factored], state.left_factors
-    else:
-        kept, store = [state.left_factor(slot) for slot in plan.factored], state.factors
-    views = [tensor[slot.offset : slot.offset + slot.numel].view(slot.rows, slot.cols) for slot in plan.factored]
-
-    # Steps 1-2: P_i^T = Q_hat^T M_i^T (or Q_i^T = P_hat^T M_i) straight into the flat factor buffer.
-    corrected = [state.corrected(slot, view) for slot, view in zip(plan.factored, views, strict=True)]
-    flat = torch.empty(sum(sizes) * rank, dtype=torch.float32, device=tensor.device)
-    for m, factor, offset, size in zip(corrected, kept, offsets, sizes, strict=True):
-        torch.mm(factor.T, m.T if left_step else m, out=flat[offset : offset + size * rank].view(rank, size))
-
-    # Step 3.
-    message = _message_with_exact(tensor, plan, message_bytes)
-    if layout is not None:
-        layout.encode_into(flat, message)
-    gathered = _all_gather_bytes(message, group, n, state.counter, plan.bucket_bytes)
-    _reduce_exact(tensor, plan, gathered, n, state.average)
-    if layout is None:
-        return tensor
-    sums = layout.decode_sum(gathered)
-    if state.average:
-        sums.div_(n)
-
-    # Step 4, then step 5 in place on the sums (G_hat is written by then).
-    finite = _bounded(sums, rank)
-    for slot, view, m, factor, offset, size in zip(plan.factored, views, corrected, kept, offsets, sizes, strict=True):
-        received = sums[offset : offset + size * rank].view(rank, size).T
-        left, right = (received, factor) if left_step else (factor, received)
-        state.finish(slot, view, m, left, right, finite)
-    hats = _orthonormalised(sums, offsets, sizes, batches, rank)
-    for slot, hat in zip(plan.factored, hats, strict=True):
-        if left_step:
-            state.left_factor(slot)  # a previous P_hat to keep if this step is not finite
-        state.keep_factor(store, slot.name, hat, finite)
-    return tensor
-
-
-def _message_with_exact(tensor: Tensor, plan: "_BucketPlan", nbytes: int) -> Tensor:
-    """A zeroed ``nbytes`` message that starts with the exact bytes of the bucket's tensors that do not factor."""
-    message = torch.zeros(nbytes, dtype=torch.uint8, device=tensor.device)
-    if plan.exact_index is not None:
-        message[: plan.exact_bytes] = tensor.take(plan.exact_index).view(torch.uint8)
-    return message
-
-
-def _reduce_exact(tensor: Tensor, plan: "_BucketPlan", gathered: Tensor, n: int, average: bool) -> None:
-    """Write the in-order sum (mean if ``average``) of the gathered exact bytes into their places in ``tensor``."""
-    if plan.exact_index is None:
-        return
-    exact_sum = _sum_in_order(gathered[:, : plan.exact_bytes].view(tensor.dtype).float())
-    if average:
-        exact_sum.div_(n)
-    tensor.index_copy_(0, plan.exact_index, exact_sum.to(tensor.dtype))
-
-
-def _orthonormalised(
-    flat: Tensor, offsets: list[int], sizes: list[int], batches: list[list[int]], rank: int
-) -> list[Tensor]:
-    """Orthonormalise the factors in ``flat`` (each stored transposed: ``r`` rows of its length), batch by batch.
-
-    ``batches`` groups the factors of the same length, so that each group takes a few launches, not one per factor.
-    A lone factor is orthonormalised in place, as a batch of one.
-
-    Returns:
-        One ``length x r`` matrix per factor.
-    """
-    hats: list[Tensor] = [flat] * len(sizes)
-    for members in batches:
-        size = sizes[members[0]]
-        columns = [flat[offsets[i] : offsets[i] + size * rank].view(rank, size).T for i in members]
-        stacked = torch.stack(columns) if len(columns) > 1 else columns[0].unsqueeze(0)
-        orthonormalise_columns(stacked)
-        for position, i in enumerate(members):
-            hats[i] = stacked[position]
-    return hats
-
-
-def _finite(p_sums: Tensor, q_sums: Tensor, rank: int) -> Tensor:
-    """Whether every ``G_hat = P_hat Q^T`` of a bucket is finite, from its factors alone (a boolean scalar tensor).
-
-    ``P_hat`` is finite where ``P`` is (its columns have norm one or zero), so each entry of ``G_hat`` is at most
-    ``r`` times ``Q``'s largest entry: ``|Q| < float32 max / r`` keeps it finite. NaN fails the comparison. One
-    check per bucket: a non-finite gradient (a step a ``GradScaler`` skips) leaves the whole bucket's state as it
-    was.
-    """
-    return torch.isfinite(p_sums).all() & _bounded(q_sums, rank)
-
-
-def _bounded(factor: Tensor, rank: int) -> Tensor:
-    """Whether ``|factor| < float32 max / r`` everywhere (False on NaN): times an orthonormal factor, stays finite."""
-    return factor.abs().amax() < torch.finfo(torch.float32).max / rank
-
-
-@dataclass
-class _BucketPlan:
-    """How one bucket layout travels: the factored slots, the exact tensors' elements and both messages' layouts."""
-
-    factored: list[TensorSlot]
-    same_rows: list[list[int]]  # indices into ``factored`` grouped by row count, for batched orthonormalisation
-    same_cols: list[list[int]]  # the same by column count (the alternating form's Q steps)
-    exact_index: Tensor | None
-    exact_bytes: int
-    p_sizes: list[int]  # each factored gradient's rows (the length of a P column)
-    q_sizes: list[int]  # and its columns (the length of a Q column)
-    p_offsets: list[int]
-    q_offsets: list[int]
-    p_layout: SegmentLayout | None
-    q_layout: SegmentLayout | None
-    first_message_bytes: int
-    second_message_bytes: int
-    first_share: int
-    bucket_bytes: int
-    # The alternating form's Q steps: [exact bytes | pad | Q codes | pad].
-    q_alone_layout: SegmentLayout | None
-    q_alone_message_bytes: int
-
-    def alternating_side(self, left: bool) -> tuple[list[int], list[int], SegmentLayout | None, int, list[list[int]]]:
-        """An alternating step's factor lengths, offsets, layout, message bytes and orthonormalisation batches."""
-        if left:
-            return self.p_sizes, self.p_offsets, self.p_layout, self.first_message_bytes, self.same_rows
-        return self.q_sizes, self.q_offsets, self.q_alone_layout, self.q_alone_message_bytes, self.same_cols
-
-    @property
-    def p_elements(self) -> int:
-        return 0 if self.p_layout is None else self.p_layout.elements
-
-    @property
-    def q_elements(self) -> int:
-        return 0 if self.q_layout is None else self.q_layout.elements
-
-
-def _plan_bucket(slots: list[TensorSlot], tensor: Tensor, rank: int, codec: MinMaxUInt8Codec) -> _BucketPlan:
-    """Lay out both messages of a bucket: ``[exact bytes | pad | P codes | pad]`` and ``[Q codes | pad]``."""
-    factored = [slot for slot in slots if slot.factored]
-    exact = [slot for slot in slots if not slot.factored]
-    element_size = tensor.element_size()
-    exact_index = None
-    if exact:
-        exact_index = torch.cat([torch.arange(slot.offset, slot.offset + slot.numel) for slot in exact])
-        exact_index = exact_index.to(tensor.device)
-    exact_bytes = sum(slot.numel for slot in exact) * element_size
-    start = exact_bytes + -exact_bytes % _ALIGNMENT
-    p_layout = q_layout = q_alone_layout = None
-    p_offsets, q_offsets = (
-        _offsets([slot.rows * rank for slot in factored]),
-        _offsets([slot.cols * rank for slot in factored]),
-    )
-    if factored:
-        backend = segment_backend(codec)
-        p_segments = [(slot.rows * rank, slot.p_chunks) for slot in factored]
-        q_segments = [(slot.cols * rank, slot.q_chunks) for slot in factored]
-        p_layout = SegmentLayout(p_segments, start, codec.eps, backend)
-        q_layout = SegmentLayout(q_segments, 0, codec.eps, backend)
-        q_alone_layout = SegmentLayout(q_segments, start, codec.eps, backend)
-    first = start + (0 if p_layout is None else p_layout.nbytes)
-    second = 0 if q_layout is None else q_layout.nbytes
-    q_alone = start + (0 if q_layout is None else q_layout.nbytes)
-    # The bucket's full-precision bytes, shared between the two collectives in proportion to what each carries.
-    first_share = exact_bytes + sum(
-        slot.numel * element_size * slot.rows // (slot.rows + slot.cols) for slot in factored
-    )
-    same_rows: dict[int, list[int]] = {}
-    same_cols: dict[int, list[int]] = {}
-    for index, slot in enumerate(factored):
-        same_rows.setdefault(slot.rows, []).append(index)
-        same_cols.setdefault(slot.cols, []).append(index)
-    return _BucketPlan(
-        factored=factored,
-        same_rows=list(same_rows.values()),
-        same_cols=list(same_cols.values()),
-        exact_index=exact_index,
-        exact_bytes=exact_bytes,
-        p_sizes=[slot.rows for slot in factored],
-        q_sizes=[slot.cols for slot in factored],
-        p_offsets=p_offsets,
-        q_offsets=q_offsets,
-        p_layout=p_layout,
-        q_layout=q_layout,
-        first_message_bytes=first + -first % _ALIGNMENT,
-        second_message_bytes=second + -second % _ALIGNMENT,
-        first_share=first_share,
-        bucket_bytes=tensor.numel() * element_size,
-        q_alone_layout=q_alone_layout,
-        q_alone_message_bytes=q_alone + -q_alone % _ALIGNMENT,
-    )
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += size
-    return offsets
-
-
-def _all_gather_bytes(
-    message: Tensor, group: dist.ProcessGroup | None, n: int, counter: CommunicationCounter, uncompressed: int
-) -> Tensor:
-    """All-gather one byte message; return the ``(n, length)`` rows."""
-    gathered = torch.empty((n, message.numel()), dtype=torch.uint8, device=message.device)
-    counter.record("all_gather", message, received=message.numel() * (n - 1), uncompressed=uncompressed)
-    all_gather_into(gathered, message, group)
-    return gathered
-
-
-def _sum_in_order(rows: Tensor) -> Tensor:
-    """Sum the rows of ``rows`` (one per participant) from the first to the last, as a new tensor."""
-    total = rows[0].clone()
-    for row in rows[1:]:
-        total.add_(row)
-    return total
+def _copy(tensor: Tensor) -> Tensor:
+    """A contiguous copy (the whole-step path keeps ``Q`` as a transposed view)."""
+    return tensor.clone(memory_format=torch.contiguous_format)
