@@ -1,0 +1,532 @@
+"""GPU network lab: every method on two GPUs of one host, over NVLink and over shaped TCP sockets, side by side.
+
+The model is a GPT-style byte-level decoder (16 layers, width 768, 12 heads, 512-token context: 114M parameters)
+trained in bf16 autocast with AdamW (QAdam for ``qadam``) on the Python standard library's source, the text every
+machine has offline (as the CPU lab's ``charlm`` task). Each GPU takes 16 sequences of 512 tokens a step.
+
+Two regimes, one ``torchrun`` job each, every method trained in that one job (one process group, no Lightning
+start-up per method: the engine is used from plain PyTorch, as the strategy uses it):
+
+* ``nvlink``: NCCL's defaults. Each method trains ``--train-steps`` steps from the same seed and is evaluated on a
+  held-out slice every ``--eval-every`` steps: its validation curve gives its steps to the target loss, and the
+  job's timed steps its NVLink step time.
+* ``sockets``: NCCL over TCP on ``lo`` (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket
+  NCCL_SOCKET_IFNAME=lo``). Each method walks through the rates in one process: unshaped, then ``lo`` shaped by
+  ``tc``'s ``tbf`` to each of ``--rates`` (``tc qdisc replace`` between phases, run by rank 0 between two
+  barriers; the first step after a change is not timed). ``tbf`` on ``lo`` shapes both directions together, so
+  a rate is the two GPUs' total, as on a half-duplex link. The full-precision methods that cost what DDP costs
+  (``gradient_allreduce``, ``decentralized``, ``async``) skip the slowest rate, where a step takes seconds.
+  The first steps of each method (its own warm-up, and PowerSGD's ``start_powerSGD_iter``) run unshaped and
+  untimed. Two steps of each method are profiled after the unshaped phase: CUDA kernel launches per step.
+
+Rounds interleave the methods (each round runs every method once, in an order rotated from round to round); a
+method's figure is the median over rounds of its per-round median step, with the rounds' min and max.
+
+Peers: ``ddp``; ``ddp_fp16`` (torch's ``fp16_compress_hook``); ``ddp_powersgd_rK`` (torch's PowerSGD hook at rank
+K with ``batch_tensors_with_same_shape=True``, its fastest setting, after 10 uncompressed steps). Ours: every
+algorithm, with ``bytegrad``, ``qadam`` and ``low_rank`` flat (``hierarchical=False``: on one node their default
+would not compress), ``low_rank_rK`` at rank K.
+
+On a machine with two GPUs (the device's ``tc`` comes from ``shared/tools`` when the image has none)::
+
+    python benchmarks/gpu_network_lab.py --regime nvlink --rounds 3
+    python benchmarks/gpu_network_lab.py --regime sockets --rounds 3
+    python benchmarks/gpu_network_lab.py --report     # the table, time to target and chart from both files
+
+Each regime writes ``benchmarks/results/gpu_network_lab_<regime>.json``; ``--report`` writes
+``gpu_network_lab.md`` and ``gpu_network_lab.png``. ``--cpu`` runs a tiny model on two Gloo processes, unshaped
+(a smoke test of the script; its figures mean nothing).
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from lm_step_time import SOCKETS_ENV, DecoderLM
+
+RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).parents[1]
+PEERS = ("ddp", "ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4", "ddp_powersgd_r8")
+OURS = (
+    "gradient_allreduce",
+    "bytegrad",
+    "decentralized",
+    "low_precision_decentralized",
+    "qadam",
+    "async",
+    "low_rank_r4",
+    "low_rank_r8",
+)
+METHODS = PEERS + OURS
+# Methods that send every gradient at full precision as DDP does: not run at the slowest rate (seconds a step).
+FULL_PRECISION = ("gradient_allreduce", "decentralized", "async")
+WARMUP_STEPS = 12  # untimed, unshaped: low_rank's 10 full-precision steps, PowerSGD's 10, qadam's warm-up
+TIMED_STEPS = {"fast": 8, "slow": 3}  # per rate; "slow" at rates under 5 Gbit/s
+EVAL_BATCHES = 8  # held-out batches per evaluation
+
+
+# ------------------------------------------------------------------------------------------------ data and model
+
+
+def corpus() -> bytes:
+    """The standard library's Python source, file by file in sorted order: the same bytes on every rank."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(path for path in stdlib.rglob("*.py") if "site-packages" not in path.parts)
+    return b"\n".join(path.read_bytes() for path in files)
+
+
+class Batches:
+    """Random windows of the training text, a fixed generator per rank; the last 2% of the text is held out."""
+
+    def __init__(self, text: torch.Tensor, rank: int, batch: int, context: int, device: torch.device) -> None:
+        split = int(len(text) * 0.98)
+        self.train, self.held_out = text[:split], text[split:]
+        self.rank, self.batch, self.context, self.device = rank, batch, context, device
+
+    def for_step(self, seed: int, step: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + self.rank)
+        starts = torch.randint(len(self.train) - self.context - 1, (self.batch,), generator=generator)
+        return torch.stack([self.train[s : s + self.context + 1] for s in starts.tolist()]).to(self.device)
+
+    def validation(self, count: int) -> list[torch.Tensor]:
+        stride = (len(self.held_out) - self.context - 1) // (count * self.batch)
+        windows = [self.held_out[i * stride : i * stride + self.context + 1] for i in range(count * self.batch)]
+        stacked = torch.stack(windows).long()
+        return [chunk.to(self.device) for chunk in stacked.split(self.batch)]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    tokens = tokens.long()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+# ------------------------------------------------------------------------------------------------ methods
+
+
+class Wrapped:
+    """One method's model, optimizer and wrapper."""
+
+    def __init__(self, method: str, args: argparse.Namespace, device: torch.device) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
+        from lightning_bagua.engine.algorithms.qadam import QAdamOptimizer
+
+        torch.manual_seed(args.seed)
+        shape = {"width": 64, "depth": 2, "heads": 4} if args.cpu else {}
+        self.module = DecoderLM(
+            shape.get("vocab", 256),
+            shape.get("width", 768),
+            shape.get("depth", 16),
+            shape.get("heads", 12),
+            args.context,
+        ).to(device)
+        self.parameters = sum(p.numel() for p in self.module.parameters())
+        if method == "qadam":
+            self.optimizer: torch.optim.Optimizer = QAdamOptimizer(
+                self.module.parameters(), lr=args.lr, warmup_steps=WARMUP_STEPS - 2
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=args.lr, weight_decay=0.0)
+        self.bagua: Any = None
+        device_ids = [device.index] if device.type == "cuda" else None
+        if method in PEERS:
+            ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True)
+            if method == "ddp_fp16":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif method.startswith("ddp_powersgd_r"):
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None,
+                    matrix_approximation_rank=int(method.rsplit("_r", 1)[1]),
+                    start_powerSGD_iter=10,
+                    batch_tensors_with_same_shape=True,
+                )
+                ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            self.model: nn.Module = ddp
+        else:
+            name, keywords = algorithm_of(method)
+            self.bagua = BaguaDistributedDataParallel(
+                self.module, [self.optimizer], Algorithm.init(name, **keywords), device_ids=device_ids
+            )
+            self.bagua.bagua_algorithm_impl.start()
+            self.model = self.bagua
+
+    def step(self, tokens: torch.Tensor, device: torch.device) -> None:
+        """One training step; nothing is read back to the host (the caller synchronises around it)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_of(self.model, tokens, device).backward()
+        self.optimizer.step()
+
+    def close(self) -> None:
+        if self.bagua is not None:
+            self.bagua.bagua_algorithm_impl.stop()
+            self.bagua.close()
+
+
+def algorithm_of(method: str) -> tuple[str, dict[str, Any]]:
+    """The algorithm name and keywords a method of ours runs."""
+    if method.startswith("low_rank_r"):
+        return "low_rank", {"rank": int(method.rsplit("_r", 1)[1]), "hierarchical": False}
+    if method in ("bytegrad", "qadam"):
+        return method, {"hierarchical": False}
+    if method == "async":
+        return method, {"warmup_steps": WARMUP_STEPS - 2}
+    return method, {}
+
+
+# ------------------------------------------------------------------------------------------------ the job
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def shape_link(rate_gbit: float | None) -> None:
+    """Shape ``lo`` to ``rate_gbit`` (``None``: unshaped): a token bucket of 100 us of the link, two frames at least."""
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
+    if rate_gbit is None:
+        return
+    rate = rate_gbit * 1e9
+    burst = max(int(rate / 8 * 100e-6), 2 * 65536)
+    limit = max(int(rate / 8 * 0.05), 8 << 20)
+    command = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate_gbit}gbit"]
+    subprocess.run([*command, "burst", str(burst), "limit", str(limit)], check=True)
+
+
+def count_launches(wrapped: Wrapped, batches: Batches, seed: int, step: int, device: torch.device) -> dict[str, float]:
+    """Kernel launches per step (host API calls and kernels run on the device), over two profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for offset in range(2):
+            wrapped.step(batches.for_step(seed, step + offset), device)
+        synchronize(device)
+    launches = kernels = 0
+    for event in profiler.key_averages():
+        if "LaunchKernel" in event.key:
+            launches += event.count
+        if getattr(event, "device_type", None) is not None and str(event.device_type).endswith("CUDA"):
+            kernels += event.count
+    return {"launches_per_step": launches / 2, "device_events_per_step": kernels / 2}
+
+
+def run_method(
+    method: str, args: argparse.Namespace, batches: Batches, device: torch.device, profile_it: bool
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    wrapped = Wrapped(method, args, device)
+    row: dict[str, Any] = {"method": method, "parameters": wrapped.parameters}
+    step = 0
+
+    def timed(count: int) -> list[float]:
+        nonlocal step
+        times = []
+        for _ in range(count):
+            tokens = batches.for_step(args.seed, step)
+            synchronize(device)
+            start = time.perf_counter()
+            wrapped.step(tokens, device)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+            step += 1
+        return times
+
+    if args.regime == "nvlink":
+        curve = []
+        times: list[float] = []
+        for chunk_start in range(0, args.train_steps, args.eval_every):
+            times += timed(min(args.eval_every, args.train_steps - chunk_start))
+            curve.append({"step": step, "val_loss": evaluate(wrapped, batches, device)})
+        row["step_s"] = {"nvlink": statistics.median(times[WARMUP_STEPS:])}
+        row["curve"] = curve
+    else:
+        timed(WARMUP_STEPS)
+        phases = [("unshaped", None), *((f"{rate:g}gbit", rate) for rate in args.rates)]
+        row["step_s"] = {}
+        for label, rate in phases:
+            if rate is not None and rate < 5 and method in FULL_PRECISION:
+                continue
+            if not args.cpu:
+                dist.barrier()
+                if rank == 0:
+                    shape_link(rate)
+                dist.barrier()
+            timed(1)  # the first step after a change fills queues and windows
+            row["step_s"][label] = statistics.median(timed(TIMED_STEPS["slow" if rate and rate < 5 else "fast"]))
+            if label == "unshaped" and profile_it:
+                row.update(count_launches(wrapped, batches, args.seed, step, device))
+                step += 2
+        if not args.cpu:
+            dist.barrier()
+            if rank == 0:
+                shape_link(None)
+            dist.barrier()
+    wrapped.close()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def evaluate(wrapped: Wrapped, batches: Batches, device: torch.device) -> float:
+    """Mean loss of this rank's replica on the held-out windows (rank 0's figure is recorded)."""
+    wrapped.module.eval()
+    with torch.no_grad():
+        losses = [loss_of(wrapped.module, tokens, device) for tokens in batches.validation(EVAL_BATCHES)]
+    wrapped.module.train()
+    return float(torch.stack(losses).mean())
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    rank = dist.get_rank()
+    text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
+    batch = 4 if args.cpu else args.batch
+    context = args.context
+    batches = Batches(text, rank, batch, context, device)
+    methods = args.methods or list(METHODS)
+    out = Path(args.results_dir) / f"gpu_network_lab_{args.regime}{'_cpu' if args.cpu else ''}.json"
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for round_index in range(args.rounds):
+        shift = round_index % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            started = time.perf_counter()
+            row = run_method(method, args, batches, device, profile_it=round_index == 0)
+            rows.setdefault(method, []).append(row)
+            if rank == 0:
+                steps = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row["step_s"].items())
+                took = time.perf_counter() - started
+                print(f"round {round_index} {method:>28}: {steps} ({took:.0f} s)", flush=True)
+        if rank == 0:
+            write_regime(out, args, rows, round_index + 1)
+    dist.destroy_process_group()
+
+
+def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], rounds: int) -> None:
+    summary = {}
+    for method, method_rows in rows.items():
+        labels = list(method_rows[0]["step_s"])
+        entry: dict[str, Any] = {"step_s": {}, "rounds": method_rows}
+        for label in labels:
+            values = [row["step_s"][label] for row in method_rows if label in row["step_s"]]
+            entry["step_s"][label] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        for key in ("launches_per_step", "device_events_per_step", "parameters"):
+            if key in method_rows[0]:
+                entry[key] = method_rows[0][key]
+        if "curve" in method_rows[0]:
+            entry["curve"] = method_rows[0]["curve"]
+        summary[method] = entry
+    report = {
+        "benchmark": f"GPU network lab, regime {args.regime}",
+        "command": f"python benchmarks/gpu_network_lab.py --regime {args.regime} --rounds {args.rounds}"
+        + (f" --methods {' '.join(args.methods)}" if args.methods else "")
+        + (f" --rates {' '.join(f'{r:g}' for r in args.rates)}" if args.regime == "sockets" else ""),
+        "settings": {
+            k: v for k, v in vars(args).items() if k not in {"worker", "results_dir", "report", "regime", "rounds"}
+        },
+        "rounds": rounds,
+        "machine": machine(args),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "methods": summary,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def machine(args: argparse.Namespace) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "devices": 2,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "lightning_bagua": version("lightning-bagua"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+def report(results_dir: Path, cpu: bool) -> str:
+    suffix = "_cpu" if cpu else ""
+    loaded = {}
+    for regime in ("nvlink", "sockets"):
+        path = results_dir / f"gpu_network_lab_{regime}{suffix}.json"
+        if path.exists():
+            loaded[regime] = json.loads(path.read_text())
+    if not loaded:
+        raise SystemExit(f"No results in {results_dir}: run the regimes first.")
+    labels: list[str] = []
+    for regime, data in loaded.items():
+        for entry in data["methods"].values():
+            for label in entry["step_s"]:
+                name = label if regime == "sockets" else "nvlink"
+                if name not in labels:
+                    labels.append(name)
+    methods = [m for m in METHODS if any(m in data["methods"] for data in loaded.values())]
+
+    def step(method: str, label: str) -> dict[str, float] | None:
+        data = loaded.get("nvlink" if label == "nvlink" else "sockets")
+        entry = None if data is None else data["methods"].get(method)
+        return None if entry is None else entry["step_s"].get(label)
+
+    commands = " and ".join(f"`{data['command']}`" for data in loaded.values())
+    machines = ", ".join(
+        f"{regime}: {data['machine']['device']}, {data['rounds']} rounds" for regime, data in loaded.items()
+    )
+    lines = [
+        f"Written by `python benchmarks/gpu_network_lab.py --report` from the runs of {commands} ({machines}).",
+        "",
+        "Median step in ms over the rounds (ratio to DDP's median at the same link) [min, max over rounds]:",
+        "",
+        "| method | " + " | ".join(labels) + " | launches/step |",
+        "|---|" + "---|" * len(labels) + "---|",
+    ]
+    for method in methods:
+        cells = []
+        for label in labels:
+            value, ddp = step(method, label), step("ddp", label)
+            if value is None:
+                cells.append("")
+                continue
+            ratio = f" ({value['median'] / ddp['median']:.2f}x)" if ddp else ""
+            cells.append(f"{value['median'] * 1e3:.1f}{ratio} [{value['min'] * 1e3:.1f}, {value['max'] * 1e3:.1f}]")
+        sockets = loaded.get("sockets", {}).get("methods", {}).get(method, {})
+        launches = sockets.get("launches_per_step")
+        cells.append("" if launches is None else f"{launches:.0f}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    nvlink = loaded.get("nvlink")
+    if nvlink is not None and "ddp" in nvlink["methods"]:
+        lines += ["", *time_to_target(nvlink, labels, step)]
+    text = "\n".join(lines) + "\n"
+    (results_dir / f"gpu_network_lab{suffix}.md").write_text(text)
+    chart(loaded, methods, labels, step, results_dir / f"gpu_network_lab{suffix}.png")
+    return text
+
+
+def time_to_target(nvlink: dict[str, Any], labels: list[str], step: Any) -> list[str]:
+    """Steps to the target validation loss (DDP's at two thirds of the run) times the median step at each link."""
+    ddp_curve = nvlink["methods"]["ddp"]["curve"]
+    target_point = ddp_curve[max(0, math.ceil(len(ddp_curve) * 2 / 3) - 1)]
+    target = target_point["val_loss"]
+    final_ddp = ddp_curve[-1]["val_loss"]
+    lines = [
+        f"Time to the target validation loss {target:.4f} (DDP's at step {target_point['step']}): the first",
+        "evaluation at or under it, times the method's median step at each link, in seconds; and each method's",
+        f"final validation loss against DDP's ({final_ddp:.4f}) at the same steps and seed.",
+        "",
+        "| method | steps to target | " + " | ".join(f"{label} s" for label in labels) + " | final loss (x DDP) |",
+        "|---|---|" + "---|" * len(labels) + "---|",
+    ]
+    for method, entry in nvlink["methods"].items():
+        curve = entry.get("curve", [])
+        reached = next((point["step"] for point in curve if point["val_loss"] <= target), None)
+        cells = ["not reached" if reached is None else str(reached)]
+        for label in labels:
+            value = step(method, label)
+            cells.append("" if value is None or reached is None else f"{reached * value['median']:.1f}")
+        final = curve[-1]["val_loss"] if curve else math.nan
+        cells.append(f"{final:.4f} ({final / final_ddp:.3f}x)")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def chart(loaded: dict[str, Any], methods: list[str], labels: list[str], step: Any, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, axes = plt.subplots(1, len(labels), figsize=(4 * len(labels), 5), squeeze=False)
+    for axis, label in zip(axes[0], labels, strict=True):
+        names = [m for m in methods if step(m, label) is not None]
+        values = [step(m, label)["median"] * 1e3 for m in names]
+        errors = [
+            [v - step(m, label)["min"] * 1e3 for m, v in zip(names, values, strict=True)],
+            [step(m, label)["max"] * 1e3 - v for m, v in zip(names, values, strict=True)],
+        ]
+        axis.barh(names, values, xerr=errors)
+        axis.invert_yaxis()
+        axis.set_xscale("log")
+        axis.set_xlabel("median step (ms, log)")
+        axis.set_title(label)
+    figure.suptitle("114M-parameter LM on two GPUs, bf16 (benchmarks/gpu_network_lab.py)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------------------------------ entry
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--regime", choices=["nvlink", "sockets"], default="nvlink")
+    parser.add_argument("--methods", nargs="+", default=None, choices=METHODS, help="default: all")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rates", nargs="+", type=float, default=[25.0, 10.0, 1.0], help="Gbit/s, fastest first")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per GPU per step")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-steps", type=int, default=300, help="nvlink: steps each method trains")
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
+    parser.add_argument("--results-dir", default=str(RESULTS))
+    parser.add_argument("--report", action="store_true", help="write the table and chart from the regimes' files")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def launch(args: argparse.Namespace) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    if args.regime == "sockets" and not args.cpu:
+        env.update(SOCKETS_ENV)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, "--worker"]
+    command += [arg for arg in sys.argv[1:] if arg != "--worker"]
+    subprocess.run(command, env=env, check=True, cwd=ROOT)
+    print(report(Path(args.results_dir), args.cpu))
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.report:
+        print(report(Path(arguments.results_dir), arguments.cpu))
+    elif arguments.worker:
+        worker(arguments)
+    else:
+        launch(arguments)
