@@ -364,7 +364,7 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
-    from importlib.metadata import version
+    from lightning_bagua.__about__ import __version__
 
     return {
         "python": platform.python_version(),
@@ -373,7 +373,7 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
         "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
         "devices": 2,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-        "lightning_bagua": version("lightning-bagua"),
+        "lightning_bagua": __version__,
     }
 
 
