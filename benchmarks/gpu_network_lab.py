@@ -7,9 +7,10 @@ machine has offline (as the CPU lab's ``charlm`` task). Each GPU takes 16 sequen
 Two regimes, one ``torchrun`` job each, every method trained in that one job (one process group, no Lightning
 start-up per method: the engine is used from plain PyTorch, as the strategy uses it):
 
-* ``nvlink``: NCCL's defaults. Each method trains ``--train-steps`` steps from the same seed and is evaluated on a
-  held-out slice every ``--eval-every`` steps: its validation curve gives its steps to the target loss, and the
-  job's timed steps its NVLink step time.
+* ``nvlink``: NCCL's defaults. In the first round each method trains ``--train-steps`` steps from the same seed
+  and is evaluated on a held-out slice every ``--eval-every`` steps: its validation curve gives its steps to the
+  target loss, and its steps after the warm-up its NVLink step time. Later rounds only time ``--timing-steps``
+  steps after the warm-up.
 * ``sockets``: NCCL over TCP on ``lo`` (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket
   NCCL_SOCKET_IFNAME=lo``). Each method walks through the rates in one process: unshaped, then ``lo`` shaped by
   ``tc``'s ``tbf`` to each of ``--rates`` (``tc qdisc replace`` between phases, run by rank 0 between two
@@ -231,7 +232,7 @@ def count_launches(wrapped: Wrapped, batches: Batches, seed: int, step: int, dev
 
 
 def run_method(
-    method: str, args: argparse.Namespace, batches: Batches, device: torch.device, profile_it: bool
+    method: str, args: argparse.Namespace, batches: Batches, device: torch.device, first_round: bool
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -253,7 +254,9 @@ def run_method(
             step += 1
         return times
 
-    if args.regime == "nvlink":
+    if args.regime == "nvlink" and not first_round:
+        row["step_s"] = {"nvlink": statistics.median(timed(WARMUP_STEPS + args.timing_steps)[WARMUP_STEPS:])}
+    elif args.regime == "nvlink":
         curve = []
         times: list[float] = []
         for chunk_start in range(0, args.train_steps, args.eval_every):
@@ -275,7 +278,7 @@ def run_method(
                 dist.barrier()
             timed(1)  # the first step after a change fills queues and windows
             row["step_s"][label] = statistics.median(timed(TIMED_STEPS["slow" if rate and rate < 5 else "fast"]))
-            if label == "unshaped" and profile_it:
+            if label == "unshaped" and first_round:
                 row.update(count_launches(wrapped, batches, args.seed, step, device))
                 step += 2
         if not args.cpu:
@@ -321,7 +324,7 @@ def worker(args: argparse.Namespace) -> None:
         shift = round_index % len(methods)
         for method in methods[shift:] + methods[:shift]:
             started = time.perf_counter()
-            row = run_method(method, args, batches, device, profile_it=round_index == 0)
+            row = run_method(method, args, batches, device, first_round=round_index == 0)
             rows.setdefault(method, []).append(row)
             if rank == 0:
                 steps = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row["step_s"].items())
@@ -505,6 +508,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=300, help="nvlink: steps each method trains")
     parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--timing-steps", type=int, default=40, help="nvlink: timed steps of later rounds")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--report", action="store_true", help="write the table and chart from the regimes' files")
