@@ -16,7 +16,7 @@ start-up per method: the engine is used from plain PyTorch, as the strategy uses
   ``tc``'s ``tbf`` to each of ``--rates`` (``tc qdisc replace`` between phases, run by rank 0 between two
   barriers; the first step after a change is not timed). ``tbf`` on ``lo`` shapes both directions together, so
   a rate is the two GPUs' total, as on a half-duplex link. The full-precision methods that cost what DDP costs
-  (``gradient_allreduce``, ``decentralized``, ``async``) skip the slowest rate, where a step takes seconds.
+  (``gradient_allreduce``, ``decentralized``) skip the slowest rate, where a step takes seconds.
   The first steps of each method (its own warm-up, and PowerSGD's ``start_powerSGD_iter``) run unshaped and
   untimed. Two steps of each method are profiled after the unshaped phase: CUDA kernel launches per step.
 
@@ -74,8 +74,8 @@ OURS = (
     "low_rank_r8",
 )
 METHODS = PEERS + OURS
-# Methods that send every gradient at full precision as DDP does: not run at the slowest rate (seconds a step).
-FULL_PRECISION = ("gradient_allreduce", "decentralized", "async")
+# Methods whose step waits on every gradient at full precision, as DDP's: not run at the slowest rate (seconds a step).
+FULL_PRECISION = ("gradient_allreduce", "decentralized")
 WARMUP_STEPS = 12  # untimed, unshaped: low_rank's 10 full-precision steps, PowerSGD's 10, qadam's warm-up
 TIMED_STEPS = {"fast": 8, "slow": 3}  # per rate; "slow" at rates under 5 Gbit/s
 EVAL_BATCHES = 8  # held-out batches per evaluation
