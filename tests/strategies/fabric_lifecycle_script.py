@@ -14,9 +14,13 @@ Modes:
   model, then ``fabric.load`` into it while its averaging runs, and train on.
 * ``filter``: ``fabric.save`` with filters for ``decentralized``, ``low_precision_decentralized`` and ``async``;
   rank 0 records what each file holds.
+* ``kill_save``: ``fabric.save`` to ``DIR/last.ckpt`` after each of three steps, each checkpoint with a ballast of
+  about 128 MB whose every value is the step; rank 0 is killed in the middle of writing the second
+  (``kill_during_save.py``), so this mode writes no results.
 """
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,8 @@ import torch.distributed as dist
 
 from tests.strategies.fabric_script import cpu_state, fabric_strategy, new_fabric, rank_loader, train_steps
 from tests.strategies.fit_script import make_network, make_optimizer
+from tests.strategies.kill_during_save import kill_during_write
+from tests.strategies.killed_save_script import BALLAST_VALUES
 
 FILTER_ALGORITHMS = {
     "decentralized": {"hierarchical": False},
@@ -111,6 +117,18 @@ def filtered_saves(fabric_of: Any, args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def kill_save(fabric: Any, args: argparse.Namespace) -> None:
+    batches = iter(rank_loader(fabric.world_size, fabric.global_rank))
+    network = make_network()
+    model, optimizer = fabric.setup(network, make_optimizer(network.parameters()))
+    for step in (1, 2, 3):
+        train_steps(fabric, model, optimizer, batches, 1)
+        ballast = torch.full((BALLAST_VALUES,), float(step))
+        fabric.save(
+            Path(args.out) / "last.ckpt", {"model": model, "optimizer": optimizer, "step": step, "ballast": ballast}
+        )
+
+
 def save_result(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,12 +138,18 @@ def save_result(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", required=True, choices=["destroy_group", "async_load", "filter"])
+    parser.add_argument("--mode", required=True, choices=["destroy_group", "async_load", "filter", "kill_save"])
     parser.add_argument("--algorithm", default="gradient_allreduce")
     args = parser.parse_args()
 
     from lightning.fabric import Fabric
 
+    if args.mode == "kill_save":
+        # Lightning's launcher sets LOCAL_RANK for the ranks it starts; the main process is rank 0.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            kill_during_write(Path(args.out), "last", 2, Path(args.out) / "killed_at_size")
+        kill_save(new_fabric(fabric_strategy("gradient_allreduce")), args)
+        return
     if args.mode == "destroy_group":
         kwargs = FILTER_ALGORITHMS.get(args.algorithm, {})
         fabric = Fabric(accelerator="cpu", devices=2, strategy=fabric_strategy(args.algorithm, **kwargs))

@@ -43,6 +43,7 @@ from lightning_bagua.strategies._core.arguments import (
     reduce_over_all_processes,
     telemetry_metrics,
 )
+from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
 from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
 from lightning_bagua.strategies._core.faults import fail_at_exit, install_failure_hook
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
@@ -485,6 +486,7 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
     """
 
     _bagua_environment_cls = BaguaEnvironment
+    _checkpoint_io_cls = AtomicTorchCheckpointIO
     _configuration_error = MisconfigurationException
 
 
