@@ -298,7 +298,8 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         An algorithm that works between steps (``async`` averaging in its thread) is stopped on every process before
         anything is loaded and started again once all is restored, so that no averaging round mixes the old weights
         into the loaded ones. Every process must call this, as ``fabric.load`` does; if loading raises, the
-        algorithm stays stopped (restart it with ``module.bagua_algorithm_impl.start()`` on every process).
+        algorithm stays stopped (start it again with ``.bagua_algorithm_impl.start()`` on each of
+        :attr:`bagua_modules`, on every process).
 
         Args:
             path: the checkpoint to read.
