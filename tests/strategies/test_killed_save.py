@@ -112,3 +112,18 @@ def test_a_save_that_raises_keeps_the_previous_checkpoint_and_leaves_no_partial_
     assert [child.name for child in tmp_path.iterdir()] == ["last.ckpt"]
     with pytest.raises(TypeError, match=r"takes no `storage_options` \(got \{'x': 1\}\)"):
         io.save_checkpoint({"step": 3}, path, storage_options={"x": 1})
+
+
+def test_every_bagua_strategy_saves_through_the_atomic_plugin_by_default():
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from lightning_bagua import BaguaStrategy, lightning_fabric, pytorch_lightning
+    from lightning_bagua.strategies.fabric import BaguaStrategy as FabricBaguaStrategy
+
+    assert type(BaguaStrategy().checkpoint_io) is AtomicTorchCheckpointIO
+    assert type(FabricBaguaStrategy().checkpoint_io) is AtomicTorchCheckpointIO
+    for strategy in (lightning_fabric.BaguaStrategy(), pytorch_lightning.BaguaStrategy()):
+        assert type(strategy.checkpoint_io) is lightning_fabric.AtomicTorchCheckpointIO
+    # A plugin the user passes is used as it is.
+    own = TorchCheckpointIO()
+    assert BaguaStrategy(checkpoint_io=own).checkpoint_io is own
