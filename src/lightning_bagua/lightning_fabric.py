@@ -14,21 +14,28 @@ own package's strategies and plugins. These classes share all their logic with
 """
 
 from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_bagua.environments.bagua import _BaguaEnvironmentLogic
+from lightning_bagua.strategies._core.checkpoint_io import _AtomicTorchCheckpointIOLogic
 from lightning_bagua.strategies.fabric import _FabricBaguaStrategyLogic
 
-__all__ = ["BaguaEnvironment", "BaguaStrategy"]
+__all__ = ["AtomicTorchCheckpointIO", "BaguaEnvironment", "BaguaStrategy"]
 
 
 class BaguaEnvironment(_BaguaEnvironmentLogic, ClusterEnvironment):
     """:class:`lightning_bagua.BaguaEnvironment` for the ``lightning_fabric`` and ``pytorch_lightning`` packages."""
 
 
+class AtomicTorchCheckpointIO(_AtomicTorchCheckpointIOLogic, TorchCheckpointIO):
+    """:class:`lightning_bagua.strategies._core.checkpoint_io.AtomicTorchCheckpointIO` for ``lightning_fabric``."""
+
+
 class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):  # type: ignore[misc]
     """:class:`lightning_bagua.strategies.fabric.BaguaStrategy` for the ``lightning_fabric`` package."""
 
     _bagua_environment_cls = BaguaEnvironment
+    _checkpoint_io_cls = AtomicTorchCheckpointIO
     _configuration_error = MisconfigurationException

@@ -16,7 +16,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.strategies import DDPStrategy
 
 # The environment is a `lightning_fabric` class, shared with that package's Fabric strategy.
-from lightning_bagua.lightning_fabric import BaguaEnvironment
+from lightning_bagua.lightning_fabric import AtomicTorchCheckpointIO, BaguaEnvironment
 from lightning_bagua.strategies.bagua import _BaguaStrategyLogic
 
 __all__ = ["BaguaEnvironment", "BaguaStrategy"]
@@ -26,4 +26,5 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):  # type: ignore[misc]
     """:class:`lightning_bagua.BaguaStrategy` for the ``pytorch_lightning`` package."""
 
     _bagua_environment_cls = BaguaEnvironment
+    _checkpoint_io_cls = AtomicTorchCheckpointIO
     _configuration_error = MisconfigurationException

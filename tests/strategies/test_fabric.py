@@ -247,11 +247,12 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_algorithm_state(li
         torch.testing.assert_close(qadam["resumed"], qadam["continued"], **EXACT, msg=f"qadam, rank {rank}")
 
     on_disk = torch.load(out / "counting.ckpt", weights_only=False)
-    assert set(on_disk) == {"model", "optimizer", "step", "bagua"}
-    # The Trainer strategy's versioned format; gradient_allreduce's ranks hold equal weights, so none per rank.
-    assert on_disk["bagua"]["version"] == 2
-    assert on_disk["bagua"]["world_size"] == 2
-    entry = on_disk["bagua"]["modules"]["model"]
+    assert set(on_disk) == {"model", "optimizer", "step", "bagua_algorithm_state"}
+    # The Trainer strategy's versioned format under the reserved key the Fabric docs name; gradient_allreduce's ranks
+    # hold equal weights, so none per rank.
+    assert on_disk["bagua_algorithm_state"]["version"] == 2
+    assert on_disk["bagua_algorithm_state"]["world_size"] == 2
+    entry = on_disk["bagua_algorithm_state"]["modules"]["model"]
     assert entry["algorithm"] == "gradient_allreduce"
     assert entry["ranks"] is None
     assert entry["averaged"] is False

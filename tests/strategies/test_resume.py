@@ -152,3 +152,16 @@ def test_fabric_checkpoints_before_version_2_still_load():
         "ranks": None,
         "averaged": False,
     }
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("key", ["bagua_algorithm_state", "bagua"])
+def test_fabric_version_2_entries_load_under_the_documented_key_and_the_earlier_one(key):
+    # The Fabric strategy writes its entry under "bagua_algorithm_state"; earlier 0.2.0 builds wrote it under "bagua".
+    module = {"algorithm": "decentralized", "algorithm_states": [{"state": {"rounds": 1}}] * 2, "ranks": None}
+    entry = {"version": 2, "world_size": 2, "modules": {"model": {**module, "averaged": False}}}
+    checkpoint = {"model": {}, key: entry}
+    world_size, modules = module_entries(checkpoint, "model")
+    assert "bagua_algorithm_state" not in checkpoint
+    assert world_size == 2
+    assert modules["model"]["algorithm_states"] == module["algorithm_states"]

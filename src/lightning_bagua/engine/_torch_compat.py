@@ -9,6 +9,7 @@ this module changes.
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ __all__ = [
     "destroy_process_group",
     "first_bucket_capped_at",
     "mark_optimizer_stepped",
+    "process_group_exists",
     "queue_backward_callback",
     "store_has_key",
 ]
@@ -120,6 +122,27 @@ def first_bucket_capped_at(bucket_cap_mb: float) -> Iterator[None]:
         yield
     finally:
         dist._DEFAULT_FIRST_BUCKET_BYTES = default
+
+
+def process_group_exists(group: dist.ProcessGroup | None) -> TypeGuard[dist.ProcessGroup]:
+    """Return whether ``group`` is still one of torch.distributed's live groups, so that destroying it is valid.
+
+    A script may destroy the default group itself (``dist.destroy_process_group()``), which takes every subgroup
+    with it, and may then start a new default group; a subgroup created before is then unknown to torch, and
+    destroying it again raises ``ValueError: Invalid process group specified``. Only a group torch still lists may be
+    destroyed. torch has no public query for this: ``distributed_c10d._world.pg_map`` (private, unchanged from torch
+    2.0 through 2.13) is the registry that ``dist.destroy_process_group`` itself checks.
+
+    Args:
+        group: a group from ``dist.new_group`` (or what it returns on ranks outside the group), or ``None``.
+
+    Returns:
+        ``True`` when the group is registered with the current default group's world; ``False`` for ``None``, for
+        a non-member's placeholder, and for every group once the default group is gone or was replaced.
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return isinstance(group, dist.ProcessGroup) and group in dist.distributed_c10d._world.pg_map
 
 
 def destroy_process_group(group: dist.ProcessGroup) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_bagua.engine._torch_compat import destroy_process_group
+from lightning_bagua.engine._torch_compat import destroy_process_group, process_group_exists
 
 __all__ = [
     "CommunicationCounter",
@@ -457,9 +457,13 @@ class CommunicationGroups:
         return self.global_ranks[self.layout.node_ranks(self.layout.node_of(self.rank))[0]]
 
     def close(self) -> None:
-        """Destroy the communicators this object created; safe to call twice."""
-        if dist.is_initialized():
-            for group in self._owned:
+        """Destroy the communicators this object created; safe to call twice.
+
+        Groups torch no longer knows are skipped: destroying the default group (as many scripts do at their end)
+        destroyed them already, even if a new default group was started since.
+        """
+        for group in self._owned:
+            if process_group_exists(group):
                 destroy_process_group(group)
         self._owned.clear()
 

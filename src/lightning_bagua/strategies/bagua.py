@@ -31,6 +31,7 @@ from lightning_bagua.strategies._core.checkpoint import (
     module_entries,
     rank_resume,
 )
+from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
 
 if TYPE_CHECKING:
@@ -366,4 +367,5 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
     """
 
     _bagua_environment_cls = BaguaEnvironment
+    _checkpoint_io_cls = AtomicTorchCheckpointIO
     _configuration_error = MisconfigurationException

@@ -43,6 +43,7 @@ from lightning_bagua.strategies._core.arguments import (
     reduce_over_all_processes,
     telemetry_metrics,
 )
+from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
 from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
 from lightning_bagua.strategies._core.faults import fail_at_exit, install_failure_hook
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
@@ -252,10 +253,12 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         """Save the state like Fabric's DDP strategy, plus every process's Bagua state for the wrapped modules.
 
         Process 0 writes the file, so each wrapped module's state is gathered from all processes first and stored
-        under ``"bagua"``, in the Trainer strategy's format (see the fault tolerance page of the docs): each
-        process's :meth:`~lightning_bagua.engine.BaguaDistributedDataParallel.bagua_state_dict` and, for
-        algorithms whose ranks hold different weights, each process's module weights and the states of the
-        optimizers in ``state`` that update the module. Every process must call this (as ``fabric.save`` does).
+        under ``"bagua_algorithm_state"``, in the Trainer strategy's format (see the fault tolerance page of the
+        docs): each process's :meth:`~lightning_bagua.engine.BaguaDistributedDataParallel.bagua_state_dict` and,
+        for algorithms whose ranks hold different weights, each process's module weights and the states of the
+        optimizers in ``state`` that update the module. ``filter`` applies to those per-process copies as to the
+        shared ones: what it drops from a module's or an optimizer's state is not written for any process. Every
+        process must call this (as ``fabric.save`` does).
 
         Args:
             path: where to write the checkpoint.
@@ -264,13 +267,17 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             filter: per-key filters, as for ``fabric.save``.
         """
         bagua_checkpoint.refuse_reserved_keys(state, type(self).__name__)
+        filters = filter or {}
         entries = {
             key: entry
             for key, obj in state.items()
             if isinstance(obj, BaguaDistributedDataParallel)
-            and (entry := self._gather_module_entry(obj, partial(self._rank_weights, obj, state))) is not None
+            and (entry := self._gather_module_entry(obj, partial(self._rank_weights, key, obj, state, filters)))
+            is not None
         }
-        state = bagua_checkpoint.attach_entries(state, entries, self.world_size, weights_key=lambda name: name)
+        state = bagua_checkpoint.attach_entries(
+            state, entries, self.world_size, weights_key=lambda name: name, key=bagua_checkpoint.FABRIC_CHECKPOINT_KEY
+        )
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -285,8 +292,14 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
 
         Where the module's ranks hold different weights, this process's own weights and optimizer states replace
         the shared ones; then the algorithm state is restored, from this process's own entry. None of it is part
-        of what comes back. Checkpoints written by the Fabric strategy before checkpoint version 2
-        (``"bagua_algorithm_state"``) load too.
+        of what comes back. Checkpoints written by earlier releases of the Fabric strategy (the unversioned
+        ``"bagua_algorithm_state"`` entry, or version 2 under ``"bagua"``) load too.
+
+        An algorithm that works between steps (``async`` averaging in its thread) is stopped on every process before
+        anything is loaded and started again once all is restored, so that no averaging round mixes the old weights
+        into the loaded ones. Every process must call this, as ``fabric.load`` does; if loading raises, the
+        algorithm stays stopped (start it again with ``.bagua_algorithm_impl.start()`` on each of
+        :attr:`bagua_modules`, on every process).
 
         Args:
             path: the checkpoint to read.
@@ -298,18 +311,20 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             The checkpoint's items that were not restored into ``state``; the whole checkpoint if ``state`` is empty.
         """
         keywords = fabric_load_checkpoint_keywords(weights_only)
+        paused = self._pause_algorithms(state)
         remainder = super().load_checkpoint(path, state=state, strict=strict, **keywords)
-        if not isinstance(state, dict) or not state:
-            return remainder
-        saved = bagua_checkpoint.module_entries(remainder, default_name="model")
-        remainder.pop(bagua_checkpoint.CHECKPOINT_KEY, None)
-        modules = {} if saved is None else saved[1]
-        for key, obj in state.items():
-            if isinstance(obj, BaguaDistributedDataParallel) and key in modules:
-                name = obj.bagua_algorithm.name
-                resume = bagua_checkpoint.rank_resume(modules[key], key, name, self.world_size, self.global_rank)
-                self._restore_rank_weights(obj, resume, state, strict)
-                obj.load_bagua_state_dict(resume.algorithm_state)
+        if isinstance(state, dict) and state:
+            saved = bagua_checkpoint.module_entries(remainder, default_name="model")
+            remainder.pop(bagua_checkpoint.CHECKPOINT_KEY, None)
+            modules = {} if saved is None else saved[1]
+            for key, obj in state.items():
+                if isinstance(obj, BaguaDistributedDataParallel) and key in modules:
+                    name = obj.bagua_algorithm.name
+                    resume = bagua_checkpoint.rank_resume(modules[key], key, name, self.world_size, self.global_rank)
+                    self._restore_rank_weights(obj, resume, state, strict)
+                    obj.load_bagua_state_dict(resume.algorithm_state)
+        for wrapped in paused:
+            wrapped.bagua_algorithm_impl.start()
         return remainder
 
     @override
@@ -340,14 +355,35 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             self._autotuning.add(wrapped)
         return wrapped
 
-    def _rank_weights(self, wrapped: BaguaDistributedDataParallel, state: dict[str, Any]) -> dict[str, Any]:
-        # This rank's weights, and the states of the saved optimizers that update them, keyed as in `state`.
+    def _rank_weights(
+        self,
+        module_key: str,
+        wrapped: BaguaDistributedDataParallel,
+        state: dict[str, Any],
+        filters: dict[str, Callable[[str, Any], bool]],
+    ) -> dict[str, Any]:
+        # This rank's weights, and the states of the saved optimizers that update them, keyed as in `state`; each
+        # through the filter `fabric.save` got for its key, so that nothing the filter drops is written per rank.
         optimizers = {
-            key: self.get_optimizer_state(obj)
+            key: filtered
             for key, obj in state.items()
-            if isinstance(obj, Optimizer) and any(obj is bound for bound in wrapped.bagua_optimizers)
+            if isinstance(obj, Optimizer)
+            and any(obj is bound for bound in wrapped.bagua_optimizers)
+            and (filtered := _filtered(self.get_optimizer_state(obj), filters.get(key))) is not None
         }
-        return {"state_dict": self.get_module_state_dict(wrapped), "optimizer_states": optimizers}
+        weights = _filtered(self.get_module_state_dict(wrapped), filters.get(module_key))
+        return {"state_dict": weights, "optimizer_states": optimizers}
+
+    def _pause_algorithms(self, state: Any) -> list[BaguaDistributedDataParallel]:
+        # The wrapped modules about to be loaded whose algorithm works between steps: stopped on every rank (async's
+        # stop is collective, and every rank loads the same objects), to be started again once loading is done.
+        targets = state.values() if isinstance(state, dict) else [state]
+        paused = []
+        for wrapped in self._bagua_modules:
+            if any(obj is wrapped or obj is wrapped.module for obj in targets) and wrapped.bagua_algorithm_impl.started:
+                wrapped.bagua_algorithm_impl.stop()
+                paused.append(wrapped)
+        return paused
 
     def _restore_rank_weights(
         self, wrapped: BaguaDistributedDataParallel, resume: bagua_checkpoint.RankResume, state: dict, strict: bool
@@ -451,7 +487,16 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
     """
 
     _bagua_environment_cls = BaguaEnvironment
+    _checkpoint_io_cls = AtomicTorchCheckpointIO
     _configuration_error = MisconfigurationException
+
+
+def _filtered(state_dict: dict[str, Any], keep: Callable[[str, Any], bool] | None) -> dict[str, Any] | None:
+    # Fabric's rule for a filtered key: the entries the filter keeps, and no entry at all when it keeps none.
+    if keep is None:
+        return state_dict
+    kept = {name: value for name, value in state_dict.items() if keep(name, value)}
+    return kept or None
 
 
 def _updates(optimizer: Optimizer, module: Module) -> bool:

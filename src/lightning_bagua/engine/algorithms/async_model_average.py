@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_bagua.engine._torch_compat import destroy_process_group, queue_backward_callback
+from lightning_bagua.engine._torch_compat import destroy_process_group, process_group_exists, queue_backward_callback
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -201,6 +201,11 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         return self._enabled
 
     @property
+    def started(self) -> bool:
+        """Whether averaging was started and not aborted since: :attr:`enabled`."""
+        return self._enabled
+
+    @property
     def running(self) -> bool:
         """Whether the background thread is alive."""
         return self._thread is not None and self._thread.is_alive()
@@ -354,7 +359,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             group, self._group = self._group, None
             if self.running:
                 log.warning("The async averaging thread is still blocked in a collective; its group is left alive.")
-            elif group is not None and dist.is_initialized():
+            elif process_group_exists(group):  # a script that destroyed the default group destroyed this one too
                 destroy_process_group(group)
 
     # --------------------------------------------------------------------------------------- one averaging round

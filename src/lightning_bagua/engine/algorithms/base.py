@@ -156,6 +156,15 @@ class AlgorithmImpl(ABC):
         Every rank calls it at the same point (when training starts), so it may be collective.
         """
 
+    @property
+    def started(self) -> bool:
+        """Whether the work :meth:`start` begins is on: started and not stopped since; ``False`` when there is none.
+
+        A strategy that must hold that work still for a moment (loading a checkpoint into the model, say) stops it
+        and starts it again afterwards only when this is ``True``.
+        """
+        return False
+
     def stop(self, wait: bool = True) -> None:  # noqa: B027 - optional hook
         """Stop the work :meth:`start` began; idempotent, and a no-op when nothing runs.
 

@@ -1,6 +1,7 @@
-"""The checkpoint format both strategies write and read: one versioned ``"bagua"`` entry.
+"""The checkpoint format both strategies write and read: one versioned entry.
 
-Version 2, written by the Trainer and Fabric strategies alike::
+Version 2, written by the Trainer and Fabric strategies alike, under ``"bagua"`` by the Trainer strategy and under
+``"bagua_algorithm_state"`` (the reserved key Fabric's docs name) by the Fabric strategy::
 
     checkpoint["bagua"] = {
         "version": 2,
@@ -18,8 +19,9 @@ Version 2, written by the Trainer and Fabric strategies alike::
 
 Per-rank weights are saved exactly when the algorithm's class says its ranks hold different weights
 (:attr:`~lightning_bagua.engine.Algorithm.ranks_hold_different_weights`), so a registered third-party algorithm
-gets them too. Older entries still load: the Trainer's version 1 (one module, the fields above at the top level)
-and Fabric's unversioned ``"bagua_algorithm_state"`` (each module's per-rank algorithm states only).
+gets them too. Older entries still load: the Trainer's version 1 (one module, the fields above at the top level),
+Fabric's unversioned ``"bagua_algorithm_state"`` (each module's per-rank algorithm states only), and Fabric's version
+2 under ``"bagua"`` (written before the Fabric strategy moved it to its documented key).
 """
 
 from collections.abc import Callable, Mapping
@@ -35,7 +37,7 @@ from lightning_bagua.engine import BaguaDistributedDataParallel
 __all__ = [
     "CHECKPOINT_KEY",
     "CHECKPOINT_VERSION",
-    "LEGACY_FABRIC_KEY",
+    "FABRIC_CHECKPOINT_KEY",
     "ModuleEntry",
     "RankResume",
     "attach_entries",
@@ -50,8 +52,8 @@ __all__ = [
 
 CHECKPOINT_KEY = "bagua"
 CHECKPOINT_VERSION = 2
-LEGACY_FABRIC_KEY = "bagua_algorithm_state"
-"""Where Fabric strategies before checkpoint version 2 saved the per-rank algorithm states."""
+FABRIC_CHECKPOINT_KEY = "bagua_algorithm_state"
+"""Where the Fabric strategy saves its entry; before checkpoint version 2 it held the per-rank algorithm states only."""
 
 
 class ModuleEntry(TypedDict):
@@ -151,7 +153,10 @@ def averaged_weights(entry: ModuleEntry) -> dict[str, Any] | None:
     """
     if not entry["averaged"] or entry["ranks"] is None:
         return None
-    return average_state_dicts([rank["state_dict"] for rank in entry["ranks"]])
+    state_dicts = [rank["state_dict"] for rank in entry["ranks"]]
+    if any(state_dict is None for state_dict in state_dicts):  # a save filter left the weights out
+        return None
+    return average_state_dicts(state_dicts)
 
 
 def refuse_reserved_keys(state: Mapping[str, Any], owner: str) -> None:
@@ -164,7 +169,7 @@ def refuse_reserved_keys(state: Mapping[str, Any], owner: str) -> None:
     Raises:
         ValueError: ``state`` has such a key.
     """
-    for reserved in (CHECKPOINT_KEY, LEGACY_FABRIC_KEY):
+    for reserved in (CHECKPOINT_KEY, FABRIC_CHECKPOINT_KEY):
         if reserved in state:
             raise ValueError(
                 f"The state to save has a key {reserved!r}, which {owner} uses for the algorithm's state. Save your"
@@ -173,9 +178,13 @@ def refuse_reserved_keys(state: Mapping[str, Any], owner: str) -> None:
 
 
 def attach_entries(
-    checkpoint: dict[str, Any], entries: Mapping[str, ModuleEntry], world_size: int, weights_key: Callable[[str], str]
+    checkpoint: dict[str, Any],
+    entries: Mapping[str, ModuleEntry],
+    world_size: int,
+    weights_key: Callable[[str], str],
+    key: str = CHECKPOINT_KEY,
 ) -> dict[str, Any]:
-    """Return the checkpoint with the ``"bagua"`` entry for these modules, averaged weights in place where asked.
+    """Return the checkpoint with the entry for these modules, averaged weights in place where asked.
 
     Args:
         checkpoint: what is about to be saved; not modified.
@@ -183,13 +192,15 @@ def attach_entries(
         world_size: the number of processes.
         weights_key: the checkpoint key of a module's weights, from its name; an entry written with
             ``average_before_save`` puts the ranks' average there.
+        key: the checkpoint key of the entry: :data:`CHECKPOINT_KEY` for the Trainer strategy,
+            :data:`FABRIC_CHECKPOINT_KEY` for the Fabric strategy.
 
     Returns:
         The checkpoint to save.
     """
     if not entries:
         return checkpoint
-    checkpoint = {**checkpoint, CHECKPOINT_KEY: make_entry(entries, world_size)}
+    checkpoint = {**checkpoint, key: make_entry(entries, world_size)}
     for name, entry in entries.items():
         averaged = averaged_weights(entry)
         if averaged is not None:
@@ -198,7 +209,7 @@ def attach_entries(
 
 
 def module_entries(checkpoint: dict[str, Any], default_name: str) -> tuple[int, dict[str, ModuleEntry]] | None:
-    """Read the ``"bagua"`` entry of a checkpoint of any version, taking Fabric's older entry out of ``checkpoint``.
+    """Read the entry of a checkpoint of any version and either key, taking the Fabric key out of ``checkpoint``.
 
     Args:
         checkpoint: the loaded checkpoint (or, under Fabric, what is left of it after restoring the objects).
@@ -210,8 +221,12 @@ def module_entries(checkpoint: dict[str, Any], default_name: str) -> tuple[int, 
     Raises:
         ValueError: the entry has a version this release cannot read.
     """
-    legacy = checkpoint.pop(LEGACY_FABRIC_KEY, None)
+    fabric_entry = checkpoint.pop(FABRIC_CHECKPOINT_KEY, None)
     saved = checkpoint.get(CHECKPOINT_KEY)
+    # A versioned entry is a dict with an integer version; the unversioned one maps module names to lists.
+    legacy = fabric_entry
+    if isinstance(fabric_entry, dict) and isinstance(fabric_entry.get("version"), int):
+        saved, legacy = fabric_entry, None
     if saved is None and legacy is not None:
         # Fabric's entry before version 2: per module, the list of every rank's bagua_state_dict().
         modules: dict[str, ModuleEntry] = {

@@ -81,6 +81,8 @@ class BaguaStrategyCore(_CoreBase):
 
     strategy_name = "bagua"
     _bagua_environment_cls: ClassVar[type["ClusterEnvironment"]]
+    _checkpoint_io_cls: ClassVar[type[Any]]
+    """The default checkpoint plugin, for the concrete class's package: an ``AtomicTorchCheckpointIO``."""
     # Each Lightning package raises its own MisconfigurationException for a configuration it cannot train.
     _configuration_error: ClassVar[type[Exception]]
     _precision_keyword: ClassVar[str] = "precision_plugin"
@@ -112,6 +114,9 @@ class BaguaStrategyCore(_CoreBase):
         self._telemetry, self._autotune = check_telemetry_and_autotune(telemetry, autotune)
         if cluster_environment is None and self._bagua_environment_cls.detect():
             cluster_environment = self._bagua_environment_cls()
+        if checkpoint_io is None:
+            # Lightning's default with saves a kill cannot tear (a restart must never find half a checkpoint).
+            checkpoint_io = self._checkpoint_io_cls()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -1,0 +1,129 @@
+"""A rank killed in the middle of writing a checkpoint leaves the previous checkpoint or the new one, each whole.
+
+Rank 0 of a two-process job (Trainer and Fabric, each under Lightning's own launcher) is SIGKILLed once its second
+``last`` checkpoint of about 128 MB has its first megabyte on disk. The system's temporary directory is put on
+another file system than the checkpoints where the machine has one (``/dev/shm``): there a save that goes through
+the system's temporary directory ends in a copy into the checkpoint itself, which such a kill tears. A restart with
+``ckpt_path="last"`` must then resume from a whole checkpoint, whatever the killed save left behind.
+"""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
+from tests.distributed import free_port
+from tests.strategies.kill_during_save import KILL_AFTER_BYTES
+from tests.strategies.killed_save_script import BALLAST_VALUES
+
+ROOT = Path(__file__).parents[2]
+TRAINER_SCRIPT = Path(__file__).with_name("killed_save_script.py")
+FABRIC_SCRIPT = Path(__file__).with_name("fabric_lifecycle_script.py")
+
+
+def run(script: Path, *args: str, tmp_path: Path) -> tuple[int, str]:
+    """Run ``script`` in a session of its own; return its exit code and output, with no process of it left."""
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path, "MASTER_PORT": str(free_port())}
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != tmp_path.stat().st_dev:
+        env["TMPDIR"] = str(shm)
+    command = [sys.executable, str(script), *args]
+    process = subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=300)
+    finally:
+        _end_session(process.pid)
+    return process.returncode, output
+
+
+def _end_session(session: int) -> None:
+    # The rank the killed process started loses its peer and exits on its own; what is left after 30 s is ended.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(session, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(session, signal.SIGKILL)
+
+
+def assert_killed_mid_write(code: int, output: str, out: Path) -> None:
+    assert code == -signal.SIGKILL, output[-6000:]
+    # Killed with part of the file written, not before or after the write.
+    assert int((out / "killed_at_size").read_text()) >= KILL_AFTER_BYTES
+
+
+def test_trainer_save_killed_midway_leaves_a_whole_last_checkpoint_and_ckpt_path_last_resumes_from_it(tmp_path):
+    checkpoints, first, second = tmp_path / "checkpoints", tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    arguments = ["--dir", str(checkpoints), "--max-epochs", "3"]
+    code, output = run(TRAINER_SCRIPT, *arguments, "--out", str(first), "--kill-at", "2", tmp_path=tmp_path)
+    assert_killed_mid_write(code, output, first)
+
+    # The first epoch's checkpoint, or the second's, whole.
+    on_disk = torch.load(checkpoints / "last.ckpt", weights_only=False, mmap=True)
+    assert on_disk["epoch"] in (0, 1)
+    assert on_disk["ballast"].numel() == BALLAST_VALUES
+    assert bool((on_disk["ballast"] == on_disk["epoch"] + 1).all())
+    # The killed save's partial file is left, newer than last.ckpt, under a name no lookup takes for a checkpoint.
+    leftovers = [path for path in checkpoints.iterdir() if path.name.startswith(".last.ckpt.")]
+    assert leftovers
+    assert all(path.stat().st_mtime >= (checkpoints / "last.ckpt").stat().st_mtime for path in leftovers)
+
+    code, output = run(TRAINER_SCRIPT, *arguments, "--out", str(second), "--resume", tmp_path=tmp_path)
+    assert code == 0, output[-6000:]
+    for rank in range(2):
+        result = torch.load(second / f"rank{rank}.pt", weights_only=False)
+        assert Path(result["ckpt_path"]) == checkpoints / "last.ckpt"
+        assert result["loaded"] == {"epoch": on_disk["epoch"], "ballast_values": BALLAST_VALUES, "ballast_whole": True}
+        assert result["epoch"] == 3
+
+
+def test_fabric_save_killed_midway_leaves_the_previous_or_the_new_checkpoint_whole(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    code, output = run(FABRIC_SCRIPT, "--out", str(out), "--mode", "kill_save", tmp_path=tmp_path)
+    assert_killed_mid_write(code, output, out)
+    on_disk = torch.load(out / "last.ckpt", weights_only=False, mmap=True)
+    assert on_disk["step"] in (1, 2)
+    assert on_disk["ballast"].numel() == BALLAST_VALUES
+    assert bool((on_disk["ballast"] == on_disk["step"]).all())
+    assert on_disk["bagua_algorithm_state"]["modules"]["model"]["algorithm"] == "gradient_allreduce"
+
+
+def test_a_save_that_raises_keeps_the_previous_checkpoint_and_leaves_no_partial_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    io = AtomicTorchCheckpointIO()
+    io.save_checkpoint({"step": 1}, path)
+    with pytest.raises((AttributeError, pickle.PicklingError)):  # a lambda cannot be pickled
+        io.save_checkpoint({"step": 2, "unpicklable": lambda: None}, path)
+    assert torch.load(path, weights_only=False) == {"step": 1}
+    assert [child.name for child in tmp_path.iterdir()] == ["last.ckpt"]
+    with pytest.raises(TypeError, match=r"takes no `storage_options` \(got \{'x': 1\}\)"):
+        io.save_checkpoint({"step": 3}, path, storage_options={"x": 1})
+
+
+def test_every_bagua_strategy_saves_through_the_atomic_plugin_by_default():
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from lightning_bagua import BaguaStrategy, lightning_fabric, pytorch_lightning
+    from lightning_bagua.strategies.fabric import BaguaStrategy as FabricBaguaStrategy
+
+    assert type(BaguaStrategy().checkpoint_io) is AtomicTorchCheckpointIO
+    assert type(FabricBaguaStrategy().checkpoint_io) is AtomicTorchCheckpointIO
+    for strategy in (lightning_fabric.BaguaStrategy(), pytorch_lightning.BaguaStrategy()):
+        assert type(strategy.checkpoint_io) is lightning_fabric.AtomicTorchCheckpointIO
+    # A plugin the user passes is used as it is.
+    own = TorchCheckpointIO()
+    assert BaguaStrategy(checkpoint_io=own).checkpoint_io is own
