@@ -43,6 +43,7 @@ from lightning_bagua.strategies._core.arguments import (
     reduce_over_all_processes,
     telemetry_metrics,
 )
+from lightning_bagua.strategies._core.data_resume import DataState, positioned_sampler
 from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
 from lightning_bagua.strategies._core.faults import fail_at_exit, install_failure_hook
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
@@ -126,6 +127,40 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         if not self._bagua_modules:
             return None
         return self._autotuning.tuner_of(self._bagua_modules[-1])
+
+    def data_state(self, dataloader: Any) -> DataState:
+        """Return the position of a dataloader's data, to save and load with the rest of the state.
+
+        Call it once, after ``fabric.setup_dataloaders``, before the first iteration; put the result in the state
+        given to ``fabric.save`` and ``fabric.load`` (see :class:`~lightning_bagua.strategies._core.data_resume.
+        DataState`)::
+
+            data = fabric.strategy.data_state(train_loader)
+            state = {"model": model, "optimizer": optimizer, "data": data}
+            fabric.load(path, state)  # when resuming: the next `for batch in train_loader` continues mid-epoch
+            for epoch in range(data.epoch, epochs):
+                for batch_idx, batch in enumerate(train_loader, start=data.batches):
+                    ...
+                    data.batches = batch_idx + 1
+                    fabric.save(path, state)
+                data.batches = 0
+
+        Args:
+            dataloader: what ``fabric.setup_dataloaders`` returned.
+
+        Returns:
+            The data's position, a stateful object for ``fabric.save`` and ``fabric.load``.
+
+        Raises:
+            ValueError: the dataloader's batches do not come from a torch ``BatchSampler``.
+        """
+        positioned = positioned_sampler(dataloader)
+        if positioned is None:
+            raise ValueError(
+                f"The batches of {dataloader!r} do not come from a torch `BatchSampler` (it has a custom batch sampler"
+                " or `batch_size=None`), so their position cannot be resumed. Give the DataLoader a `batch_size`."
+            )
+        return DataState(positioned, self.world_size, self.global_rank, len(dataloader))
 
     @override
     def setup_environment(self) -> None:
@@ -271,6 +306,9 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             and (entry := self._gather_module_entry(obj, partial(self._rank_weights, obj, state))) is not None
         }
         state = bagua_checkpoint.attach_entries(state, entries, self.world_size, weights_key=lambda name: name)
+        for obj in state.values():
+            if isinstance(obj, DataState):
+                obj.gather()  # every process's generator states, to rank 0, which writes them
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override

@@ -30,6 +30,7 @@ from torch.utils.data import BatchSampler, Sampler
 __all__ = [
     "DATA_KEY",
     "DataResume",
+    "DataState",
     "PositionedSampler",
     "capture_rng_states",
     "data_entry",
@@ -108,6 +109,11 @@ class PositionedSampler(Sampler[int]):
         self.batch_size = batch_size
         self._skip_batches = 0
         self._candidate: Tensor | None = None
+        self._pending_rng: Mapping[str, Any] | None = None
+        # A resumed epoch: the epoch the framework's next `set_epoch` means, and what it adds to the later ones
+        # (Fabric's loader counts its epochs from 0 again in a new process).
+        self._pinned_epoch: int | None = None
+        self._epoch_offset = 0
         self.seed_state: Tensor | None = None
         """The torch CPU generator's state before the current iterator drew its base seed; ``None`` if unknown."""
 
@@ -115,24 +121,39 @@ class PositionedSampler(Sampler[int]):
         """Note the global torch generator's state: a dataloader iterator may draw its base seed from it next."""
         self._candidate = torch.get_rng_state()
 
-    def skip_next_epoch(self, batches: int) -> None:
-        """Leave out the first ``batches`` batches the next time the indices are iterated.
+    def resume_at(self, epoch: int, batches: int, rng: Mapping[str, Any] | None) -> None:
+        """Resume at a saved position: the next iteration is of ``epoch``, without its first ``batches`` batches.
 
         Args:
-            batches: how many batches of the epoch were already trained on.
+            epoch: the epoch to resume; the framework's next ``set_epoch`` means it, whatever number it passes.
+            batches: how many of its batches were already trained on.
+            rng: the generator states to restore once the resumed iterator has drawn its base seed, if any.
         """
+        self._set_inner_epoch(epoch)
+        self._pinned_epoch = epoch
         self._skip_batches = batches
+        self._pending_rng = rng
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the sampler it stands in for; a new iterator may draw its base seed next.
 
         Args:
-            epoch: the epoch number.
+            epoch: the epoch number, as the framework counts it.
         """
+        if self._pinned_epoch is not None:
+            self._epoch_offset, self._pinned_epoch = self._pinned_epoch - epoch, None
+        self._set_inner_epoch(epoch + self._epoch_offset)
+        self.note_generator()
+
+    def _set_inner_epoch(self, epoch: int) -> None:
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
-        self.note_generator()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the sampler it stands in for (0 for one without epochs)."""
+        return int(getattr(self.sampler, "epoch", 0))
 
     def __iter__(self) -> Iterator[int]:
         current = torch.get_rng_state()
@@ -142,6 +163,10 @@ class PositionedSampler(Sampler[int]):
             self.seed_state = None
         # Otherwise no draw happened: persistent workers keep the base seed of the iterator that started them.
         self._candidate = None
+        rng, self._pending_rng = self._pending_rng, None
+        if rng is not None:
+            # The resumed iterator has drawn its base seed: the next draws are those after the checkpoint.
+            restore_rng_states(rng)
         skip, self._skip_batches = self._skip_batches * self.batch_size, 0
         return itertools.islice(iter(self.sampler), skip, None)
 
@@ -230,7 +255,7 @@ class DataResume:
         self._rng_pending = True
 
     def apply(self, positioned: PositionedSampler) -> None:
-        """Place the sampler at the saved position; call it just before the resumed iterator is created.
+        """Place the sampler at the saved position; call it before the resumed iterator is created.
 
         Args:
             positioned: the training dataloader's positioned sampler.
@@ -238,17 +263,17 @@ class DataResume:
         sampler = positioned.sampler
         if self.sampler_seed is not None and hasattr(sampler, "seed"):
             sampler.seed = self.sampler_seed
-        # Set now, not only when the framework does at the epoch's start: worker processes take their first
-        # indices when the iterator is created.
-        positioned.set_epoch(self.epoch)
-        positioned.skip_next_epoch(self.batches)
         if self.epoch_done:
             # The undisturbed run drew the next iterator's base seed after the checkpoint, from these states.
             self.restore_rng()
-        elif self.seed_state is not None:
-            # The undisturbed run's iterator for this epoch drew its base seed from this state; the generators get
-            # their states at the checkpoint before the first batch (`restore_rng`).
-            torch.set_rng_state(self.seed_state)
+            positioned.resume_at(self.epoch, 0, None)
+        else:
+            if self.seed_state is not None:
+                # The undisturbed run's iterator for this epoch drew its base seed from this state.
+                torch.set_rng_state(self.seed_state)
+            # The epoch is set now, not only when the framework does at the epoch's start: worker processes take
+            # their first indices when the iterator is created.
+            positioned.resume_at(self.epoch, self.batches, self.rng)
         positioned.note_generator()
 
     def restore_rng(self) -> None:
@@ -256,3 +281,77 @@ class DataResume:
         if self._rng_pending:
             self._rng_pending = False
             restore_rng_states(self.rng)
+
+
+class DataState:
+    """The training data's position, for ``fabric.save`` and ``fabric.load``: put it in the saved state.
+
+    Get it from :meth:`lightning_bagua.strategies.fabric.BaguaStrategy.data_state`. Before ``fabric.save``, set
+    :attr:`batches` to the number of batches of the current epoch trained on; ``fabric.save`` stores the epoch,
+    that number and every process's generator states. ``fabric.load`` puts the sampler at that position: the next
+    iteration of the dataloader continues the saved epoch at the next batch (the batches before it are not
+    loaded), with the generators as they were at the save; :attr:`epoch` and :attr:`batches` tell where.
+
+    Args:
+        positioned: the dataloader's positioned sampler.
+        world_size: the number of processes.
+        rank: this process's rank.
+        batches_per_epoch: the dataloader's length: a save after this many batches resumes at the next epoch.
+    """
+
+    def __init__(self, positioned: PositionedSampler, world_size: int, rank: int, batches_per_epoch: int) -> None:
+        self._positioned = positioned
+        self._world_size = world_size
+        self._rank = rank
+        self._batches_per_epoch = batches_per_epoch
+        self._gathered: dict[str, Any] | None = None
+        self.batches = 0
+        """Batches of the current epoch trained on: set it before saving; after loading, those skipped."""
+
+    @property
+    def epoch(self) -> int:
+        """The sampler's epoch: after loading, the epoch the next iteration of the dataloader belongs to."""
+        return self._positioned.epoch
+
+    def gather(self) -> None:
+        """Collect every process's part on rank 0 for the next :meth:`state_dict` (collective: every rank calls it)."""
+        batches = int(self.batches)
+        if not 0 <= batches <= self._batches_per_epoch:
+            raise ValueError(
+                f"`batches` must be the number of batches of the current epoch trained on, in [0,"
+                f" {self._batches_per_epoch}], got {self.batches!r}. Set it before `fabric.save`, for example to"
+                " `batch_idx + 1`."
+            )
+        epoch_done = batches == self._batches_per_epoch
+        self._gathered = data_entry(
+            self._positioned, capture_rng_states(), self.epoch, batches, epoch_done, self._world_size
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return what :meth:`gather` collected (on rank 0, where Fabric writes the checkpoint)."""
+        if self._gathered is None:
+            raise RuntimeError(
+                "The data position was not gathered from the processes: save it with `fabric.save` under"
+                " lightning_bagua's BaguaStrategy, which gathers it."
+            )
+        gathered, self._gathered = self._gathered, None
+        return gathered
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put the sampler at the saved position and pend the saved generator states for the next iteration.
+
+        Args:
+            state: what :meth:`state_dict` returned when saving.
+
+        Raises:
+            ValueError: the state was saved by another number of processes.
+        """
+        if state["world_size"] != self._world_size:
+            raise ValueError(
+                f"The data position was saved by {state['world_size']} processes, but this run has"
+                f" {self._world_size}: each process's share of the data differs. Resume with"
+                f" {state['world_size']} processes, or leave the data position out of the state to load."
+            )
+        resume = DataResume(state, self._rank)
+        resume.apply(self._positioned)
+        self.batches = resume.batches
