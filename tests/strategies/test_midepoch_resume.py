@@ -83,3 +83,32 @@ def test_lightnings_ddp_restarts_the_epoch_and_does_not_match(undisturbed, tmp_p
     assert actual["loaded"][RESUMED_EPOCH] == expected["loaded"][RESUMED_EPOCH][:remaining]
     difference = max((actual["state"][key] - expected["state"][key]).abs().max().item() for key in expected["state"])
     assert difference > 1e-4
+
+
+FABRIC_SCRIPT = Path(__file__).with_name("fabric_midepoch_script.py")
+
+
+def _launch_fabric(out: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
+               "--master-port", str(free_port()), str(FABRIC_SCRIPT), "--out", str(out), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=150)
+
+
+@pytest.mark.timeout(400)
+def test_a_fabric_loop_killed_mid_epoch_resumes_to_the_undisturbed_weights(tmp_path):
+    case = "gradient_allreduce"
+    undisturbed = _launch_fabric(tmp_path / "undisturbed")
+    assert undisturbed.returncode == 0, undisturbed.stdout[-3000:] + undisturbed.stderr[-6000:]
+    killed = _launch_fabric(tmp_path / "restarted", "--kill-at-step", str(KILL_AT_STEP))
+    assert killed.returncode != 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert (tmp_path / "restarted" / case / "killed").exists(), "rank 1 was never killed"
+    restarted = _launch_fabric(tmp_path / "restarted", "--kill-at-step", str(KILL_AT_STEP))
+    assert restarted.returncode == 0, restarted.stdout[-3000:] + restarted.stderr[-6000:]
+    for rank in range(WORLD_SIZE):
+        expected, actual = _result(tmp_path / "undisturbed", case, rank), _result(tmp_path / "restarted", case, rank)
+        torch.testing.assert_close(actual["state"], expected["state"], rtol=0, atol=0)
+        assert sorted(actual["loaded"]) == list(range(RESUMED_EPOCH, EPOCHS))
+        assert actual["loaded"][RESUMED_EPOCH] == expected["loaded"][RESUMED_EPOCH][RESUMED_BATCH * BATCH :]
+        for epoch in range(RESUMED_EPOCH + 1, EPOCHS):
+            assert actual["loaded"][epoch] == expected["loaded"][epoch]

@@ -305,6 +305,7 @@ class DataState:
         self._rank = rank
         self._batches_per_epoch = batches_per_epoch
         self._gathered: dict[str, Any] | None = None
+        self._gathered_for_save = False
         self.batches = 0
         """Batches of the current epoch trained on: set it before saving; after loading, those skipped."""
 
@@ -326,16 +327,17 @@ class DataState:
         self._gathered = data_entry(
             self._positioned, capture_rng_states(), self.epoch, batches, epoch_done, self._world_size
         )
+        self._gathered_for_save = True
 
     def state_dict(self) -> dict[str, Any]:
-        """Return what :meth:`gather` collected (on rank 0, where Fabric writes the checkpoint)."""
-        if self._gathered is None:
+        """Return what :meth:`gather` collected: every process's part on rank 0, which writes it; nothing elsewhere."""
+        if not self._gathered_for_save:
             raise RuntimeError(
                 "The data position was not gathered from the processes: save it with `fabric.save` under"
                 " lightning_bagua's BaguaStrategy, which gathers it."
             )
-        gathered, self._gathered = self._gathered, None
-        return gathered
+        gathered, self._gathered, self._gathered_for_save = self._gathered, None, False
+        return {} if gathered is None else gathered
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put the sampler at the saved position and pend the saved generator states for the next iteration.
