@@ -269,8 +269,10 @@ class DataResume:
             positioned.resume_at(self.epoch, 0, None)
         else:
             if self.seed_state is not None:
-                # The undisturbed run's iterator for this epoch drew its base seed from this state.
+                # The undisturbed run's iterator for this epoch drew its base seed from this state; so does the
+                # resumed one, whose next checkpoint saves it again.
                 torch.set_rng_state(self.seed_state)
+                positioned.seed_state = self.seed_state
             # The epoch is set now, not only when the framework does at the epoch's start: worker processes take
             # their first indices when the iterator is created.
             positioned.resume_at(self.epoch, self.batches, self.rng)
