@@ -258,7 +258,9 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         module, the algorithm's name, each rank's algorithm state and, for algorithms whose ranks hold different
         weights (:attr:`~lightning_bagua.engine.Algorithm.ranks_hold_different_weights`), each rank's ``state_dict`` and
         ``optimizer_states``. Its top-level ``state_dict`` is rank 0's weights, or their average over the ranks
-        with ``average_before_save=True``.
+        with ``average_before_save=True``. The entry also holds the training data's position (epoch and batches
+        trained on) and every rank's random number generator states, under ``"data"``, so that fitting can resume
+        in the middle of an epoch.
 
         Args:
             checkpoint: the checkpoint Lightning assembled on this rank.
@@ -291,7 +293,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         """Load a checkpoint; when fitting, put this rank's own weights and optimizer states where Lightning reads them.
 
         The algorithm state (and, where ranks' weights differ, this rank's weights once more: wrapping the model
-        broadcasts rank 0's) is applied after the model is wrapped and the optimizers are restored.
+        broadcasts rank 0's) is applied after the model is wrapped and the optimizers are restored; the data's
+        position when the training dataloader is prepared, and the generator states when training starts.
 
         Args:
             checkpoint_path: the checkpoint to read.
