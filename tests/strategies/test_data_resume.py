@@ -92,9 +92,11 @@ def test_the_state_before_the_base_seed_draw_is_kept_only_when_checked():
     assert positioned.seed_state is None
 
 
-@pytest.mark.timeout(20)
-def test_resuming_restores_the_generators_after_the_resumed_iterators_draw():
-    loader = _loader()
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resuming_restores_the_generators_after_the_resumed_iterators_draw(num_workers):
+    # With workers, the sampler is iterated when the iterator is created; without, at the first batch.
+    loader = _loader(num_workers=num_workers)
     positioned = positioned_sampler(loader)
     positioned.set_epoch(2)
     iterator = iter(loader)
@@ -111,7 +113,7 @@ def test_resuming_restores_the_generators_after_the_resumed_iterators_draw():
     expected_draws = torch.rand(4)
     expected_rest = [batch.tolist() for batch in iterator]
 
-    resumed = _loader()
+    resumed = _loader(num_workers=num_workers)
     positioned = positioned_sampler(resumed)
     DataResume(entry, rank=0).apply(positioned)
     resumed_iterator = iter(resumed)
