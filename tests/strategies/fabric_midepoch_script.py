@@ -32,7 +32,7 @@ def main() -> None:
 
     from lightning_bagua.strategies.fabric import BaguaStrategy
 
-    algorithm, kwargs = CASES[args.case]
+    algorithm, kwargs, _ = CASES[args.case]
     directory = Path(args.out) / args.case
     directory.mkdir(parents=True, exist_ok=True)
     marker, path = directory / "killed", directory / "last.ckpt"
@@ -51,7 +51,7 @@ def main() -> None:
         fabric.load(path, state)
     loaded_by_epoch: dict[int, list[int]] = {}
     for epoch in range(data.epoch, EPOCHS):
-        for batch_idx, (inputs, targets) in enumerate(loader, start=data.batches):
+        for batch_idx, (inputs, targets, _) in enumerate(loader, start=data.batches):
             step = epoch * len(loader) + batch_idx
             if fabric.global_rank == 1 and step == args.kill_at_step and not marker.exists():
                 marker.write_text("killed")

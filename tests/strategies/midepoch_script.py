@@ -6,7 +6,7 @@ training step can draw from is drawn from: the dataset adds torch noise to each 
 dropout, and the loss is scaled by draws from Python's ``random`` and NumPy. With ``--kill-at-step``, rank 1
 SIGKILLs itself before that step, once (a marker file remembers it); the job is then launched again, unchanged,
 and resumes from ``last.ckpt``. Each rank of the launch that finishes writes ``OUT/<case>/rank{r}.pt``: its final
-weights and the dataset indices it loaded, by epoch.
+weights, and by epoch the dataset indices its main process loaded and those it trained on.
 """
 
 import argparse
@@ -20,7 +20,7 @@ from typing import Any
 import numpy
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 SAMPLES = 64
 FEATURES = 8
@@ -31,19 +31,26 @@ CHECKPOINT_EVERY = 5
 KILL_AT_STEP = 13
 BATCHES_PER_EPOCH = SAMPLES // BATCH // 2
 
-# name: (strategy, algorithm keywords)
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "gradient_allreduce": ("gradient_allreduce", {}),
-    "bytegrad": ("bytegrad", {}),
+# name: (strategy, algorithm keywords, dataloader workers)
+CASES: dict[str, tuple[str, dict[str, Any], int]] = {
+    "gradient_allreduce": ("gradient_allreduce", {}, 0),
+    "bytegrad": ("bytegrad", {}, 0),
     # Flat on one node (hierarchical would all-reduce at full precision), compressing from step 2 on.
-    "low_rank": ("low_rank", {"hierarchical": False, "warmup_steps": 1}),
+    "low_rank": ("low_rank", {"hierarchical": False, "warmup_steps": 1}, 0),
+    # Workers take their first indices when the iterator is created, before Lightning sets the epoch.
+    "gradient_allreduce_workers": ("gradient_allreduce", {}, 2),
     # Lightning's own DDP, which restarts the epoch's data from its first batch: the control.
-    "ddp": ("ddp", {}),
+    "ddp": ("ddp", {}, 0),
 }
 
 
 class NoisyDataset(Dataset):
-    """Regression samples with noise drawn from torch's generator as they load; remembers which it loaded."""
+    """Regression samples, with their index, and noise added as they load; remembers which it loaded.
+
+    In the main process the noise comes from torch's global generator. In a worker process it follows from the
+    sample's index: a worker's generator depends on how many samples that worker loaded before, which a resumed
+    epoch cannot reproduce (the fault tolerance page of the docs says why).
+    """
 
     def __init__(self) -> None:
         generator = torch.Generator().manual_seed(99)
@@ -54,9 +61,13 @@ class NoisyDataset(Dataset):
     def __len__(self) -> int:
         return SAMPLES
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         self.loaded.append(index)
-        return self.inputs[index] + 0.01 * torch.randn(FEATURES), self.targets[index]
+        if get_worker_info() is None:
+            noise = torch.randn(FEATURES)
+        else:
+            noise = torch.randn(FEATURES, generator=torch.Generator().manual_seed(index))
+        return self.inputs[index] + 0.01 * noise, self.targets[index], index
 
 
 def main() -> None:
@@ -78,6 +89,7 @@ def main() -> None:
             self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 1))
             self.dataset, self.marker, self.kill_at_step = dataset, marker, kill_at_step
             self.loaded_by_epoch: dict[int, list[int]] = {}
+            self.trained_by_epoch: dict[int, list[int]] = {}
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             if self.global_rank == 1 and self.global_step == self.kill_at_step and not self.marker.exists():
@@ -85,7 +97,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            inputs, targets = batch
+            inputs, targets, indices = batch
+            self.trained_by_epoch.setdefault(self.current_epoch, []).extend(indices.tolist())
             scale = 1 + 0.1 * random.random() + 0.1 * float(numpy.random.rand())
             return scale * nn.functional.mse_loss(self.net(inputs), targets)
 
@@ -98,7 +111,7 @@ def main() -> None:
 
     out = Path(args.out)
     for case in args.cases.split(","):
-        name, kwargs = CASES[case]
+        name, kwargs, workers = CASES[case]
         directory = out / case
         directory.mkdir(parents=True, exist_ok=True)
         marker = directory / "killed"
@@ -119,11 +132,12 @@ def main() -> None:
             ],
         )
         model = Regression(dataset, marker, args.kill_at_step)
-        loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
+        loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers)
         trainer.fit(model, loader, ckpt_path="last")
         result = {
             "state": {key: value.detach().clone() for key, value in model.state_dict().items()},
             "loaded": model.loaded_by_epoch,
+            "trained": model.trained_by_epoch,
             "global_step": trainer.global_step,
         }
         torch.save(result, directory / f"rank{trainer.global_rank}.pt")
