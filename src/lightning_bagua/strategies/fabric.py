@@ -132,8 +132,8 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         """Return the position of a dataloader's data, to save and load with the rest of the state.
 
         Call it once, after ``fabric.setup_dataloaders``, before the first iteration; put the result in the state
-        given to ``fabric.save`` and ``fabric.load`` (see :class:`~lightning_bagua.strategies._core.data_resume.
-        DataState`)::
+        given to ``fabric.save`` and ``fabric.load``
+        (:class:`~lightning_bagua.strategies._core.data_resume.DataState`, the fault tolerance page of the docs)::
 
             data = fabric.strategy.data_state(train_loader)
             state = {"model": model, "optimizer": optimizer, "data": data}
