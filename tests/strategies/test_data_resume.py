@@ -2,11 +2,12 @@
 
 import io
 import random
+from collections.abc import Iterator
 
 import numpy
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from lightning_bagua.strategies._core.data_resume import (
     DataResume,
@@ -153,3 +154,9 @@ def test_loaders_without_a_torch_batch_sampler_are_not_positioned():
 
     custom = Custom(DistributedSampler(dataset, 2, 0), BATCH, drop_last=False)
     assert positioned_sampler(DataLoader(dataset, batch_sampler=custom)) is None
+
+    class Stream(IterableDataset):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(SAMPLES))
+
+    assert positioned_sampler(DataLoader(Stream(), batch_size=BATCH)) is None

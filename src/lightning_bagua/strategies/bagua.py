@@ -138,10 +138,11 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         if self._positioned is None:
             if resume is not None and resume.batches and self.global_rank == 0:
                 log.warning(
-                    "The training dataloader's batches do not come from a torch `BatchSampler` (it has a custom batch"
-                    " sampler or `batch_size=None`), so BaguaStrategy cannot skip the %d batches of epoch %d already"
-                    " trained on: the epoch restarts from its first batch, as Lightning does. Use a DataLoader with"
-                    " `batch_size`, or resume from a checkpoint written at an epoch's end.",
+                    "The training dataloader's batches do not come from a torch `BatchSampler` over a map-style"
+                    " dataset (it has a custom batch sampler, `batch_size=None` or an `IterableDataset`), so"
+                    " BaguaStrategy cannot skip the %d batches of epoch %d already trained on: the epoch restarts from"
+                    " its first batch, as Lightning does. Use a DataLoader with `batch_size` over a map-style dataset,"
+                    " or resume from a checkpoint written at an epoch's end.",
                     resume.batches,
                     resume.epoch,
                 )

@@ -152,13 +152,14 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             The data's position, a stateful object for ``fabric.save`` and ``fabric.load``.
 
         Raises:
-            ValueError: the dataloader's batches do not come from a torch ``BatchSampler``.
+            ValueError: the dataloader's batches do not come from a torch ``BatchSampler`` over a map-style dataset.
         """
         positioned = positioned_sampler(dataloader)
         if positioned is None:
             raise ValueError(
-                f"The batches of {dataloader!r} do not come from a torch `BatchSampler` (it has a custom batch sampler"
-                " or `batch_size=None`), so their position cannot be resumed. Give the DataLoader a `batch_size`."
+                f"The batches of {dataloader!r} do not come from a torch `BatchSampler` over a map-style dataset (it"
+                " has a custom batch sampler, `batch_size=None` or an `IterableDataset`), so their position cannot be"
+                " resumed. Give the DataLoader a `batch_size` and a dataset with `__getitem__` and `__len__`."
             )
         return DataState(positioned, self.world_size, self.global_rank, len(dataloader))
 

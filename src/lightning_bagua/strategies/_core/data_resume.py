@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils.data import BatchSampler, Sampler
+from torch.utils.data import BatchSampler, IterableDataset, Sampler
 
 __all__ = [
     "DATA_KEY",
@@ -182,9 +182,12 @@ def positioned_sampler(dataloader: object) -> PositionedSampler | None:
 
     Returns:
         The dataloader's positioned sampler; ``None`` where its batches do not come from a torch ``BatchSampler``
-        (a loader without automatic batching, a custom batch sampler), whose position is not resumed.
+        over a map-style dataset (a loader without automatic batching, a custom batch sampler, an
+        ``IterableDataset``, which ignores the indices), whose position is not resumed.
     """
     batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
+        return None
     if type(batch_sampler) is not BatchSampler:
         # A subclass or another batch sampler may batch differently: skipping `batch_size` indices per batch would
         # not skip its batches.
