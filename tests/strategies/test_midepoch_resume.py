@@ -61,7 +61,9 @@ def _result(out: Path, case: str, rank: int) -> dict:
 def test_a_job_killed_mid_epoch_resumes_to_the_undisturbed_weights(undisturbed, tmp_path, case):
     assert RESUMED_BATCH > 0, "the last checkpoint must be mid-epoch"
     restarted = _killed_and_restarted(tmp_path, case)
-    assert "last.ckpt" in restarted.stdout + restarted.stderr
+    output = restarted.stdout + restarted.stderr
+    assert "last.ckpt" in output
+    assert f"BaguaStrategy resumes epoch {RESUMED_EPOCH} at batch {RESUMED_BATCH}" in output
     for rank in range(WORLD_SIZE):
         expected, actual = _result(undisturbed, case, rank), _result(tmp_path, case, rank)
         assert actual["global_step"] == expected["global_step"] == EPOCHS * BATCHES_PER_EPOCH
