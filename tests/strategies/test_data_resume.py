@@ -3,6 +3,7 @@
 import io
 import random
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy
 import pytest
@@ -12,6 +13,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from lightning_bagua.strategies._core.data_resume import (
     DataResume,
     DataState,
+    PositionedSampler,
     capture_rng_states,
     positioned_sampler,
     restore_rng_states,
@@ -160,3 +162,33 @@ def test_loaders_without_a_torch_batch_sampler_are_not_positioned():
             return iter(range(SAMPLES))
 
     assert positioned_sampler(DataLoader(Stream(), batch_size=BATCH)) is None
+
+
+class _SavesItsPosition(DataLoader):
+    """A loader with its own ``state_dict``, as torchdata's ``StatefulDataLoader`` has; Lightning restores it."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(("loader_class", "positioned"), [(DataLoader, True), (_SavesItsPosition, False)])
+def test_the_trainer_strategy_positions_the_training_loader_unless_it_saves_its_own_position(loader_class, positioned):
+    from lightning_bagua import BaguaStrategy
+
+    strategy = BaguaStrategy()
+    # The hook reads only whether the Trainer is training; the process group is not needed.
+    strategy._lightning_module = SimpleNamespace(_trainer=SimpleNamespace(training=True))
+    dataset = list(range(SAMPLES))
+    loader = loader_class(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, 2, 0))
+    assert strategy.process_dataloader(loader) is loader
+    assert isinstance(loader.batch_sampler.sampler, PositionedSampler) is positioned
+    assert (strategy._positioned is not None) is positioned
+
+    strategy._lightning_module = SimpleNamespace(_trainer=SimpleNamespace(training=False))
+    validation = DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, 2, 0))
+    strategy.process_dataloader(validation)
+    assert isinstance(validation.batch_sampler.sampler, DistributedSampler)

@@ -133,6 +133,10 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is None or not trainer.training:
             return dataloader
+        if callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None)):
+            # It saves its own position (torchdata's StatefulDataLoader, say), and Lightning restores it: skipping
+            # here as well would skip its batches twice.
+            return dataloader
         resume, self._data_resume = self._data_resume, None
         self._positioned = positioned_sampler(dataloader)
         if self._positioned is None:
