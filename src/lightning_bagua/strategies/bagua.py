@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -26,12 +27,21 @@ from lightning_bagua.strategies._core.arguments import (
     telemetry_metrics,
 )
 from lightning_bagua.strategies._core.checkpoint import (
+    CHECKPOINT_KEY,
     RankResume,
     attach_entries,
     module_entries,
     rank_resume,
 )
 from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
+from lightning_bagua.strategies._core.data_resume import (
+    DATA_KEY,
+    DataResume,
+    PositionedSampler,
+    capture_rng_states,
+    data_entry,
+    positioned_sampler,
+)
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
 
 if TYPE_CHECKING:
@@ -67,6 +77,10 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     _autotune_logged: bool = False
     _bagua_resume: RankResume | None = None
     _paused_for_validation: bool = False
+    # Per fit: the training dataloader's positioned sampler, and the data position `load_checkpoint` read for this
+    # rank, applied when the training dataloader is prepared (position) and when training starts (generators).
+    _positioned: PositionedSampler | None = None
+    _data_resume: DataResume | None = None
 
     @property
     def telemetry(self) -> CommunicationTelemetry | None:
@@ -102,11 +116,66 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         return wrapped
 
     @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Prepare a dataloader; the training one also resumes from a checkpoint's batch, mid-epoch included.
+
+        The sampler of the training dataloader's ``BatchSampler`` is replaced by a
+        :class:`~lightning_bagua.strategies._core.data_resume.PositionedSampler`, which yields the same indices and,
+        when fitting resumes from a checkpoint written by this strategy, skips the batches of the epoch already
+        trained on (none of them is loaded).
+
+        Args:
+            dataloader: the dataloader the Trainer prepared.
+
+        Returns:
+            The same dataloader.
+        """
+        dataloader = super().process_dataloader(dataloader)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or not trainer.training:
+            return dataloader
+        if callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None)):
+            # It saves its own position (torchdata's StatefulDataLoader, say), and Lightning restores it: skipping
+            # here as well would skip its batches twice.
+            return dataloader
+        resume, self._data_resume = self._data_resume, None
+        self._positioned = positioned_sampler(dataloader)
+        if self._positioned is None:
+            if resume is not None and resume.batches and self.global_rank == 0:
+                log.warning(
+                    "The training dataloader's batches do not come from a torch `BatchSampler` over a map-style"
+                    " dataset (it has a custom batch sampler, `batch_size=None` or an `IterableDataset`), so"
+                    " BaguaStrategy cannot skip the %d batches of epoch %d already trained on: the epoch restarts from"
+                    " its first batch, as Lightning does. Use a DataLoader with `batch_size` over a map-style dataset,"
+                    " or resume from a checkpoint written at an epoch's end.",
+                    resume.batches,
+                    resume.epoch,
+                )
+            return dataloader
+        self._positioned.note_generator()
+        if resume is not None:
+            resume.apply(self._positioned)
+            self._data_resume = resume  # its generator states are restored when training starts
+            if resume.batches:
+                # Shown where Lightning's own resume messages are, next to its warning that this loader cannot resume.
+                rank_zero_info(
+                    f"BaguaStrategy resumes epoch {resume.epoch} at batch {resume.batches}: the sampler skips the"
+                    " batches already trained on, and the random number generators continue from their saved states."
+                    " Lightning's warning that the dataloader is not resumable does not apply."
+                )
+        return dataloader
+
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         impl = self._algorithm_impl()
         if impl is not None:
             impl.start()
+        resume, self._data_resume = self._data_resume, None
+        if resume is not None:
+            # Last before the first batch: the hooks of the start of fitting ran once in the undisturbed run, before
+            # the states saved in the checkpoint.
+            resume.restore_rng()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -195,13 +264,17 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         module, the algorithm's name, each rank's algorithm state and, for algorithms whose ranks hold different
         weights (:attr:`~lightning_bagua.engine.Algorithm.ranks_hold_different_weights`), each rank's ``state_dict`` and
         ``optimizer_states``. Its top-level ``state_dict`` is rank 0's weights, or their average over the ranks
-        with ``average_before_save=True``.
+        with ``average_before_save=True``. The entry also holds the training data's position (epoch and batches
+        trained on) and every rank's random number generator states, under ``"data"``, so that fitting can resume
+        in the middle of an epoch.
 
         Args:
             checkpoint: the checkpoint Lightning assembled on this rank.
             filepath: where rank 0 writes it.
             storage_options: passed to the checkpoint plugin.
         """
+        # First: gathering the entries must not move the generators away from the states the next batch draws from.
+        rng = capture_rng_states()
         if isinstance(self.model, BaguaDistributedDataParallel) and "state_dict" in checkpoint:
             entry = self._gather_module_entry(
                 self.model,
@@ -215,6 +288,10 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
             if entry is not None:
                 entries = {_MODULE_NAME: entry}
                 checkpoint = attach_entries(checkpoint, entries, self.world_size, weights_key=lambda _: "state_dict")
+            if self._positioned is not None:
+                data = self._data_entry(self._positioned, rng)
+                if data is not None and CHECKPOINT_KEY in checkpoint:
+                    checkpoint[CHECKPOINT_KEY][DATA_KEY] = data
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -222,7 +299,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         """Load a checkpoint; when fitting, put this rank's own weights and optimizer states where Lightning reads them.
 
         The algorithm state (and, where ranks' weights differ, this rank's weights once more: wrapping the model
-        broadcasts rank 0's) is applied after the model is wrapped and the optimizers are restored.
+        broadcasts rank 0's) is applied after the model is wrapped and the optimizers are restored; the data's
+        position when the training dataloader is prepared, and the generator states when training starts.
 
         Args:
             checkpoint_path: the checkpoint to read.
@@ -237,11 +315,13 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         """
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._bagua_resume = None
+        self._data_resume = None
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is None or trainer.state.fn != "fit":
             # Validating, testing or predicting read the top-level `state_dict` (rank 0's, or the ranks' average
             # with `average_before_save`), on any number of processes.
             return checkpoint
+        self._data_resume = self._read_data_entry(checkpoint, checkpoint_path)
         saved = module_entries(checkpoint, _MODULE_NAME)
         entry = None if saved is None else saved[1].get(_MODULE_NAME)
         if entry is None:
@@ -299,6 +379,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     @override
     def teardown(self) -> None:
         self._bagua_resume = None
+        self._data_resume = None
+        self._positioned = None
         if isinstance(self.model, BaguaDistributedDataParallel):
             self.model.close()
             # Unwrapped here so that DDPStrategy's teardown, which would suggest DDP-only options, skips its own.
@@ -308,6 +390,37 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     @override
     def _bagua_wrapped_modules(self) -> list[BaguaDistributedDataParallel]:
         return [self.model] if isinstance(self.model, BaguaDistributedDataParallel) else []
+
+    def _data_entry(self, positioned: PositionedSampler, rng: dict[str, Any]) -> dict[str, Any] | None:
+        """Gather the training data's position and every rank's generator states to rank 0 (collective)."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        # Batches fetched and trained on in this epoch; batches the loop has fetched ahead of time are not counted.
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        epoch_done = batches >= trainer.num_training_batches
+        return data_entry(positioned, rng, trainer.current_epoch, batches, epoch_done, self.world_size)
+
+    def _read_data_entry(self, checkpoint: Mapping[str, Any], checkpoint_path: Any) -> DataResume | None:
+        """Return this rank's part of the checkpoint's data position, or ``None`` where it cannot resume this run."""
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        entry = saved.get(DATA_KEY) if isinstance(saved, Mapping) else None
+        if entry is None:
+            return None
+        if entry["world_size"] != self.world_size:
+            if self.global_rank == 0 and entry["batches"] and not entry["epoch_done"]:
+                log.warning(
+                    "%s was written by %d processes and this run has %d: each rank's share of the data differs, so"
+                    " epoch %d restarts from its first batch, as Lightning does. Resume with %d processes to continue"
+                    " at batch %d.",
+                    checkpoint_path,
+                    entry["world_size"],
+                    self.world_size,
+                    entry["epoch"],
+                    entry["world_size"],
+                    entry["batches"],
+                )
+            return None
+        return DataResume(entry, self.global_rank)
 
     def _algorithm_impl(self) -> AlgorithmImpl | None:
         return self.model.bagua_algorithm_impl if isinstance(self.model, BaguaDistributedDataParallel) else None

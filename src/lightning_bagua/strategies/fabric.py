@@ -44,6 +44,7 @@ from lightning_bagua.strategies._core.arguments import (
     telemetry_metrics,
 )
 from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
+from lightning_bagua.strategies._core.data_resume import DataState, positioned_sampler
 from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
 from lightning_bagua.strategies._core.faults import fail_at_exit, install_failure_hook
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
@@ -127,6 +128,41 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         if not self._bagua_modules:
             return None
         return self._autotuning.tuner_of(self._bagua_modules[-1])
+
+    def data_state(self, dataloader: Any) -> DataState:
+        """Return the position of a dataloader's data, to save and load with the rest of the state.
+
+        Call it once, after ``fabric.setup_dataloaders``, before the first iteration; put the result in the state
+        given to ``fabric.save`` and ``fabric.load``
+        (:class:`~lightning_bagua.strategies._core.data_resume.DataState`, the fault tolerance page of the docs)::
+
+            data = fabric.strategy.data_state(train_loader)
+            state = {"model": model, "optimizer": optimizer, "data": data}
+            fabric.load(path, state)  # when resuming: the next `for batch in train_loader` continues mid-epoch
+            for epoch in range(data.epoch, epochs):
+                for batch_idx, batch in enumerate(train_loader, start=data.batches):
+                    ...
+                    data.batches = batch_idx + 1
+                    fabric.save(path, state)
+                data.batches = 0
+
+        Args:
+            dataloader: what ``fabric.setup_dataloaders`` returned.
+
+        Returns:
+            The data's position, a stateful object for ``fabric.save`` and ``fabric.load``.
+
+        Raises:
+            ValueError: the dataloader's batches do not come from a torch ``BatchSampler`` over a map-style dataset.
+        """
+        positioned = positioned_sampler(dataloader)
+        if positioned is None:
+            raise ValueError(
+                f"The batches of {dataloader!r} do not come from a torch `BatchSampler` over a map-style dataset (it"
+                " has a custom batch sampler, `batch_size=None` or an `IterableDataset`), so their position cannot be"
+                " resumed. Give the DataLoader a `batch_size` and a dataset with `__getitem__` and `__len__`."
+            )
+        return DataState(positioned, self.world_size, self.global_rank, len(dataloader))
 
     @override
     def setup_environment(self) -> None:
@@ -278,6 +314,9 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         state = bagua_checkpoint.attach_entries(
             state, entries, self.world_size, weights_key=lambda name: name, key=bagua_checkpoint.FABRIC_CHECKPOINT_KEY
         )
+        for obj in state.values():
+            if isinstance(obj, DataState):
+                obj.gather()  # every process's generator states, to rank 0, which writes them
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
