@@ -35,7 +35,9 @@ On a machine with two GPUs (the device's ``tc`` comes from ``shared/tools`` when
     python benchmarks/gpu_network_lab.py --report     # the table, time to target and chart from both files
 
 Each regime writes ``benchmarks/results/gpu_network_lab_<regime>.json``; ``--report`` writes
-``gpu_network_lab.md`` and ``gpu_network_lab.png``. ``--cpu`` runs a tiny model on two Gloo processes, unshaped
+``gpu_network_lab.md`` and ``gpu_network_lab.png``. A sockets run of some methods apart, written with
+``--out gpu_network_lab_sockets_NAME``, is added to the report (its rows replace the main run's), with its
+command. ``--cpu`` runs a tiny model on two Gloo processes, unshaped
 (a smoke test of the script; its figures mean nothing).
 """
 
@@ -318,7 +320,8 @@ def worker(args: argparse.Namespace) -> None:
     context = args.context
     batches = Batches(text, rank, batch, context, device)
     methods = args.methods or list(METHODS)
-    out = Path(args.results_dir) / f"gpu_network_lab_{args.regime}{'_cpu' if args.cpu else ''}.json"
+    stem = args.out or f"gpu_network_lab_{args.regime}{'_cpu' if args.cpu else ''}"
+    out = Path(args.results_dir) / f"{stem}.json"
     rows: dict[str, list[dict[str, Any]]] = {}
     for round_index in range(args.rounds):
         shift = round_index % len(methods)
@@ -355,7 +358,9 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
         + (f" --methods {' '.join(args.methods)}" if args.methods else "")
         + (f" --rates {' '.join(f'{r:g}' for r in args.rates)}" if args.regime == "sockets" else ""),
         "settings": {
-            k: v for k, v in vars(args).items() if k not in {"worker", "results_dir", "report", "regime", "rounds"}
+            k: v
+            for k, v in vars(args).items()
+            if k not in {"worker", "results_dir", "report", "regime", "rounds", "out"}
         },
         "rounds": rounds,
         "machine": machine(args),
@@ -383,15 +388,27 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ the report
 
 
-def report(results_dir: Path, cpu: bool) -> str:
+def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
+    """The regimes' results files, with the sockets supplements (``--out gpu_network_lab_sockets_NAME``) merged in."""
     suffix = "_cpu" if cpu else ""
-    loaded = {}
+    loaded: dict[str, Any] = {}
     for regime in ("nvlink", "sockets"):
         path = results_dir / f"gpu_network_lab_{regime}{suffix}.json"
         if path.exists():
             loaded[regime] = json.loads(path.read_text())
+    # A later run of some methods alone adds them, or replaces their rows; its command is listed.
+    supplements = sorted(results_dir.glob(f"gpu_network_lab_sockets{suffix}_*.json")) if "sockets" in loaded else []
+    for path in supplements:
+        extra = json.loads(path.read_text())
+        loaded["sockets"]["methods"].update(extra["methods"])
+        loaded["sockets"]["command"] += f"`, then `{extra['command']} --out {path.stem}"
     if not loaded:
         raise SystemExit(f"No results in {results_dir}: run the regimes first.")
+    return loaded
+
+
+def links(loaded: dict[str, Any]) -> list[str]:
+    """The links measured, in order: ``nvlink``, then the sockets' rates as walked."""
     labels: list[str] = []
     for regime, data in loaded.items():
         for entry in data["methods"].values():
@@ -399,75 +416,106 @@ def report(results_dir: Path, cpu: bool) -> str:
                 name = label if regime == "sockets" else "nvlink"
                 if name not in labels:
                     labels.append(name)
-    methods = [m for m in METHODS if any(m in data["methods"] for data in loaded.values())]
+    return labels
 
-    def step(method: str, label: str) -> dict[str, float] | None:
-        data = loaded.get("nvlink" if label == "nvlink" else "sockets")
-        entry = None if data is None else data["methods"].get(method)
-        return None if entry is None else entry["step_s"].get(label)
 
+def step_of(loaded: dict[str, Any], method: str, label: str) -> dict[str, float] | None:
+    """A method's step time at a link (median, min, max over rounds), ``None`` where not measured."""
+    data = loaded.get("nvlink" if label == "nvlink" else "sockets")
+    entry = None if data is None else data["methods"].get(method)
+    return None if entry is None else entry["step_s"].get(label)
+
+
+def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Median step per method and link, with its ratio to DDP's and the rounds' range, and launches per step."""
+    labels = links(loaded)
+    rows = []
+    for method in (m for m in METHODS if any(m in data["methods"] for data in loaded.values())):
+        cells = [method]
+        for label in labels:
+            value, ddp = step_of(loaded, method, label), step_of(loaded, "ddp", label)
+            if value is None:
+                cells.append("")
+                continue
+            ratio = f" ({value['median'] / ddp['median']:.2f}x)" if ddp else ""
+            cells.append(f"{value['median'] * 1e3:.1f}{ratio} [{value['min'] * 1e3:.1f}, {value['max'] * 1e3:.1f}]")
+        launches = loaded.get("sockets", {}).get("methods", {}).get(method, {}).get("launches_per_step")
+        cells.append("" if launches is None else f"{launches:.0f}")
+        rows.append(cells)
+    return ["method", *(f"{label} ms (x DDP) [min, max]" for label in labels), "launches / step"], rows
+
+
+def target_of(loaded: dict[str, Any]) -> tuple[float, int, float]:
+    """The target validation loss (DDP's at two thirds of its run), the step it was reached, DDP's final loss."""
+    curve = loaded["nvlink"]["methods"]["ddp"]["curve"]
+    point = curve[max(0, math.ceil(len(curve) * 2 / 3) - 1)]
+    return point["val_loss"], point["step"], curve[-1]["val_loss"]
+
+
+def time_to_target_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Steps to the target times the median step at each link, and the final loss against DDP's."""
+    labels = links(loaded)
+    target, _, final_ddp = target_of(loaded)
+    rows = []
+    for method, entry in loaded["nvlink"]["methods"].items():
+        curve = entry.get("curve", [])
+        reached = next((point["step"] for point in curve if point["val_loss"] <= target), None)
+        cells = [method, "not reached" if reached is None else str(reached)]
+        for label in labels:
+            value = step_of(loaded, method, label)
+            if method == "async" and label != "nvlink":
+                # Its averaging runs beside the steps at the link's pace: NVLink's curve is not the shaped link's.
+                cells.append("n/a")
+                continue
+            cells.append("" if value is None or reached is None else f"{reached * value['median']:.1f}")
+        final = curve[-1]["val_loss"] if curve else math.nan
+        cells.append(f"{final:.4f} ({final / final_ddp:.3f}x)")
+        rows.append(cells)
+    return ["method", "steps to target", *(f"{label} s" for label in labels), "final loss (x DDP)"], rows
+
+
+def report(results_dir: Path, cpu: bool) -> str:
+    """Write ``gpu_network_lab.md`` and its chart from the regimes' results; return the markdown."""
+    loaded = load_results(results_dir, cpu)
     commands = " and ".join(f"`{data['command']}`" for data in loaded.values())
     machines = ", ".join(
-        f"{regime}: {data['machine']['device']}, {data['rounds']} rounds" for regime, data in loaded.items()
+        f"{name}: {data['machine']['device']}, {data['rounds']} rounds" for name, data in loaded.items()
     )
     lines = [
         f"Written by `python benchmarks/gpu_network_lab.py --report` from the runs of {commands} ({machines}).",
         "",
         "Median step in ms over the rounds (ratio to DDP's median at the same link) [min, max over rounds]:",
         "",
-        "| method | " + " | ".join(labels) + " | launches/step |",
-        "|---|" + "---|" * len(labels) + "---|",
+        *_markdown(*step_table(loaded)),
     ]
-    for method in methods:
-        cells = []
-        for label in labels:
-            value, ddp = step(method, label), step("ddp", label)
-            if value is None:
-                cells.append("")
-                continue
-            ratio = f" ({value['median'] / ddp['median']:.2f}x)" if ddp else ""
-            cells.append(f"{value['median'] * 1e3:.1f}{ratio} [{value['min'] * 1e3:.1f}, {value['max'] * 1e3:.1f}]")
-        sockets = loaded.get("sockets", {}).get("methods", {}).get(method, {})
-        launches = sockets.get("launches_per_step")
-        cells.append("" if launches is None else f"{launches:.0f}")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    nvlink = loaded.get("nvlink")
-    if nvlink is not None and "ddp" in nvlink["methods"]:
-        lines += ["", *time_to_target(nvlink, labels, step)]
+    if "nvlink" in loaded and "ddp" in loaded["nvlink"]["methods"]:
+        target, at_step, final_ddp = target_of(loaded)
+        lines += [
+            "",
+            f"Time to the target validation loss {target:.4f} (DDP's at step {at_step}): the first evaluation at or",
+            "under it, times the method's median step at each link, in seconds; and each method's final validation",
+            f"loss against DDP's ({final_ddp:.4f}) at the same steps and seed. `async` averages beside the steps at",
+            "the link's pace, so its NVLink curve says nothing of a shaped link (n/a).",
+            "",
+            *_markdown(*time_to_target_table(loaded)),
+        ]
     text = "\n".join(lines) + "\n"
+    suffix = "_cpu" if cpu else ""
     (results_dir / f"gpu_network_lab{suffix}.md").write_text(text)
-    chart(loaded, methods, labels, step, results_dir / f"gpu_network_lab{suffix}.png")
+    chart(loaded, results_dir / f"gpu_network_lab{suffix}.png")
     return text
 
 
-def time_to_target(nvlink: dict[str, Any], labels: list[str], step: Any) -> list[str]:
-    """Steps to the target validation loss (DDP's at two thirds of the run) times the median step at each link."""
-    ddp_curve = nvlink["methods"]["ddp"]["curve"]
-    target_point = ddp_curve[max(0, math.ceil(len(ddp_curve) * 2 / 3) - 1)]
-    target = target_point["val_loss"]
-    final_ddp = ddp_curve[-1]["val_loss"]
-    lines = [
-        f"Time to the target validation loss {target:.4f} (DDP's at step {target_point['step']}): the first",
-        "evaluation at or under it, times the method's median step at each link, in seconds; and each method's",
-        f"final validation loss against DDP's ({final_ddp:.4f}) at the same steps and seed.",
-        "",
-        "| method | steps to target | " + " | ".join(f"{label} s" for label in labels) + " | final loss (x DDP) |",
-        "|---|---|" + "---|" * len(labels) + "---|",
+def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
     ]
-    for method, entry in nvlink["methods"].items():
-        curve = entry.get("curve", [])
-        reached = next((point["step"] for point in curve if point["val_loss"] <= target), None)
-        cells = ["not reached" if reached is None else str(reached)]
-        for label in labels:
-            value = step(method, label)
-            cells.append("" if value is None or reached is None else f"{reached * value['median']:.1f}")
-        final = curve[-1]["val_loss"] if curve else math.nan
-        cells.append(f"{final:.4f} ({final / final_ddp:.3f}x)")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return lines
 
 
-def chart(loaded: dict[str, Any], methods: list[str], labels: list[str], step: Any, path: Path) -> None:
+def chart(loaded: dict[str, Any], path: Path) -> None:
+    """Bar charts of the median step per method, one panel per link, with the rounds' range."""
     try:
         import matplotlib
 
@@ -475,15 +523,16 @@ def chart(loaded: dict[str, Any], methods: list[str], labels: list[str], step: A
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    labels = links(loaded)
+    methods = [m for m in METHODS if any(m in data["methods"] for data in loaded.values())]
     figure, axes = plt.subplots(1, len(labels), figsize=(4 * len(labels), 5), squeeze=False)
     for axis, label in zip(axes[0], labels, strict=True):
-        names = [m for m in methods if step(m, label) is not None]
-        values = [step(m, label)["median"] * 1e3 for m in names]
-        errors = [
-            [v - step(m, label)["min"] * 1e3 for m, v in zip(names, values, strict=True)],
-            [step(m, label)["max"] * 1e3 - v for m, v in zip(names, values, strict=True)],
-        ]
-        axis.barh(names, values, xerr=errors)
+        steps = {m: step for m in methods if (step := step_of(loaded, m, label)) is not None}
+        names = list(steps)
+        values = [steps[m]["median"] * 1e3 for m in names]
+        below = [value - steps[m]["min"] * 1e3 for m, value in zip(names, values, strict=True)]
+        above = [steps[m]["max"] * 1e3 - value for m, value in zip(names, values, strict=True)]
+        axis.barh(names, values, xerr=[below, above])
         axis.invert_yaxis()
         axis.set_xscale("log")
         axis.set_xlabel("median step (ms, log)")
@@ -511,6 +560,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timing-steps", type=int, default=40, help="nvlink: timed steps of later rounds")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
     parser.add_argument("--results-dir", default=str(RESULTS))
+    parser.add_argument("--out", default=None, help="results file name without suffix (default: by regime)")
     parser.add_argument("--report", action="store_true", help="write the table and chart from the regimes' files")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
