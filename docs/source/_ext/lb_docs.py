@@ -321,6 +321,38 @@ def _lm_step_time(results: str) -> tuple[list[str], list[list[str]], list[str]]:
     return [*header, "peak memory"], rows, [f"{data['command']} ({where}, batch {settings['batch']})"]
 
 
+def _benchmark_module(script: str) -> Any:
+    """A script of ``benchmarks/`` as a module, for its chart and table functions (one place computes a figure)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_lb_benchmark_{script}", RESULTS.parent / f"{script}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpu_lab_commands(loaded: dict[str, Any]) -> list[str]:
+    return [f"{data['command']} ({data['machine']['device']} x 2, {data['rounds']} rounds)" for data in loaded.values()]
+
+
+def _gpu_network_lab() -> tuple[list[str], list[list[str]], list[str]]:
+    lab = _benchmark_module("gpu_network_lab")
+    loaded = lab.load_results(RESULTS)
+    header, rows = lab.step_table(loaded)
+    return header, rows, _gpu_lab_commands(loaded)
+
+
+def _gpu_time_to_target() -> tuple[list[str], list[list[str]], list[str]]:
+    lab = _benchmark_module("gpu_network_lab")
+    loaded = lab.load_results(RESULTS)
+    header, rows = lab.time_to_target_table(loaded)
+    target, at_step, _ = lab.target_of(loaded)
+    header[1] = f"steps to {target:.4f} (DDP's at step {at_step})"
+    return header, rows, _gpu_lab_commands(loaded)
+
+
 def _gloo_scheduling() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("gloo_scheduling_cpu")
     rows = []
@@ -414,9 +446,13 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "time_to_accuracy": _time_to_accuracy,
     "lm_step_time": _lm_step_time,
     "gloo_scheduling": _gloo_scheduling,
+    "gpu_network_lab": _gpu_network_lab,
+    "gpu_time_to_target": _gpu_time_to_target,
 }
 # Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
 NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}
+# Kinds whose results files are named after another kind's.
+RESULT_STEMS = {"gpu_time_to_target": "gpu_network_lab"}
 # Kinds whose function reads the results file named by the ``:results:`` option (a stem in benchmarks/results/).
 TAKES_RESULTS_FILE = {"network_lab", "lm_step_time"}
 
@@ -443,9 +479,10 @@ class BenchmarkTable(SphinxDirective):
             note += nodes.Text(".")
             return [note]
         header, rows, commands = BENCHMARKS[name]() if results is None else BENCHMARKS[name](results)
-        for path in RESULTS.glob(f"{name}*.json"):
+        stem = RESULT_STEMS.get(name, name)
+        for path in RESULTS.glob(f"{stem}*.json"):
             self.env.note_dependency(str(path))
-        files = f"benchmarks/results/{name}*.json" if results is None else f"benchmarks/results/{results}.json"
+        files = f"benchmarks/results/{stem}*.json" if results is None else f"benchmarks/results/{results}.json"
         found: list[nodes.Node] = [table(header, rows), _source_note(commands, files)]
         if name in NOT_YET_MEASURED and (GENERATED / f"{NOT_YET_MEASURED[name][0]}.png").is_file():
             # A leading slash: relative to the source folder, from any page.
@@ -494,21 +531,18 @@ def draw_codec_chart(app: Sphinx) -> None:
 
 
 def draw_benchmark_charts(app: Sphinx) -> None:
-    """Draw the convergence, targets and time-to-accuracy charts from their JSON with the scripts' chart functions."""
-    import importlib.util
-
+    """Draw the convergence, targets, time-to-accuracy and GPU lab charts from their JSON with the scripts' charts."""
     charts = (("convergence", "convergence_cpu"), ("suite", "targets"), ("time_to_accuracy", "time_to_accuracy_cpu"))
     for script, name in charts:
         path = RESULTS / f"{name}.json"
         if not path.is_file():
             continue
-        spec = importlib.util.spec_from_file_location(f"_lb_benchmark_{script}", RESULTS.parent / f"{script}.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
         GENERATED.mkdir(exist_ok=True)
-        module.chart(_load(name), GENERATED / f"{name}.png")
+        _benchmark_module(script).chart(_load(name), GENERATED / f"{name}.png")
+    if (RESULTS / "gpu_network_lab_sockets.json").is_file() or (RESULTS / "gpu_network_lab_nvlink.json").is_file():
+        lab = _benchmark_module("gpu_network_lab")
+        GENERATED.mkdir(exist_ok=True)
+        lab.chart(lab.load_results(RESULTS), GENERATED / "gpu_network_lab.png")
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
