@@ -191,3 +191,22 @@ def test_gloo_scheduling_times_both_policies_of_every_communication(tmp_path: Pa
     assert len(report["rounds"]) == 2 * 6 * 2  # rounds x settings x ranks
     assert all(row["median_ms"] > 0 and row["p90_ms"] >= row["median_ms"] for row in report["rounds"])
     assert "python benchmarks/gloo_scheduling.py" in (tmp_path / "gloo_scheduling_cpu.md").read_text()
+
+
+def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
+    # The lab's plumbing on two Gloo processes (a tiny model, no shaping): both regimes, then the report.
+    out = tmp_path / "results"
+    methods = ["--methods", "ddp", "low_rank_r4", "--rounds", "1", "--results-dir", str(out), "--cpu"]
+    for regime in (["--regime", "nvlink", "--train-steps", "16", "--eval-every", "8"], ["--regime", "sockets"]):
+        completed = run(str(BENCHMARKS / "gpu_network_lab.py"), *regime, *methods, "--rates", "1")
+        assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    nvlink = json.loads((out / "gpu_network_lab_nvlink_cpu.json").read_text())
+    assert set(nvlink["methods"]) == {"ddp", "low_rank_r4"}
+    assert [point["step"] for point in nvlink["methods"]["ddp"]["curve"]] == [8, 16]
+    sockets = json.loads((out / "gpu_network_lab_sockets_cpu.json").read_text())
+    assert set(sockets["methods"]["low_rank_r4"]["step_s"]) == {"unshaped", "1gbit"}
+    assert {"median", "min", "max"} == set(sockets["methods"]["ddp"]["step_s"]["1gbit"])
+    table = (out / "gpu_network_lab_cpu.md").read_text()
+    assert "python benchmarks/gpu_network_lab.py --regime sockets --rounds 1 --methods ddp low_rank_r4" in table
+    assert "| low_rank_r4 |" in table
+    assert "steps to target" in table
