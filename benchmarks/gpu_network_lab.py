@@ -570,7 +570,8 @@ def launch(args: argparse.Namespace) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     if args.regime == "sockets" and not args.cpu:
         env.update(SOCKETS_ENV)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, "--worker"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [__file__, "--worker"]
     command += [arg for arg in sys.argv[1:] if arg != "--worker"]
     subprocess.run(command, env=env, check=True, cwd=ROOT)
     print(report(Path(args.results_dir), args.cpu))
