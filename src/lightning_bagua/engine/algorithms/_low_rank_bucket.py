@@ -6,7 +6,7 @@ See :func:`~lightning_bagua.engine.algorithms.low_rank.low_rank_hook` for the al
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,15 +24,42 @@ from lightning_bagua.engine.algorithms._low_rank_factors import (
     sum_in_order,
 )
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.communication import CommunicationCounter
 
-if TYPE_CHECKING:
-    from lightning_bagua.engine.algorithms.low_rank import LowRankState
+__all__ = ["BucketPlan", "BucketState", "low_rank_reduce_", "plan_bucket"]
 
-__all__ = ["BucketPlan", "low_rank_reduce_", "plan_bucket"]
+
+class BucketState(Protocol):
+    """What the per-bucket path reads and keeps (:class:`~.low_rank.LowRankState` provides it).
+
+    A protocol rather than the state class itself, so that this module does not import the one that imports it.
+    """
+
+    rank: int
+    average: bool
+    alternate: bool
+    exchange_left: bool
+    counter: CommunicationCounter
+    factors: dict[str, Tensor]
+    left_factors: dict[str, Tensor]
+
+    def bucket_plan(self, slots: list[TensorSlot], tensor: Tensor) -> "BucketPlan": ...
+
+    def factor(self, slot: TensorSlot) -> Tensor: ...
+
+    def left_factor(self, slot: TensorSlot) -> Tensor: ...
+
+    def corrected(self, slot: TensorSlot, gradient: Tensor) -> Tensor: ...
+
+    def finish(
+        self, slot: TensorSlot, gradient: Tensor, m: Tensor, left: Tensor, right: Tensor, finite: Tensor
+    ) -> None: ...
+
+    def keep_factor(self, factors: dict[str, Tensor], name: str, factor: Tensor, finite: Tensor) -> None: ...
 
 
 def low_rank_reduce_(
-    tensor: Tensor, slots: list[TensorSlot], group: dist.ProcessGroup | None, n: int, state: "LowRankState"
+    tensor: Tensor, slots: list[TensorSlot], group: dist.ProcessGroup | None, n: int, state: BucketState
 ) -> Tensor:
     """Run steps 1-7 of :func:`low_rank_hook` on ``tensor`` among the ``n`` ranks of ``group``, in place.
 
@@ -92,7 +119,7 @@ def low_rank_reduce_(
 
 
 def _alternating_reduce_(
-    tensor: Tensor, slots: list[TensorSlot], group: dist.ProcessGroup | None, n: int, state: "LowRankState"
+    tensor: Tensor, slots: list[TensorSlot], group: dist.ProcessGroup | None, n: int, state: BucketState
 ) -> Tensor:
     """Reduce ``tensor`` exchanging one factor, ``P`` or ``Q`` as ``state.exchange_left`` says, in place.
 

@@ -20,7 +20,7 @@ enough for ``low_rank`` to pay is worth less than the host time it saves.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,11 +37,25 @@ from lightning_bagua.engine.algorithms._low_rank_factors import (
     sum_in_order,
 )
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups
 
-if TYPE_CHECKING:
-    from lightning_bagua.engine.algorithms.low_rank import LowRankState
+__all__ = ["ShapeGroup", "StepBatcher", "StepPlan", "StepState", "reduce_pending", "reduce_step"]
 
-__all__ = ["ShapeGroup", "StepBatcher", "StepPlan", "reduce_pending", "reduce_step"]
+
+class StepState(Protocol):
+    """What the whole-step path reads and keeps (:class:`~.low_rank.LowRankState` provides it).
+
+    A protocol rather than the state class itself, so that this module does not import the one that imports it.
+    """
+
+    average: bool
+    counter: CommunicationCounter
+    groups: CommunicationGroups
+    errors: dict[str, Tensor]
+    factors: dict[str, Tensor]
+
+    def step_plan(self, layouts: Sequence[Sequence[TensorSlot]], device: torch.device) -> "StepPlan": ...
+
 
 _FLOAT32_BYTES = 4
 
@@ -145,7 +159,7 @@ class StepPlan:
         )
         return first, total * element_size - first
 
-    def bind(self, state: "LowRankState") -> None:
+    def bind(self, state: StepState) -> None:
         """Allocate the buffers, take each gradient's error and warm start from ``state``, and lend it views back.
 
         ``state.errors`` and ``state.factors`` then hold views into this plan's buffers, by parameter name, so that
@@ -229,7 +243,7 @@ class StepBatcher:
         self._step = -1
 
     def add(
-        self, state: "LowRankState", buffer: Tensor, slots: list[TensorSlot], step: int, last: bool
+        self, state: StepState, buffer: Tensor, slots: list[TensorSlot], step: int, last: bool
     ) -> torch.futures.Future:
         """Take one bucket of step ``step``; on the ``last`` one, reduce the step (blocking on Gloo).
 
@@ -269,7 +283,7 @@ class StepBatcher:
         return future
 
 
-def reduce_pending(state: "LowRankState", buffers: list[Tensor], layouts: list[list[TensorSlot]]) -> None:
+def reduce_pending(state: StepState, buffers: list[Tensor], layouts: list[list[TensorSlot]]) -> None:
     """Reduce a step's buckets over all ranks, in place: flat, or the node leaders' sums then a broadcast."""
     groups = state.groups
     if not groups.is_hierarchical:
@@ -288,7 +302,7 @@ def reduce_pending(state: "LowRankState", buffers: list[Tensor], layouts: list[l
 
 
 def reduce_step(
-    state: "LowRankState",
+    state: StepState,
     buffers: list[Tensor],
     layouts: list[list[TensorSlot]],
     group: dist.ProcessGroup | None,
