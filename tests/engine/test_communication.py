@@ -13,8 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter, NodeLayout
-from lightning_bagua.engine import communication as communication_module
+from lightning_bagua.engine import (
+    Algorithm,
+    BaguaDistributedDataParallel,
+    CommunicationCounter,
+    NodeLayout,
+    _node_layout,
+)
 from lightning_bagua.engine.communication import (
     OrderedExecutor,
     all_gather_into,
@@ -91,7 +96,7 @@ def test_host_identity_names_the_host_and_its_route_to_the_rendezvous(monkeypatc
 def _wrap_with_simulated_hosts(rank: int, world_size: int, hosts: list[str] | None, kwargs: dict) -> dict:
     os.environ.pop("LOCAL_WORLD_SIZE", None)  # as under a plain env:// launcher
     if hosts is not None:
-        communication_module.host_identity = lambda: hosts[dist.get_rank()]  # type: ignore[assignment]
+        _node_layout.host_identity = lambda: hosts[dist.get_rank()]  # type: ignore[assignment]
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]

@@ -1,11 +1,13 @@
-"""Process-group plumbing shared by every algorithm: node layout, groups, ordered execution, counting."""
+"""Process-group plumbing shared by every algorithm: groups, collectives, counting.
+
+The node layout (:mod:`._node_layout`) and the ordered executor (:mod:`._executor`) live in modules of their own
+and are re-exported here, where the algorithms and users import them from.
+"""
 
 import logging
 import os
-import queue
-import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -14,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_bagua.engine._executor import OrderedExecutor
+from lightning_bagua.engine._node_layout import NodeLayout, gather_hosts, host_identity, ranks_per_node_from_hosts
 from lightning_bagua.engine._torch_compat import destroy_process_group, process_group_exists
 
 __all__ = [
@@ -178,186 +182,6 @@ class CommunicationCounter:
         return f"{type(self).__name__}(bytes_by_op={self.bytes_by_op}, calls={self.calls})"
 
 
-@dataclass(frozen=True)
-class NodeLayout:
-    """How the ranks of a process group are laid out on nodes: consecutive blocks of ``ranks_per_node``.
-
-    Args:
-        world_size: number of ranks in the process group.
-        ranks_per_node: ranks on each node; must divide ``world_size``.
-        source: where ``ranks_per_node`` came from: ``"argument"``, ``"LOCAL_WORLD_SIZE"``, ``"hosts"``,
-            ``"irregular hosts"`` (the hosts gave no regular layout, so every rank counts as its own node) or
-            ``"nothing"`` (no information: one node).
-        hosts: the host of every rank, when the layout was derived from them.
-    """
-
-    world_size: int
-    ranks_per_node: int
-    source: str = field(default="argument", compare=False)
-    hosts: tuple[str, ...] = field(default=(), compare=False)
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"`world_size` must be at least 1, got {self.world_size}.")
-        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
-            raise ValueError(
-                f"`ranks_per_node={self.ranks_per_node}` does not divide the world size {self.world_size}:"
-                " every node must run the same number of processes. Set LOCAL_WORLD_SIZE (or the wrapper's"
-                " `ranks_per_node`) to the number of processes on each node."
-            )
-
-    @property
-    def num_nodes(self) -> int:
-        """Number of nodes."""
-        return self.world_size // self.ranks_per_node
-
-    @property
-    def trusted(self) -> bool:
-        """Whether the layout reflects where the ranks run (``False`` when the hosts gave no regular layout)."""
-        return self.source != "irregular hosts"
-
-    def node_of(self, rank: int) -> int:
-        """Return the node that holds group rank ``rank``."""
-        return rank // self.ranks_per_node
-
-    def node_ranks(self, node: int) -> list[int]:
-        """Return the group ranks on ``node``, leader (local rank 0) first."""
-        start = node * self.ranks_per_node
-        return list(range(start, start + self.ranks_per_node))
-
-    def leaders(self) -> list[int]:
-        """Return the group rank of every node's leader."""
-        return [node * self.ranks_per_node for node in range(self.num_nodes)]
-
-    @staticmethod
-    def from_environment() -> int | None:
-        """Return the processes per node that ``LOCAL_WORLD_SIZE`` gives, or ``None`` when it is unset."""
-        env_value = os.environ.get("LOCAL_WORLD_SIZE")
-        if env_value is None:
-            return None
-        try:
-            return int(env_value)
-        except ValueError:
-            raise ValueError(
-                f"LOCAL_WORLD_SIZE={env_value!r} is not an integer; it must be the number of processes on each node."
-            ) from None
-
-    @classmethod
-    def detect(
-        cls, world_size: int, ranks_per_node: int | None = None, hosts: Sequence[str] | None = None
-    ) -> "NodeLayout":
-        """Build the layout from, in this order: ``ranks_per_node``, ``LOCAL_WORLD_SIZE``, the ranks' hosts.
-
-        ``LOCAL_WORLD_SIZE`` is set by torchrun, Lightning's launcher and ours. ``hosts`` (see
-        :func:`gather_hosts`) give the layout when their ranks form equal blocks of consecutive ranks per host;
-        otherwise every rank counts as its own node and the layout is not :attr:`trusted`. With none of the three,
-        all ranks count as one node.
-
-        Args:
-            world_size: number of ranks in the process group.
-            ranks_per_node: processes per node, if the caller knows it.
-            hosts: the host of every rank, by group rank.
-
-        Returns:
-            The layout.
-        """
-        if ranks_per_node is not None:
-            return cls(world_size, ranks_per_node, "argument")
-        from_env = cls.from_environment()
-        if from_env is not None:
-            return cls(world_size, from_env, "LOCAL_WORLD_SIZE")
-        if hosts is None:
-            return cls(world_size, world_size, "nothing")
-        if len(hosts) != world_size:
-            raise ValueError(f"Got the hosts of {len(hosts)} ranks for a world size of {world_size}.")
-        derived = ranks_per_node_from_hosts(hosts)
-        if derived is None:
-            return cls(world_size, 1, "irregular hosts", tuple(hosts))
-        return cls(world_size, derived, "hosts", tuple(hosts))
-
-
-def ranks_per_node_from_hosts(hosts: Sequence[str]) -> int | None:
-    """Return the ranks per node that ``hosts`` (the host of every rank) show, or ``None`` if they show none.
-
-    A layout is only returned when every host runs the same number of ranks and those ranks are consecutive,
-    which is what the engine's two-level groups assume (and how launchers number ranks).
-
-    Example:
-        >>> ranks_per_node_from_hosts(["a", "a", "b", "b"]), ranks_per_node_from_hosts(["a", "b", "a", "b"])
-        (2, None)
-    """
-    if not hosts:
-        return None
-    block = hosts.count(hosts[0])
-    if len(hosts) % block:
-        return None
-    starts = range(0, len(hosts), block)
-    blocks = [hosts[start : start + block] for start in starts]
-    if any(len(set(ranks)) != 1 for ranks in blocks) or len({ranks[0] for ranks in blocks}) != len(blocks):
-        return None
-    return block
-
-
-# A host name (at most 253 bytes) and an IPv6 address fit: the labels are never cut.
-_HOST_LABEL_BYTES = 320
-
-
-def host_identity() -> str:
-    """Return what tells this process's host from the others: its host name and the address it is reached at.
-
-    Host names alone can collide (containers and network namespaces share them), so the label also names the
-    local address this process routes to the rendezvous host from (the TCP store's host, or ``MASTER_ADDR``):
-    processes of one host reach it from the same address, processes of different hosts from their own. Working
-    the route out sends nothing.
-    """
-    name = socket.gethostname()
-    target = _rendezvous_host()
-    address = _local_address_towards(target) if target else None
-    return f"{name}/{address}" if address else name
-
-
-def _rendezvous_host() -> str | None:
-    try:
-        # Private, hence guarded: the store the default group was rendezvoused through.
-        store = dist.distributed_c10d._get_default_store()
-        while isinstance(store, dist.PrefixStore):
-            store = store.underlying_store
-        if isinstance(store, dist.TCPStore) and store.host:
-            return str(store.host)
-    except (AttributeError, RuntimeError, ValueError):
-        pass
-    return os.environ.get("MASTER_ADDR") or None
-
-
-def _local_address_towards(host: str) -> str | None:
-    try:
-        family, kind, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, kind) as probe:
-            probe.connect(address)  # a datagram socket's connect only picks the route
-            return str(probe.getsockname()[0])
-    except (OSError, IndexError, UnicodeError):
-        return None
-
-
-def gather_hosts(group: ProcessGroup | None, device: torch.device) -> list[str]:
-    """Return :func:`host_identity` of every rank of ``group``, by group rank (a collective: call it on all ranks).
-
-    Args:
-        group: the process group.
-        device: where the backend takes tensors (the model's device).
-
-    Returns:
-        One label per rank.
-    """
-    encoded = host_identity().encode()[:_HOST_LABEL_BYTES]
-    mine = torch.zeros(_HOST_LABEL_BYTES, dtype=torch.uint8)
-    mine[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    mine = mine.to(device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    return [bytes(label.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for label in gathered]
-
-
 @dataclass
 class CommunicationGroups:
     """The engine's own communicators, created once per wrapped model.
@@ -466,105 +290,6 @@ class CommunicationGroups:
             if process_group_exists(group):
                 destroy_process_group(group)
         self._owned.clear()
-
-
-class OrderedExecutor:
-    """Run multi-step communication jobs in submission order, off the thread that submits them.
-
-    DDP's reducer hands buckets to the communication hook in the same order on every rank. An algorithm that
-    needs several dependent collectives per bucket must issue them in that same order on every rank, yet
-    without blocking backward. On CUDA the collectives are asynchronous with respect to the host already, so
-    jobs run inline; on CPU (Gloo) a job blocks while it communicates, so jobs run on one worker thread per
-    executor, first in first out, and backward carries on meanwhile. The step's last bucket runs in the
-    submitting thread when the worker has nothing unfinished: backward is over, so there is nothing to overlap.
-
-    Args:
-        device: the device the gradients live on.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Tensor], torch.futures.Future] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._unfinished = 0  # jobs queued or running on the worker
-
-    @property
-    def runs_inline(self) -> bool:
-        """Whether jobs run in the submitting thread (on CUDA)."""
-        return self._device.type == "cuda"
-
-    def submit(self, job: Callable[[], Tensor], last: bool = False) -> torch.futures.Future:
-        """Queue ``job`` and return a future of its result; an exception in the job fails the future.
-
-        Args:
-            job: a callable that issues the collectives, waits for them, and returns the result tensor.
-            last: the job is the step's last bucket. If no earlier job is unfinished it runs in the submitting
-                thread: backward has nothing left to overlap with it, and on a loaded CPU each hand-over to the
-                worker and back can cost a scheduler time slice.
-
-        Returns:
-            A future completed with the job's tensor (wrapped for DDP's reducer on CUDA).
-        """
-        if self.runs_inline:
-            future: torch.futures.Future = torch.futures.Future(devices=[self._device])
-            future.set_result(job())
-            return future
-        future = torch.futures.Future()
-        with self._lock:
-            inline = last and self._unfinished == 0
-            if not inline:
-                self._unfinished += 1
-        if inline:
-            _run_into(job, future)
-            return future
-        self._ensure_worker()
-        self._queue.put((job, future))
-        return future
-
-    def close(self) -> None:
-        """Finish the queued jobs and stop the worker thread; safe to call twice."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
-
-    def _ensure_worker(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="bagua-communication", daemon=True)
-                self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, future = item
-            # Counted as finished before its future completes: whoever waits on it may submit the next step's
-            # last bucket at once, and should find nothing unfinished.
-            _run_into(job, future, before_completing=self._finished)
-
-    def _finished(self) -> None:
-        with self._lock:
-            self._unfinished -= 1
-
-
-def _run_into(
-    job: Callable[[], Tensor], future: torch.futures.Future, before_completing: Callable[[], None] | None = None
-) -> None:
-    """Run ``job`` and complete ``future`` with its result or its exception, calling ``before_completing`` first."""
-    try:
-        result = job()
-    except BaseException as error:  # a failed collective must reach the reducer, not die with the thread
-        if before_completing is not None:
-            before_completing()
-        future.set_exception(error)
-    else:
-        if before_completing is not None:
-            before_completing()
-        future.set_result(result)
 
 
 def all_reduce_hierarchically(

@@ -1,0 +1,109 @@
+"""Run a bucket's dependent collectives in bucket order, off the thread that runs backward."""
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["OrderedExecutor"]
+
+
+class OrderedExecutor:
+    """Run multi-step communication jobs in submission order, off the thread that submits them.
+
+    DDP's reducer hands buckets to the communication hook in the same order on every rank. An algorithm that
+    needs several dependent collectives per bucket must issue them in that same order on every rank, yet
+    without blocking backward. On CUDA the collectives are asynchronous with respect to the host already, so
+    jobs run inline; on CPU (Gloo) a job blocks while it communicates, so jobs run on one worker thread per
+    executor, first in first out, and backward carries on meanwhile. The step's last bucket runs in the
+    submitting thread when the worker has nothing unfinished: backward is over, so there is nothing to overlap.
+
+    Args:
+        device: the device the gradients live on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Tensor], torch.futures.Future] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._unfinished = 0  # jobs queued or running on the worker
+
+    @property
+    def runs_inline(self) -> bool:
+        """Whether jobs run in the submitting thread (on CUDA)."""
+        return self._device.type == "cuda"
+
+    def submit(self, job: Callable[[], Tensor], last: bool = False) -> torch.futures.Future:
+        """Queue ``job`` and return a future of its result; an exception in the job fails the future.
+
+        Args:
+            job: a callable that issues the collectives, waits for them, and returns the result tensor.
+            last: the job is the step's last bucket. If no earlier job is unfinished it runs in the submitting
+                thread: backward has nothing left to overlap with it, and on a loaded CPU each hand-over to the
+                worker and back can cost a scheduler time slice.
+
+        Returns:
+            A future completed with the job's tensor (wrapped for DDP's reducer on CUDA).
+        """
+        if self.runs_inline:
+            future: torch.futures.Future = torch.futures.Future(devices=[self._device])
+            future.set_result(job())
+            return future
+        future = torch.futures.Future()
+        with self._lock:
+            inline = last and self._unfinished == 0
+            if not inline:
+                self._unfinished += 1
+        if inline:
+            _run_into(job, future)
+            return future
+        self._ensure_worker()
+        self._queue.put((job, future))
+        return future
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop the worker thread; safe to call twice."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _ensure_worker(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="bagua-communication", daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, future = item
+            # Counted as finished before its future completes: whoever waits on it may submit the next step's
+            # last bucket at once, and should find nothing unfinished.
+            _run_into(job, future, before_completing=self._finished)
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._unfinished -= 1
+
+
+def _run_into(
+    job: Callable[[], Tensor], future: torch.futures.Future, before_completing: Callable[[], None] | None = None
+) -> None:
+    """Run ``job`` and complete ``future`` with its result or its exception, calling ``before_completing`` first."""
+    try:
+        result = job()
+    except BaseException as error:  # a failed collective must reach the reducer, not die with the thread
+        if before_completing is not None:
+            before_completing()
+        future.set_exception(error)
+    else:
+        if before_completing is not None:
+            before_completing()
+        future.set_result(result)
