@@ -59,7 +59,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -86,9 +85,17 @@ from typing_extensions import override
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train import DigitsClassifier, load_data
 
-# The network lab names methods the same way (``low_rank_r4``): one parser for both.
+# Every lab names methods the same way (``low_rank_r4``): one parser, in the labs' shared harness.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from network_lab import ALGORITHM_VARIANTS, LOW_RANK_RANKS, extra_low_rank_methods, resolve_algorithm, split_rank
+from harness import (
+    ALGORITHM_VARIANTS,
+    LOW_RANK_RANKS,
+    extra_low_rank_methods,
+    resolve_algorithm,
+    split_rank,
+    write_report,
+)
+from harness import machine as lab_machine
 
 log = logging.getLogger(__name__)
 
@@ -634,17 +641,8 @@ def chart(report: dict[str, Any], path: Path) -> bool:
 
 
 def machine() -> dict[str, Any]:
-    """Python, torch, Lightning and the platform, with the load when the report was written."""
-    import lightning
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1_5_15": os.getloadavg(),
-    }
+    """The labs' machine record without the processor, as this report has always had it."""
+    return {key: value for key, value in lab_machine().items() if key != "processor"}
 
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
@@ -698,9 +696,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         print(table)
         return report
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "convergence_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "convergence_cpu.md").write_text(table)
+    write_report(out, "convergence_cpu", report, table)
     chart(report, out / "convergence_cpu.png")
     print(table)
     return report

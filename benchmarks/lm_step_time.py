@@ -48,6 +48,9 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import rotated
+
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
 DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd")
@@ -308,9 +311,8 @@ def suite(args: argparse.Namespace) -> None:
     # Interleaved: every repeat runs each method once (in a rotated order), so that a drift of the machine
     # (clocks, temperature, other load) spreads over all methods instead of biasing the ones run last.
     for repeat in range(done, args.repeats):
-        shift = repeat % len(methods)
         for regime in args.regimes:
-            for method in methods[shift:] + methods[:shift]:
+            for method in rotated(methods, repeat):
                 if method == "single" and regime != args.regimes[0]:
                     continue  # one GPU communicates with nobody: the same in every regime
                 row = run_job(args, regime, method)
