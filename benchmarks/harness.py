@@ -1,22 +1,29 @@
-"""What the benchmark labs share: method names, the interleaved order, the machine record, reports, a free port.
+"""What the benchmark labs share: method names, the round order, the machine record, reports, the task networks.
 
 The labs are scripts, not a package: each puts ``benchmarks/`` on ``sys.path`` and imports this module, so that no
-lab imports another for these pieces. It imports nothing heavy at load (torch and Lightning on first use).
+lab imports another for these pieces. It imports torch at load, Lightning on first use.
 
 - Method names: ``low_rank_r4`` is ``low_rank`` at rank 4 (:func:`split_rank`), and a method stem may stand for an
   algorithm with keywords of its own (:data:`ALGORITHM_VARIANTS`, :func:`resolve_algorithm`), in every lab alike.
 - :func:`interleaved`: every method once per round, each round rotated by one.
 - :func:`machine`: Python, torch, Lightning, the platform and the load, for a report.
-- :func:`write_report`: ``<stem>.json`` and ``<stem>.md`` in the results folder.
+- :func:`write_report`: ``<stem>.json`` and ``<stem>.md`` in the results folder; :func:`free_port`.
+- The tasks' networks (:func:`task_model`, :func:`random_batch`, :func:`task_loss`): convergence.py trains them,
+  the network lab and low_rank_host_cost.py time them.
 """
 
 import json
 import os
 import platform
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor, nn
 
 T = TypeVar("T")
 
@@ -25,6 +32,9 @@ LOW_RANK_RANKS = (1, 4, 8)  # the ranks of ``low_rank`` and of DDP's PowerSGD th
 ALGORITHM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"low_rank_alt": ("low_rank", {"alternate": True})}
 # Ranks of ``low_rank`` (and its variants) accepted by name, ``low_rank_r16``, but not in the default list.
 EXTRA_LOW_RANK_RANKS = (16,)
+TASK_NETWORKS = ("digits", "charlm", "bytemlp")  # the networks convergence.py trains and the other labs time
+CONTEXT = 128  # bytes per language-model window
+BYTEMLP_CONTEXT = 32  # bytes an bytemlp prediction sees
 
 
 # ------------------------------------------------------------------------------------------------ method names
@@ -56,6 +66,85 @@ def extra_low_rank_methods() -> list[str]:
     return [*powersgd, *(f"{stem}_r{rank}" for stem in stems for rank in EXTRA_LOW_RANK_RANKS)]
 
 
+# ------------------------------------------------------------------------------------------------ the tasks
+
+
+class CausalConvLM(nn.Module):
+    """Byte embeddings, residual causal convolutions with growing dilation, and a linear read-out over 256 bytes."""
+
+    def __init__(self, width: int = 64, dilations: tuple[int, ...] = (1, 2, 4, 8, 16), kernel: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.kernel = kernel
+        self.dilations = dilations
+        self.convs = nn.ModuleList(nn.Conv1d(width, width, kernel, dilation=d) for d in dilations)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in dilations)
+        self.out = nn.Linear(width, 256)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)  # (batch, time, width)
+        for conv, norm, dilation in zip(self.convs, self.norms, self.dilations, strict=True):
+            # Pad on the left only, so position t sees bytes <= t.
+            h = F.pad(norm(x).transpose(1, 2), ((self.kernel - 1) * dilation, 0))
+            x = x + F.gelu(conv(h)).transpose(1, 2)
+        return self.out(x)  # (batch, time, 256)
+
+
+class ByteMLP(nn.Module):
+    """Next-byte prediction from the previous ``BYTEMLP_CONTEXT`` bytes: embeddings and a wide perceptron (2.4M).
+
+    Most of its parameters sit in two dense 1024-wide layers whose compute is small: its gradient is large for
+    the work of a step, so the link, not the arithmetic, sets the step time on slow links.
+    """
+
+    def __init__(self, embed: int = 32, hidden: int = 1024) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, embed)
+        self.net = nn.Sequential(
+            nn.Linear(BYTEMLP_CONTEXT * embed, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, 256),
+        )
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.net(self.embed(tokens).flatten(1))  # (batch, 256)
+
+
+def task_model(task: str) -> nn.Module:
+    """The bare network of ``task`` (what the network lab times): the digits perceptron, CausalConvLM, ByteMLP."""
+    if task == "digits":
+        # The example's script is not a package: its folder goes on the path (imported here: it imports Lightning).
+        examples = str(Path(__file__).resolve().parents[1] / "examples")
+        if examples not in sys.path:
+            sys.path.insert(0, examples)
+        from train import DigitsClassifier
+
+        return DigitsClassifier(lr=3e-3).net  # the network alone: the learning rate is the LightningModule's
+    if task == "charlm":
+        return CausalConvLM()
+    if task == "bytemlp":
+        return ByteMLP()
+    raise ValueError(f"Unknown task {task!r}; choose one of {TASK_NETWORKS}.")
+
+
+def random_batch(task: str, batch: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """A batch of ``task``'s shapes and types, for timing: the work of a step does not depend on the values."""
+    if task == "digits":
+        return torch.randn(batch, 64, generator=generator), torch.randint(10, (batch,), generator=generator)
+    length = CONTEXT if task == "charlm" else BYTEMLP_CONTEXT
+    tokens = torch.randint(256, (batch, length + 1), generator=generator)
+    if task == "charlm":
+        return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1], tokens[:, -1]
+
+
+def task_loss(output: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy of every task: classes are the last dimension of ``output``."""
+    return F.cross_entropy(output.flatten(0, -2), targets.flatten())
+
+
 # ------------------------------------------------------------------------------------------------ the order
 
 
@@ -80,7 +169,6 @@ def interleaved(methods: list[str], rounds: int) -> list[tuple[int, str]]:
 def machine() -> dict[str, Any]:
     """Python, torch, Lightning, the platform and the load when the report was written."""
     import lightning
-    import torch
 
     return {
         "python": platform.python_version(),

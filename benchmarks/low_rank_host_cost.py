@@ -34,8 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from convergence import task_model
-from harness import free_port, rotated, write_report
+from harness import free_port, rotated, task_model, write_report
 from lightning_bagua.engine.algorithms import _low_rank_factors, low_rank
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter

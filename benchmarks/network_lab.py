@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# The labs are scripts, not a package: their folder goes on the path for the shared harness (and convergence.py).
+# The labs are scripts, not a package: their folder goes on the path for the shared harness (the task networks too).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     ALGORITHM_VARIANTS,
@@ -77,8 +77,11 @@ from harness import (
     extra_low_rank_methods,
     interleaved,
     machine,
+    random_batch,
     resolve_algorithm,
     split_rank,
+    task_loss,
+    task_model,
     write_report,
 )
 
@@ -148,14 +151,7 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     if args.task == "mlp":
         return make_model(args.width, args.depth), nn.functional.mse_loss
     torch.manual_seed(0)
-    return convergence_module().task_model(args.task), convergence_module().task_loss
-
-
-def convergence_module() -> Any:
-    """``benchmarks/convergence.py``, which holds the task models (imported on first use: it imports Lightning)."""
-    import convergence
-
-    return convergence
+    return task_model(args.task), task_loss
 
 
 def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
@@ -212,7 +208,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         inputs = torch.randn(args.batch, args.width, generator=generator)
         targets = torch.randn(args.batch, 1, generator=generator)
     else:
-        inputs, targets = convergence_module().random_batch(args.task, args.batch, generator)
+        inputs, targets = random_batch(args.task, args.batch, generator)
     times: list[float] = []
     bytes_before = 0
     for step in range(args.warmup + args.steps):
