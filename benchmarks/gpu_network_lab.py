@@ -60,8 +60,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import rotated
-from lm_step_time import SOCKETS_ENV, DecoderLM
+from harness import SOCKETS_ENV, DecoderLM, rotated
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]

@@ -9,7 +9,7 @@ lab imports another for these pieces. It imports torch at load, Lightning on fir
 - :func:`machine`: Python, torch, Lightning, the platform and the load, for a report.
 - :func:`write_report`: ``<stem>.json`` and ``<stem>.md`` in the results folder; :func:`free_port`.
 - The tasks' networks (:func:`task_model`, :func:`random_batch`, :func:`task_loss`): convergence.py trains them,
-  the network lab and low_rank_host_cost.py time them.
+  the network lab and low_rank_host_cost.py time them; the LM labs' :class:`DecoderLM` and :data:`SOCKETS_ENV`.
 """
 
 import json
@@ -35,6 +35,8 @@ EXTRA_LOW_RANK_RANKS = (16,)
 TASK_NETWORKS = ("digits", "charlm", "bytemlp")  # the networks convergence.py trains and the other labs time
 CONTEXT = 128  # bytes per language-model window
 BYTEMLP_CONTEXT = 32  # bytes an bytemlp prediction sees
+# NCCL over TCP sockets on the loopback, as between machines (the LM labs' ``sockets`` regime).
+SOCKETS_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 # ------------------------------------------------------------------------------------------------ method names
@@ -143,6 +145,29 @@ def random_batch(task: str, batch: int, generator: torch.Generator) -> tuple[Ten
 def task_loss(output: Tensor, targets: Tensor) -> Tensor:
     """Cross-entropy of every task: classes are the last dimension of ``output``."""
     return F.cross_entropy(output.flatten(0, -2), targets.flatten())
+
+
+class DecoderLM(nn.Module):
+    """A pre-norm decoder-only transformer with tied input and output embeddings."""
+
+    def __init__(self, vocab: int, width: int, depth: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(context, width))
+        layer = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.position, std=0.01)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        hidden = self.embed(tokens) + self.position[:length]
+        hidden = self.norm(self.blocks(hidden, mask=mask, is_causal=True))
+        return hidden @ self.embed.weight.t()
 
 
 # ------------------------------------------------------------------------------------------------ the order
