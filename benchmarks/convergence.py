@@ -59,7 +59,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -84,11 +83,23 @@ from typing_extensions import override
 
 # The example is a script, not a package: its folder goes on the path so its model and data are reused, not copied.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train import DigitsClassifier, load_data
+from train import load_data
 
-# The network lab names methods the same way (``low_rank_r4``): one parser for both.
+# Every lab names methods the same way (``low_rank_r4``): one parser, in the labs' shared harness.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from network_lab import ALGORITHM_VARIANTS, LOW_RANK_RANKS, extra_low_rank_methods, resolve_algorithm, split_rank
+from harness import (
+    ALGORITHM_VARIANTS,
+    BYTEMLP_CONTEXT,
+    CONTEXT,
+    LOW_RANK_RANKS,
+    extra_low_rank_methods,
+    resolve_algorithm,
+    split_rank,
+    task_loss,
+    task_model,
+    write_report,
+)
+from harness import machine as lab_machine
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +133,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "charlm": {"sgd_lr": 0.1, "momentum": 0.9, "adam_lr": 3e-3, "batch": 16, "steps": 400, "quick_steps": 80},
     "bytemlp": {"sgd_lr": 0.05, "momentum": 0.9, "adam_lr": 1e-3, "batch": 64, "steps": 400, "quick_steps": 80},
 }
-CONTEXT = 128  # bytes per language-model window
-BYTEMLP_CONTEXT = 32  # bytes an bytemlp prediction sees
 BYTEMLP_HELD_OUT_STRIDE = 32  # bytemlp scores every 32nd held-out position: an evaluation stays under a second
 TEXT_BYTES = 1_200_000  # bytes of standard-library source read for charlm
 
@@ -227,27 +236,6 @@ class ByteWindows(Dataset):
         return window[:-1], window[1:]
 
 
-class CausalConvLM(nn.Module):
-    """Byte embeddings, residual causal convolutions with growing dilation, and a linear read-out over 256 bytes."""
-
-    def __init__(self, width: int = 64, dilations: tuple[int, ...] = (1, 2, 4, 8, 16), kernel: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(256, width)
-        self.kernel = kernel
-        self.dilations = dilations
-        self.convs = nn.ModuleList(nn.Conv1d(width, width, kernel, dilation=d) for d in dilations)
-        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in dilations)
-        self.out = nn.Linear(width, 256)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.embed(tokens)  # (batch, time, width)
-        for conv, norm, dilation in zip(self.convs, self.norms, self.dilations, strict=True):
-            # Pad on the left only, so position t sees bytes <= t.
-            h = F.pad(norm(x).transpose(1, 2), ((self.kernel - 1) * dilation, 0))
-            x = x + F.gelu(conv(h)).transpose(1, 2)
-        return self.out(x)  # (batch, time, 256)
-
-
 class ByteContexts(Dataset):
     """Every ``stride``-th position of ``data`` after the first ``BYTEMLP_CONTEXT``: the bytes before it, and it."""
 
@@ -262,55 +250,6 @@ class ByteContexts(Dataset):
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         position = BYTEMLP_CONTEXT + index * self.stride
         return self.data[position - BYTEMLP_CONTEXT : position], self.data[position]
-
-
-class ByteMLP(nn.Module):
-    """Next-byte prediction from the previous ``BYTEMLP_CONTEXT`` bytes: embeddings and a wide perceptron (2.4M).
-
-    Most of its parameters sit in two dense 1024-wide layers whose compute is small: its gradient is large for
-    the work of a step, so the link, not the arithmetic, sets the step time on slow links.
-    """
-
-    def __init__(self, embed: int = 32, hidden: int = 1024) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(256, embed)
-        self.net = nn.Sequential(
-            nn.Linear(BYTEMLP_CONTEXT * embed, hidden),
-            nn.GELU(),
-            nn.Linear(hidden, hidden),
-            nn.GELU(),
-            nn.Linear(hidden, 256),
-        )
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.net(self.embed(tokens).flatten(1))  # (batch, 256)
-
-
-def task_model(task: str) -> nn.Module:
-    """The bare network of ``task`` (what the network lab times): the digits perceptron, CausalConvLM, ByteMLP."""
-    if task == "digits":
-        return DigitsClassifier(lr=SETTINGS["digits"]["adam_lr"]).net
-    if task == "charlm":
-        return CausalConvLM()
-    if task == "bytemlp":
-        return ByteMLP()
-    raise ValueError(f"Unknown task {task!r}; choose one of {ALL_TASKS}.")
-
-
-def random_batch(task: str, batch: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """A batch of ``task``'s shapes and types, for timing: the work of a step does not depend on the values."""
-    if task == "digits":
-        return torch.randn(batch, 64, generator=generator), torch.randint(10, (batch,), generator=generator)
-    length = CONTEXT if task == "charlm" else BYTEMLP_CONTEXT
-    tokens = torch.randint(256, (batch, length + 1), generator=generator)
-    if task == "charlm":
-        return tokens[:, :-1], tokens[:, 1:]
-    return tokens[:, :-1], tokens[:, -1]
-
-
-def task_loss(output: Tensor, targets: Tensor) -> Tensor:
-    """Cross-entropy of every task: classes are the last dimension of ``output``."""
-    return F.cross_entropy(output.flatten(0, -2), targets.flatten())
 
 
 def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> tuple[Any, Dataset, Dataset]:
@@ -634,17 +573,8 @@ def chart(report: dict[str, Any], path: Path) -> bool:
 
 
 def machine() -> dict[str, Any]:
-    """Python, torch, Lightning and the platform, with the load when the report was written."""
-    import lightning
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1_5_15": os.getloadavg(),
-    }
+    """The labs' machine record without the processor, as this report has always had it."""
+    return {key: value for key, value in lab_machine().items() if key != "processor"}
 
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
@@ -698,9 +628,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         print(table)
         return report
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "convergence_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "convergence_cpu.md").write_text(table)
+    write_report(out, "convergence_cpu", report, table)
     chart(report, out / "convergence_cpu.png")
     print(table)
     return report

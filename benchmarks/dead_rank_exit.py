@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+if __package__:  # imported as ``benchmarks.dead_rank_exit`` (the fault tests)
+    from .harness import free_port
+else:  # run as a script, or imported with ``benchmarks/`` on the path
+    from harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "dead_rank_exit.json"
@@ -45,13 +49,6 @@ class JobResult:
     output: str
     death_to_exit_s: float | None
     leftover_pids: list[int]
-
-
-def free_port() -> int:
-    """Return a TCP port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launcher_command(launcher: str, port: int, max_restarts: int = 0) -> list[str]:

@@ -34,9 +34,8 @@ import torch.multiprocessing as multiprocessing
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dead_rank_exit import free_port
+from harness import free_port, interleaved, machine, write_report
 from lightning_bagua.engine.communication import GLOO_SCHED_BATCH_VARIABLE, CommunicationGroups, all_gather_into
-from network_lab import interleaved, machine, write_report
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("default", "sched_batch")

@@ -60,7 +60,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from lm_step_time import SOCKETS_ENV, DecoderLM
+from harness import SOCKETS_ENV, DecoderLM, rotated
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
@@ -324,8 +324,7 @@ def worker(args: argparse.Namespace) -> None:
     out = Path(args.results_dir) / f"{stem}.json"
     rows: dict[str, list[dict[str, Any]]] = {}
     for round_index in range(args.rounds):
-        shift = round_index % len(methods)
-        for method in methods[shift:] + methods[:shift]:
+        for method in rotated(methods, round_index):
             started = time.perf_counter()
             row = run_method(method, args, batches, device, first_round=round_index == 0)
             rows.setdefault(method, []).append(row)

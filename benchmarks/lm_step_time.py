@@ -48,34 +48,13 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import SOCKETS_ENV, DecoderLM, rotated
+
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
 DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd")
-SOCKETS_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
 WARMED_UP = {"qadam", "async"}  # algorithms whose warm-up is run before the timed steps
-
-
-class DecoderLM(nn.Module):
-    """A pre-norm decoder-only transformer with tied input and output embeddings."""
-
-    def __init__(self, vocab: int, width: int, depth: int, heads: int, context: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.position = nn.Parameter(torch.zeros(context, width))
-        layer = nn.TransformerEncoderLayer(
-            width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
-        )
-        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(width)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        nn.init.normal_(self.position, std=0.01)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
-        hidden = self.embed(tokens) + self.position[:length]
-        hidden = self.norm(self.blocks(hidden, mask=mask, is_causal=True))
-        return hidden @ self.embed.weight.t()
 
 
 def all_methods() -> list[str]:
@@ -308,9 +287,8 @@ def suite(args: argparse.Namespace) -> None:
     # Interleaved: every repeat runs each method once (in a rotated order), so that a drift of the machine
     # (clocks, temperature, other load) spreads over all methods instead of biasing the ones run last.
     for repeat in range(done, args.repeats):
-        shift = repeat % len(methods)
         for regime in args.regimes:
-            for method in methods[shift:] + methods[:shift]:
+            for method in rotated(methods, repeat):
                 if method == "single" and regime != args.regimes[0]:
                     continue  # one GPU communicates with nobody: the same in every regime
                 row = run_job(args, regime, method)

@@ -19,10 +19,8 @@ beside ``low_rank``'s are in ``time_to_accuracy_cpu.md`` and the network lab::
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -36,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from convergence import task_model
+from harness import free_port, rotated, task_model, write_report
 from lightning_bagua.engine.algorithms import _low_rank_factors, low_rank
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter
@@ -107,8 +105,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 rounds: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
                 for index in range(args.rounds):
                     # Each round starts one setting later, so that no setting always runs first.
-                    order = SETTINGS[index % len(SETTINGS) :] + SETTINGS[: index % len(SETTINGS)]
-                    for setting in order:
+                    for setting in rotated(SETTINGS, index):
                         rounds[setting].append(statistics.median(timers[setting](args.steps)))
                 for setting in SETTINGS:
                     values = rounds[setting]
@@ -152,12 +149,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
@@ -194,10 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(report)
     print(table)
     if not args.no_save:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "low_rank_host_cost_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "low_rank_host_cost_cpu.md").write_text(table)
+        write_report(Path(args.out), "low_rank_host_cost_cpu", report, table)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ runs without ``LOCAL_WORLD_SIZE`` add ``_hosts`` to the name, and a ``--task`` a
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import socket
@@ -70,10 +69,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# The labs are scripts, not a package: their folder goes on the path for the shared harness (the task networks too).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (
+    ALGORITHM_VARIANTS,
+    LOW_RANK_RANKS,
+    extra_low_rank_methods,
+    interleaved,
+    machine,
+    random_batch,
+    resolve_algorithm,
+    split_rank,
+    task_loss,
+    task_model,
+    write_report,
+)
+
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
 # DDP, with torch's fp16 and PowerSGD hooks; ``ddp_powersgd`` is rank 1, ``ddp_powersgd_r<k>`` rank k.
-LOW_RANK_RANKS = (1, 4, 8)  # the ranks of ``low_rank`` and of DDP's PowerSGD that are compared
 DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd", *(f"ddp_powersgd_r{rank}" for rank in LOW_RANK_RANKS if rank > 1))
 ADAM_METHODS = ("ddp_adam",)  # DDP with Adam: what qadam is compared with
 EXTRA_METHODS = (*ADAM_METHODS, "ddp_powersgd_r1")  # accepted, not in the default list
@@ -83,10 +97,6 @@ FAILURE_GRACE_S = 20  # how long the other ranks may take to report after one ra
 FRAME_BYTES = 1514  # an Ethernet frame at an MTU of 1500, with its header
 BURST_US = 100.0  # a link's token bucket in microseconds of its time (link_burst_bytes)
 HOOK_WARMUP = 2  # uncompressed steps of PowerSGD and low_rank before they compress (inside the untimed warm-up)
-# Methods that run an algorithm with keywords of their own: method stem -> (algorithm, keywords).
-ALGORITHM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"low_rank_alt": ("low_rank", {"alternate": True})}
-# Ranks of ``low_rank`` (and its variants) accepted by name, ``low_rank_r16``, but not in the default list.
-EXTRA_LOW_RANK_RANKS = (16,)
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -119,20 +129,6 @@ def all_methods(ranks_per_host: int = 1) -> list[str]:
     return methods
 
 
-def extra_low_rank_methods() -> list[str]:
-    """``low_rank``, its variants and DDP's PowerSGD at ``EXTRA_LOW_RANK_RANKS`` (PowerSGD only without ``low_rank``).
-
-    PowerSGD comes at the same ranks, so that every ``low_rank`` rank has torch's hook at that rank to compare with.
-    """
-    from lightning_bagua.engine import available_algorithms
-
-    powersgd = [f"ddp_powersgd_r{rank}" for rank in EXTRA_LOW_RANK_RANKS]
-    if "low_rank" not in available_algorithms():
-        return powersgd
-    stems = ["low_rank", *(stem for stem, (name, _) in ALGORITHM_VARIANTS.items() if name == "low_rank")]
-    return [*powersgd, *(f"{stem}_r{rank}" for stem in stems for rank in EXTRA_LOW_RANK_RANKS)]
-
-
 def known_methods(ranks_per_host: int = 1) -> list[str]:
     """The methods the lab accepts: the default ones, the extra ones, and the hierarchical variants at any layout."""
     extra = extra_low_rank_methods()
@@ -147,32 +143,7 @@ def layout_name(hosts: int, ranks_per_host: int, from_hosts: bool = False, task:
     return stem if task == "mlp" else f"{stem}_{task}"
 
 
-def interleaved(methods: list[str], rounds: int) -> list[tuple[int, str]]:
-    """The measuring order: every method once per round, each round starting one method later than the last.
-
-    Rotating the order keeps a method from always following the same neighbour (a slow one that heats the
-    machine, or one whose sockets are still draining).
-    """
-    order = []
-    for index in range(rounds):
-        shift = index % len(methods)
-        order += [(index, method) for method in methods[shift:] + methods[:shift]]
-    return order
-
-
 # ------------------------------------------------------------------------------------------------ one rank
-
-
-def split_rank(method: str) -> tuple[str, int | None]:
-    """``"low_rank_r4"`` -> ``("low_rank", 4)``; a name without an ``_r<k>`` suffix -> ``(name, None)``."""
-    stem, _, suffix = method.rpartition("_r")
-    return (stem, int(suffix)) if stem and suffix.isdigit() else (method, None)
-
-
-def resolve_algorithm(stem: str) -> tuple[str, dict[str, Any]]:
-    """A method stem's algorithm and extra keywords: ``"low_rank_alt"`` -> ``("low_rank", {"alternate": True})``."""
-    name, keywords = ALGORITHM_VARIANTS.get(stem, (stem, {}))
-    return name, dict(keywords)
 
 
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
@@ -180,15 +151,7 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     if args.task == "mlp":
         return make_model(args.width, args.depth), nn.functional.mse_loss
     torch.manual_seed(0)
-    return convergence_module().task_model(args.task), convergence_module().task_loss
-
-
-def convergence_module() -> Any:
-    """``benchmarks/convergence.py``, which holds the task models (imported on first use: it imports Lightning)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import convergence
-
-    return convergence
+    return task_model(args.task), task_loss
 
 
 def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
@@ -245,7 +208,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         inputs = torch.randn(args.batch, args.width, generator=generator)
         targets = torch.randn(args.batch, 1, generator=generator)
     else:
-        inputs, targets = convergence_module().random_batch(args.task, args.batch, generator)
+        inputs, targets = random_batch(args.task, args.batch, generator)
     times: list[float] = []
     bytes_before = 0
     for step in range(args.warmup + args.steps):
@@ -780,22 +743,6 @@ def links_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine() -> dict[str, Any]:
-    """Python, torch, Lightning, the platform and the load when the report was written."""
-    import lightning
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        # Other work on the machine slows the unshaped and 10 Gbit/s runs most: recorded, not hidden.
-        "load_average_1_5_15": os.getloadavg(),
-    }
-
-
 def orchestrate(args: argparse.Namespace) -> None:
     if args.check_links is not None:
         report = check_links(args)
@@ -814,13 +761,6 @@ def orchestrate(args: argparse.Namespace) -> None:
         title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
         chart(report["results"], args.rates, methods, out / f"{stem}.png", title)
     print(table)
-
-
-def write_report(out: Path, stem: str, report: dict[str, Any], table: str) -> None:
-    """Write ``report`` to ``out/<stem>.json`` and its table to ``out/<stem>.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(table)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

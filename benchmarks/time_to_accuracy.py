@@ -55,7 +55,6 @@ curve, every lab row, every failure, and the combined table), ``time_to_accuracy
 """
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -70,6 +69,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import convergence
 import network_lab
+from harness import machine, resolve_algorithm, split_rank, write_report
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def lab_methods(methods: list[str], ranks_per_host: int) -> list[str]:
 
     found = ["single"]
     for method in methods:
-        name, _ = network_lab.resolve_algorithm(network_lab.split_rank(method)[0])
+        name, _ = resolve_algorithm(split_rank(method)[0])
         is_algorithm = name in available_algorithms()
         if ranks_per_host > 1 and is_algorithm and "hierarchical" in algorithm_class(name).keywords():
             found += [f"{method}:flat", f"{method}:hierarchical"]
@@ -283,7 +283,7 @@ def combine(
             # Overhead against DDP's PowerSGD hook at the same rank, rate and layout.
             of_layout = [r for r in combined if r["task"] == task and r["layout"] == layout]
             for row in of_layout:
-                _, rank = network_lab.split_rank(row["curve_method"])
+                _, rank = split_rank(row["curve_method"])
                 reference = next(
                     (r for r in of_layout if r["rate"] == row["rate"] and r["method"] == f"ddp_powersgd_r{rank}"), None
                 )
@@ -469,7 +469,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "time to accuracy: steps to DDP's accuracy (two Gloo processes) x step time (CPU network lab)",
         "command": "python benchmarks/time_to_accuracy.py" + "".join(f" {a}" for a in args.argv),
         "settings": settings,
-        "machine": network_lab.machine(),
+        "machine": machine(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "total_wall_s": time.perf_counter() - started,
         "curves": curves,
@@ -481,9 +481,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     }
     table = markdown(report)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{STEM}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{STEM}.md").write_text(table)
+    write_report(out, STEM, report, table)
     chart(report, out / f"{STEM}.png")
     print(table)
     return report
