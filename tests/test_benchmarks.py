@@ -191,3 +191,25 @@ def test_gloo_scheduling_times_both_policies_of_every_communication(tmp_path: Pa
     assert len(report["rounds"]) == 2 * 6 * 2  # rounds x settings x ranks
     assert all(row["median_ms"] > 0 and row["p90_ms"] >= row["median_ms"] for row in report["rounds"])
     assert "python benchmarks/gloo_scheduling.py" in (tmp_path / "gloo_scheduling_cpu.md").read_text()
+
+
+def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path) -> None:
+    # One algorithm on two processes, one kill inside a training step: the undisturbed job, then the killed job,
+    # which torchrun restarts and which resumes from last.ckpt to the undisturbed weights, bit for bit.
+    command = ["--kills", "1", "--algorithms", "gradient_allreduce", "--layouts", "2", "--kinds", "mid_step"]
+    out = tmp_path / "results"
+    completed = run(str(BENCHMARKS / "chaos.py"), *command, "--out", str(out), "--cache", str(tmp_path / "cache"))
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "chaos_cpu.json").read_text())
+    assert report["command"].startswith("python benchmarks/chaos.py --kills 1")
+    [row] = report["summary"]
+    assert (row["algorithm"], row["layout"], row["runs"], row["kills"]) == ("gradient_allreduce", "2", 1, 1)
+    assert row["kills_by_kind"] == {"mid_step": 1}
+    assert row["kills_missed_aim"] == 0
+    assert row["restarts"] == 1
+    assert (row["exact"], row["not_exact"], row["torn_checkpoints"], row["hangs"]) == (1, 0, 0, 0)
+    [job] = report["runs"]
+    assert job["comparison"] == "bit-identical"
+    assert job["checkpoints"] >= 1
+    assert "| gradient_allreduce | 2 | 1 | 1 | 1 |" in (out / "chaos_cpu.md").read_text()
+    assert list((tmp_path / "cache").glob("gradient_allreduce-2-cpu-0-*.pt"))
