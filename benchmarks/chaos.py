@@ -301,7 +301,11 @@ class Job:
         return False
 
     def kill_tree(self) -> None:
-        """SIGKILL every process of the job (each agent's session)."""
+        """SIGKILL every process of the job: the workers (each in a session of its own), then the agents."""
+        # Workers first: once their agent is gone they are re-parented, and no longer found as its children.
+        for pid in worker_pids(self.agents).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
         for process in self.processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
