@@ -561,7 +561,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "| algorithm | layout | runs | kills | mid_step | collective | checkpoint_save | restart | missed aim | "
         "restarts | exact | not exact | torn ckpts | leftover .partial | hangs |",
-        "| --- | --- | " + "--- | " * 13,
+        "|" + " --- |" * 15,
     ]
     for row in report["summary"]:
         by_kind = row["kills_by_kind"]
