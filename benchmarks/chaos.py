@@ -442,6 +442,7 @@ def undisturbed(
     path = cache / f"{cache_key(algorithm, layout, device, seed)}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
+    print(f"{algorithm} {layout.name}: undisturbed job, seed {seed}", flush=True)
     with tempfile.TemporaryDirectory(prefix="chaos-reference-") as directory:
         out = Path(directory)
         job = Job(agent_commands(layout, algorithm, out, device, seed, []), out / "log.txt")
@@ -468,7 +469,10 @@ def compare(algorithm: str, finals: list[dict[str, Any]], references: list[list[
         spread = high - low
         loss = finals[0]["loss"]
         inside = low - spread <= loss <= high + spread
-        return inside, f"loss {loss:.6f}, undisturbed over {len(references)} seeds [{low:.6f}, {high:.6f}]"
+        own = reference[0]["loss"]
+        return inside, (
+            f"loss {loss:.6f}, undisturbed {own:.6f} at the same seed, [{low:.6f}, {high:.6f}] over {len(references)}"
+        )
     steps = [f["global_step"] for f in finals]
     if steps != [f["global_step"] for f in reference]:
         return False, f"steps {steps} against {[f['global_step'] for f in reference]}"
@@ -621,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
                 references = [undisturbed(algorithm, layout, args.device, s, args.cache, args.timeout_s) for s in seeds]
                 for index in range(args.kills):
                     kind = rng.choice(args.kinds)
+                    print(f"{algorithm} {layout.name} #{index} {kind}: started", flush=True)
                     run = disturbed_run(
                         algorithm, layout, kind, index, args.device, args.seed, rng, references, args.timeout_s, work
                     )
