@@ -556,7 +556,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 def markdown(report: dict[str, Any]) -> str:
     """Return the report as a Markdown page: the command, the settings, then the counts per algorithm and layout."""
     lines = [
-        f"# Chaos: {report['device']}",
+        f"# Chaos: {report['name']} ({report['device']})",
         "",
         f"Command: `{report['command']}`",
         "",
@@ -643,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "SIGKILL a random worker at a random moment of an elastic torchrun job; count exact finishes",
         "command": command,
         "device": args.device,
+        "name": args.name or f"chaos_{args.device}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "python": platform.python_version(),
