@@ -124,6 +124,7 @@ class Run:
     checkpoints: int = 0
     torn: list[str] = field(default_factory=list)
     leftover_partials: int = 0
+    last_markers: dict[int, str] = field(default_factory=dict)
     log_tail: str = ""
 
 
@@ -524,6 +525,9 @@ def disturbed_run(
     else:
         run.exact, run.comparison = compare(algorithm, finals, references)
     if run.hang or not run.exact or run.torn:
+        # Where each rank got to, with its launch's restart count: agents that disagree on it show here.
+        markers = Markers(out / "markers")
+        run.last_markers = {rank: markers.last(rank) for rank in range(layout.world_size)}
         run.log_tail = (out / "log.txt").read_text(errors="replace")[-3000:]
     return run
 
@@ -589,7 +593,7 @@ def markdown(report: dict[str, Any]) -> str:
         for run in problems:
             lines.append(
                 f"- {run['algorithm']} {run['layout']} run {run['index']} ({run['kind']}): {run['comparison']}"
-                f"; torn: {run['torn'] or 'none'}"
+                f"; torn: {run['torn'] or 'none'}; last markers: {run['last_markers'] or 'not kept'}"
             )
     return "\n".join(lines) + "\n"
 
