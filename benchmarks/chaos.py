@@ -8,8 +8,8 @@ kind picked at random:
 - ``mid_step``: once a rank has started a training step picked at random, within that step's first milliseconds;
 - ``collective``: the job is told to make one rank sleep before its backward at a step picked at random; once it
   does, and the others have had time to block on it, one of the others is killed while it waits in a collective;
-- ``checkpoint_save``: after a step picked at random, as soon as a checkpoint's temporary ``.partial`` file appears
-  (in these runs the job holds each save open for 0.3 s), so the kill lands while rank 0 writes the checkpoint;
+- ``checkpoint_save``: as soon as rank 0 marks the start of a save at or after a step picked at random (in these
+  runs the job holds each save open for 0.3 s, with its ``.partial`` file open), so the kill lands inside the save;
 - ``restart``: a ``mid_step`` kill first, then, a random fraction of a few seconds after torchrun has started the
   new workers and before any of them has begun fitting, one of those.
 
@@ -360,12 +360,11 @@ def aim_and_kill(job: Job, kind: str, layout: Layout, out: Path, rng: random.Ran
     target = rng.randrange(1, steps - 2)
     if kind == "checkpoint_save":
         ckpt = out / "ckpt"
-        # The first save after the target step; the job holds it open for SAVE_DELAY_S.
-        if job.wait_for(lambda: markers.reached("step", target), deadline) and job.wait_for(
-            lambda: bool(partial_files(ckpt)), deadline
-        ):
-            names = ", ".join(p.name for p in partial_files(ckpt))
-            kill = kill_rank(job, kind, None, rng, markers, f"while {names} was written (after step {target})")
+        # The first save at or after the target step; the job holds it open for SAVE_DELAY_S, marking its start
+        # (Lightning's own checkpoint IO, under ddp, writes no .partial file to watch for).
+        if job.wait_for(lambda: markers.reached("save", target), deadline):
+            names = ", ".join(p.name for p in partial_files(ckpt)) or "no .partial file"
+            kill = kill_rank(job, kind, None, rng, markers, f"in the save of step {target} or later ({names})")
             kills += [kill] if kill else []
         return kills
     # mid_step, and the first kill of restart.

@@ -4,10 +4,10 @@ The user's script of issue 34: ``ModelCheckpoint(every_n_train_steps=k, save_las
 ``DataLoader`` and ``trainer.fit(model, loader, ckpt_path="last")``; a restarted worker runs it again, unchanged.
 The model has dropout and the loss a draw from Python's ``random``, so resuming must restore the generators too.
 
-For the harness to aim its kills, every rank appends ``<restart> <phase> <step>`` lines to
-``OUT/markers/rank{r}.log`` (``setup``, ``fit_start``, ``step``, ``backward``, ``straggle``, ``done``), and two
-options shape the job without changing its arithmetic: ``--save-delay-s`` holds every checkpoint save open for that
-long while its ``.partial`` file exists (by making one entry of the checkpoint slow to pickle), and
+For the harness to aim its kills, every rank appends ``<restart> <phase> <step>`` lines to ``OUT/markers/rank{r}.log``
+(``setup``, ``fit_start``, ``step``, ``backward``, ``straggle``, ``save``, ``done``), and two options shape the job
+without changing its arithmetic: ``--save-delay-s`` holds every checkpoint save open for that long while its file
+(``.partial``, with the strategy's atomic checkpoint IO) is open, by making one entry slow to pickle, and
 ``--straggle-rank/--straggle-step`` make one rank sleep before its backward once, so that the other ranks wait
 inside a collective. Each rank that finishes writes ``OUT/final/rank{r}.pt``: its weights, the loss of those weights
 on the whole data set (evaluation mode), its step count and the launcher's restart count.
@@ -35,14 +35,16 @@ BATCH = 4
 class SlowToPickle:
     """A checkpoint entry that takes ``delay_s`` to pickle and loads as an empty ``OrderedDict``.
 
-    ``torch.save`` pickles it while the checkpoint's temporary file is open, so the save lasts long enough for the
-    harness to see the file and kill a rank inside the save; ``weights_only`` loading accepts ``OrderedDict``.
+    ``torch.save`` pickles it while the checkpoint's file is open, so the save lasts long enough for the harness to
+    kill a rank inside it; ``weights_only`` loading accepts ``OrderedDict``. It writes a ``save`` marker as it starts:
+    with Lightning's own checkpoint IO (``ddp``) there is no ``.partial`` file to watch for.
     """
 
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
+    def __init__(self, delay_s: float, markers: "Markers", step: int) -> None:
+        self.delay_s, self.markers, self.step = delay_s, markers, step
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
+        self.markers.write("save", self.step)
         time.sleep(self.delay_s)
         return collections.OrderedDict, ()
 
@@ -117,7 +119,7 @@ def main() -> None:
 
         def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
             if args.save_delay_s > 0:
-                checkpoint["chaos_save_delay"] = SlowToPickle(args.save_delay_s)
+                checkpoint["chaos_save_delay"] = SlowToPickle(args.save_delay_s, markers, self.global_step)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if args.algorithm == "qadam":
