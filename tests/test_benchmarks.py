@@ -210,3 +210,52 @@ def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
     assert "python benchmarks/gpu_network_lab.py --regime sockets --rounds 1 --methods ddp low_rank_r4" in table
     assert "| low_rank_r4 |" in table
     assert "steps to target" in table
+
+
+def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path) -> None:
+    # One algorithm on two processes, one kill inside a training step: the undisturbed job, then the killed job,
+    # which torchrun restarts and which resumes from last.ckpt to the undisturbed weights, bit for bit.
+    command = ["--kills", "1", "--algorithms", "gradient_allreduce", "--layouts", "2", "--kinds", "mid_step"]
+    out = tmp_path / "results"
+    completed = run(str(BENCHMARKS / "chaos.py"), *command, "--out", str(out), "--cache", str(tmp_path / "cache"))
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "chaos_cpu.json").read_text())
+    assert report["command"].startswith("python benchmarks/chaos.py --kills 1")
+    [row] = report["summary"]
+    assert (row["algorithm"], row["layout"], row["runs"], row["kills"]) == ("gradient_allreduce", "2", 1, 1)
+    assert row["kills_by_kind"] == {"mid_step": 1}
+    assert row["kills_missed_aim"] == 0
+    assert row["restarts"] == 1
+    assert (row["exact"], row["not_exact"], row["torn_checkpoints"], row["hangs"]) == (1, 0, 0, 0)
+    [job] = report["runs"]
+    assert job["comparison"] == "bit-identical"
+    assert job["checkpoints"] >= 1
+    assert "| gradient_allreduce | 2 | 1 | 1 | 1 |" in (out / "chaos_cpu.md").read_text()
+    assert list((tmp_path / "cache").glob("gradient_allreduce-2-cpu-0-*.pt"))
+
+
+def test_chaos_layouts_and_comparisons() -> None:
+    spec = importlib.util.spec_from_file_location("chaos", BENCHMARKS / "chaos.py")
+    assert spec is not None
+    assert spec.loader is not None
+    chaos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chaos)
+    layout = chaos.Layout.parse("2x2")
+    assert (layout.nodes, layout.per_node, layout.world_size) == (2, 2, 4)
+    assert chaos.Layout.parse("4").nodes == 1
+    import torch
+
+    def final(value: float, loss: float = 1.0) -> dict[str, Any]:
+        return {"state": {"w": torch.tensor([value])}, "loss": loss, "global_step": 36}
+
+    reference = [[final(1.0), final(1.0)]]
+    assert chaos.compare("gradient_allreduce", [final(1.0), final(1.0)], reference) == (True, "bit-identical")
+    # One ulp off is off for a synchronous algorithm, within the tolerance of a decentralized one.
+    off = float(torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)))
+    assert not chaos.compare("gradient_allreduce", [final(off), final(1.0)], reference)[0]
+    assert chaos.compare("decentralized", [final(off), final(1.0)], reference)[0]
+    assert not chaos.compare("decentralized", [final(1.001), final(1.0)], reference)[0]
+    # async: within the seeds' spread of the final loss, widened by that spread on either side.
+    seeds = [[final(1.0, 1.0)], [final(1.0, 1.2)]]
+    assert chaos.compare("async", [final(0.0, 0.85)], seeds)[0]
+    assert not chaos.compare("async", [final(0.0, 1.5)], seeds)[0]

@@ -1,0 +1,686 @@
+"""Kill a random rank at a random moment of an elastic job, and check that the job still ends where it should.
+
+Each run launches ``benchmarks/chaos_script.py`` (a small Trainer fit with ``ModelCheckpoint(every_n_train_steps=5,
+save_last=True)``, a shuffled ``DataLoader`` and ``ckpt_path="last"``) under ``torchrun --max-restarts``, with a
+c10d rendezvous on 127.0.0.1. The harness, not the job, then SIGKILLs one worker, picked at random, at a moment of a
+kind picked at random:
+
+- ``mid_step``: once a rank has started a training step picked at random, within that step's first milliseconds;
+- ``collective``: the job is told to make one rank sleep before its backward at a step picked at random; once it
+  does, and the others have had time to block on it, one of the others is killed while it waits in a collective;
+- ``checkpoint_save``: as soon as rank 0 marks the start of a save at or after a step picked at random (in these
+  runs the job holds each save open for 0.3 s, with its ``.partial`` file open), so the kill lands inside the save;
+- ``restart``: a ``mid_step`` kill first, then, a random fraction of a few seconds after torchrun has started the
+  new workers and before any of them has begun fitting, one of those.
+
+After the job, every ``.ckpt`` file left must load with ``torch.load(weights_only=True)`` (else it counts as torn),
+and every rank's final weights are compared with those of the undisturbed job of the same configuration (run once
+and cached): bit for bit for the synchronous algorithms and ``ddp``, within 1e-5 for ``decentralized`` and
+``low_precision_decentralized``; for ``async``, the final loss must lie within the spread of the undisturbed job's
+final loss over a few seeds, widened by that spread on either side. A job still running after ``--timeout-s`` is
+killed and counted as a hang.
+
+Results go to ``benchmarks/results/chaos_<device>.json`` and ``.md`` (``--name`` to change), with the command.
+Run with the project's interpreter, for instance
+``.venv/bin/python benchmarks/chaos.py --kills 4 --algorithms gradient_allreduce async --layouts 2``.
+"""
+
+import argparse
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "chaos_script.py"
+ALGORITHMS = (
+    "ddp",
+    "gradient_allreduce",
+    "bytegrad",
+    "decentralized",
+    "low_precision_decentralized",
+    "low_rank",
+    "qadam",
+    "async",
+)
+SYNCHRONOUS = frozenset({"ddp", "gradient_allreduce", "bytegrad", "low_rank", "qadam"})
+NEAR_TOLERANCE = 1e-5
+KINDS = ("mid_step", "collective", "checkpoint_save", "restart")
+LAYOUTS = ("2", "4", "2x2")
+# The job: 96 samples in batches of 4 per rank, 3 epochs, a checkpoint every 5 steps (chaos_script.py's defaults).
+SAMPLES, BATCH, EPOCHS, CHECKPOINT_EVERY = 96, 4, 3, 5
+MAX_RESTARTS = 3
+STEP_SLEEP_S = 0.01
+SAVE_DELAY_S = 0.3
+STRAGGLE_S = 2.0
+ASYNC_SEEDS = 3
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Often enough to catch a 0.3 s save and a step of ~10 ms, rarely enough to leave the CPUs to the job.
+POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many torchrun agents (nodes) and how many workers each."""
+
+    name: str
+    nodes: int
+    per_node: int
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of workers in all."""
+        return self.nodes * self.per_node
+
+    @classmethod
+    def parse(cls, name: str) -> "Layout":
+        """Return ``"4"`` as one node of 4 workers and ``"2x2"`` as 2 nodes of 2."""
+        nodes, _, per_node = name.rpartition("x")
+        return cls(name, int(nodes or 1), int(per_node))
+
+
+@dataclass
+class Kill:
+    """One SIGKILL: the moment aimed at, the victim, and whether the kill landed where it was aimed."""
+
+    kind: str
+    rank: int
+    pid: int
+    landed: bool
+    detail: str
+
+
+@dataclass
+class Run:
+    """One disturbed job and what the checks found."""
+
+    algorithm: str
+    layout: str
+    kind: str
+    index: int
+    kills: list[Kill] = field(default_factory=list)
+    returncodes: list[int | None] = field(default_factory=list)
+    hang: bool = False
+    seconds: float = 0.0
+    restarts: int = 0
+    exact: bool = False
+    comparison: str = ""
+    checkpoints: int = 0
+    torn: list[str] = field(default_factory=list)
+    leftover_partials: int = 0
+    last_markers: dict[int, str] = field(default_factory=dict)
+    log_tail: str = ""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def steps_per_job(layout: Layout) -> int:
+    """Return how many optimizer steps each rank takes in the whole job."""
+    return SAMPLES // BATCH // layout.world_size * EPOCHS
+
+
+def algorithm_keywords(algorithm: str, layout: Layout) -> dict[str, Any]:
+    """Return ``BaguaStrategy``'s algorithm keywords for the job."""
+    keywords: dict[str, Any] = {}
+    if algorithm == "async":
+        keywords["sync_interval_ms"] = 5
+    if algorithm == "low_rank":
+        keywords["warmup_steps"] = 1
+    # On one node, hierarchical would reduce the node at full precision: flat, the compressed exchanges run.
+    if algorithm in ("low_rank", "low_precision_decentralized") and layout.nodes == 1:
+        keywords["hierarchical"] = False
+    return keywords
+
+
+def worker_env() -> dict[str, str]:
+    """Return the environment for torchrun: the repository on the path, no launch variables of our own."""
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
+    paths = [str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    return env
+
+
+def agent_commands(
+    layout: Layout, algorithm: str, out: Path, device: str, seed: int, extra: list[str]
+) -> list[list[str]]:
+    """Return one torchrun command per node of ``layout``, all meeting at one rendezvous on 127.0.0.1."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    job_id = f"chaos-{uuid.uuid4().hex[:8]}"
+    script = [
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--algorithm",
+        algorithm,
+        "--device",
+        device,
+        "--seed",
+        str(seed),
+        "--keywords",
+        json.dumps(algorithm_keywords(algorithm, layout)),
+        "--epochs",
+        str(EPOCHS),
+        "--checkpoint-every",
+        str(CHECKPOINT_EVERY),
+        "--step-sleep-s",
+        str(STEP_SLEEP_S),
+        *extra,
+    ]
+    return [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(layout.nodes),
+            "--nproc-per-node",
+            str(layout.per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            job_id,
+            "--local-addr",
+            "127.0.0.1",
+            "--max-restarts",
+            str(MAX_RESTARTS),
+            "--monitor-interval",
+            "0.1",
+            *script,
+        ]
+        for _ in range(layout.nodes)
+    ]
+
+
+def parent_pid(pid: int) -> int | None:
+    """Return ``pid``'s parent, or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name, in parentheses, may hold spaces: the fields after its closing parenthesis are fixed.
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def worker_pids(agents: list[int]) -> dict[int, int]:
+    """Return ``{rank: pid}`` for the live worker processes whose parent is one of the torchrun ``agents``."""
+    workers = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or parent_pid(int(entry.name)) not in agents:
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            status = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if status == "Z":  # killed, not yet reaped: no longer a target
+            continue
+        for item in environ:
+            if item.startswith(b"RANK="):
+                workers[int(item[5:])] = int(entry.name)
+    return workers
+
+
+class Markers:
+    """Read the job's marker files: ``<restart> <phase> <step> <time>`` lines, one file per rank."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def lines(self) -> list[tuple[int, int, str, int]]:
+        """Return every marker line so far as ``(rank, restart, phase, step)``."""
+        found = []
+        for path in sorted(self.directory.glob("rank*.log")):
+            rank = int(path.stem[4:])
+            for line in path.read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 4:  # a line still being written is skipped until it is whole
+                    found.append((rank, int(parts[0]), parts[1], int(parts[2])))
+        return found
+
+    def reached(self, phase: str, step: int = -1, restart: int | None = None) -> bool:
+        """Return whether some rank wrote ``phase`` at ``step`` or later (in launch ``restart``, if given)."""
+        return any(p == phase and s >= step and (restart is None or r == restart) for _, r, p, s in self.lines())
+
+    def last(self, rank: int) -> str:
+        """Return ``rank``'s latest marker as text, for the record of a kill."""
+        own = [f"restart {r} {p} {s}" for k, r, p, s in self.lines() if k == rank]
+        return own[-1] if own else "nothing yet"
+
+
+class Job:
+    """One launched job: its torchrun agents, each in a session of its own so that a hang is killed whole."""
+
+    def __init__(self, commands: list[list[str]], log: Path) -> None:
+        self.log = log.open("w")
+        self.processes = [
+            subprocess.Popen(
+                command, env=worker_env(), cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            for command in commands
+        ]
+        self.started = time.monotonic()
+
+    @property
+    def agents(self) -> list[int]:
+        """Return the agents' process ids."""
+        return [process.pid for process in self.processes]
+
+    def running(self) -> bool:
+        """Return whether any agent is still running."""
+        return any(process.poll() is None for process in self.processes)
+
+    def wait_for(self, condition: Callable[[], bool], deadline: float) -> bool:
+        """Poll ``condition`` until it holds (True), or the job ends or ``deadline`` passes (False)."""
+        while time.monotonic() < deadline and self.running():
+            if condition():
+                return True
+            time.sleep(POLL_S)
+        return False
+
+    def kill_tree(self) -> None:
+        """SIGKILL every process of the job: the workers (each in a session of its own), then the agents."""
+        # Workers first: once their agent is gone they are re-parented, and no longer found as its children.
+        for pid in worker_pids(self.agents).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+    def finish(self, deadline: float) -> tuple[list[int | None], bool]:
+        """Wait for the agents until ``deadline``; kill a job still running then. Return exit codes and hang."""
+        hang = not self.wait_for(lambda: not self.running(), deadline) and self.running()
+        if hang:
+            self.kill_tree()
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+        # Workers torchrun left behind (it should leave none) would hold ports and CPUs for the next run.
+        self.kill_tree()
+        self.log.close()
+        return [process.returncode for process in self.processes], hang
+
+
+def kill_rank(job: Job, kind: str, rank: int | None, rng: random.Random, markers: Markers, detail: str) -> Kill | None:
+    """SIGKILL one live worker (``rank``, or one at random) and return the record of it."""
+    workers = worker_pids(job.agents)
+    if rank is None or rank not in workers:
+        if not workers:
+            return None
+        rank = rng.choice(sorted(workers))
+    pid = workers[rank]
+    state = markers.last(rank)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return Kill(kind, rank, pid, True, f"{detail}; rank {rank} was at: {state}")
+
+
+def partial_files(directory: Path) -> list[Path]:
+    """Return the temporary files of checkpoint saves in progress (or killed) in ``directory``."""
+    return list(directory.glob(".*.partial")) if directory.exists() else []
+
+
+def aim_and_kill(job: Job, kind: str, layout: Layout, out: Path, rng: random.Random, deadline: float) -> list[Kill]:
+    """Wait for the moment of ``kind`` and kill a worker there; return the kills (none if the moment never came)."""
+    markers = Markers(out / "markers")
+    steps = steps_per_job(layout)
+    kills: list[Kill] = []
+    if kind == "collective":
+        straggler = int((out / "straggle_rank").read_text())
+        if job.wait_for(lambda: markers.reached("straggle"), deadline):
+            # The straggler sleeps STRAGGLE_S; the others reach the collective it holds up within a step or two.
+            time.sleep(min(0.5, STRAGGLE_S / 4))
+            others = [r for r in range(layout.world_size) if r != straggler]
+            kill = kill_rank(job, kind, rng.choice(others), rng, markers, f"rank {straggler} straggling")
+            kills += [kill] if kill else []
+        return kills
+    target = rng.randrange(1, steps - 2)
+    if kind == "checkpoint_save":
+        ckpt = out / "ckpt"
+        # The first save at or after the target step; the job holds it open for SAVE_DELAY_S, marking its start
+        # (Lightning's own checkpoint IO, under ddp, writes no .partial file to watch for).
+        if job.wait_for(lambda: markers.reached("save", target), deadline):
+            names = ", ".join(p.name for p in partial_files(ckpt)) or "no .partial file"
+            kill = kill_rank(job, kind, None, rng, markers, f"in the save of step {target} or later ({names})")
+            kills += [kill] if kill else []
+        return kills
+    # mid_step, and the first kill of restart.
+    if not job.wait_for(lambda: markers.reached("step", target, restart=0), deadline):
+        return kills
+    time.sleep(rng.uniform(0, STEP_SLEEP_S))
+    first = kill_rank(
+        job, "mid_step" if kind == "mid_step" else "restart_trigger", None, rng, markers, f"in step {target}"
+    )
+    if first is None:
+        return kills
+    kills.append(first)
+    if kind != "restart":
+        return kills
+    # torchrun stops the other workers and starts new ones: wait for a new set, then kill one as it starts up.
+    old = set(worker_pids(job.agents).values()) | {first.pid}
+
+    def restarted() -> bool:
+        current = worker_pids(job.agents)
+        return len(current) == layout.per_node * layout.nodes and not (set(current.values()) & old)
+
+    if job.wait_for(restarted, deadline):
+        time.sleep(rng.uniform(0, 2.0))
+        landed = not markers.reached("fit_start", restart=1) and not markers.reached("step", restart=1)
+        kill = kill_rank(job, kind, None, rng, markers, "as the restarted workers start up")
+        if kill:
+            kill.landed = landed
+            if not landed:
+                kill.detail += " (late: a restarted worker had begun fitting)"
+            kills.append(kill)
+    return kills
+
+
+def load_checkpoints(directory: Path) -> tuple[int, list[str]]:
+    """Load every ``.ckpt`` in ``directory`` as Lightning does; return how many and the names of those that fail."""
+    import torch
+
+    torn = []
+    paths = sorted(directory.glob("*.ckpt")) if directory.exists() else []
+    for path in paths:
+        try:
+            torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:  # removed by ModelCheckpoint between the listing and the load: not torn
+            continue
+        except Exception as error:  # whatever stops a load makes it useless
+            torn.append(f"{path.name}: {type(error).__name__}: {str(error)[:200]}")
+    return len(paths), torn
+
+
+def read_finals(out: Path, world_size: int) -> list[dict[str, Any]] | None:
+    """Return every rank's final record, or None when some rank did not finish."""
+    import torch
+
+    paths = [out / "final" / f"rank{rank}.pt" for rank in range(world_size)]
+    if not all(path.exists() for path in paths):
+        return None
+    return [torch.load(path, weights_only=True) for path in paths]
+
+
+def cache_key(algorithm: str, layout: Layout, device: str, seed: int) -> str:
+    """Return a key that changes with the configuration, the job's script and the library's sources."""
+    digest = hashlib.sha256(SCRIPT.read_bytes())
+    for path in sorted((REPO / "src").rglob("*.py")):
+        digest.update(path.read_bytes())
+    digest.update(f"{algorithm}/{layout.name}/{device}/{seed}/{MAX_RESTARTS}".encode())
+    return f"{algorithm}-{layout.name}-{device}-{seed}-{digest.hexdigest()[:16]}"
+
+
+def undisturbed(
+    algorithm: str, layout: Layout, device: str, seed: int, cache: Path, timeout_s: float
+) -> list[dict[str, Any]]:
+    """Return the final records of the undisturbed job, running it once and caching it."""
+    import torch
+
+    path = cache / f"{cache_key(algorithm, layout, device, seed)}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    print(f"{algorithm} {layout.name}: undisturbed job, seed {seed}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="chaos-reference-") as directory:
+        out = Path(directory)
+        job = Job(agent_commands(layout, algorithm, out, device, seed, []), out / "log.txt")
+        returncodes, hang = job.finish(time.monotonic() + timeout_s)
+        finals = read_finals(out, layout.world_size)
+        if hang or finals is None or any(returncodes):
+            tail = (out / "log.txt").read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"the undisturbed {algorithm} job on {layout.name} failed ({returncodes}):\n{tail}")
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save(finals, path)
+    return finals
+
+
+def compare(algorithm: str, finals: list[dict[str, Any]], references: list[list[dict[str, Any]]]) -> tuple[bool, str]:
+    """Compare a disturbed job's final records with the undisturbed job's (several seeds for ``async``)."""
+    import torch
+
+    reference = references[0]
+    if algorithm == "async":
+        losses = [min(f["loss"] for f in ref) for ref in references] + [
+            max(f["loss"] for f in ref) for ref in references
+        ]
+        low, high = min(losses), max(losses)
+        spread = high - low
+        loss = finals[0]["loss"]
+        inside = low - spread <= loss <= high + spread
+        own = reference[0]["loss"]
+        return inside, (
+            f"loss {loss:.6f}, undisturbed {own:.6f} at the same seed, [{low:.6f}, {high:.6f}] over {len(references)}"
+        )
+    steps = [f["global_step"] for f in finals]
+    if steps != [f["global_step"] for f in reference]:
+        return False, f"steps {steps} against {[f['global_step'] for f in reference]}"
+    worst = 0.0
+    for final, expected in zip(finals, reference, strict=True):
+        for key, value in expected["state"].items():
+            if algorithm in SYNCHRONOUS and not torch.equal(final["state"][key], value):
+                difference = (final["state"][key] - value).abs().max().item()
+                return False, f"{key} differs by {difference:.3e} (must be bit-identical)"
+            worst = max(worst, (final["state"][key].double() - value.double()).abs().max().item())
+    if algorithm not in SYNCHRONOUS and worst > NEAR_TOLERANCE:
+        return False, f"max difference {worst:.3e} > {NEAR_TOLERANCE}"
+    return True, "bit-identical" if worst == 0 else f"max difference {worst:.3e}"
+
+
+def disturbed_run(
+    algorithm: str, layout: Layout, kind: str, index: int, device: str, seed: int, rng: random.Random,
+    references: list[list[dict[str, Any]]], timeout_s: float, work: Path,
+) -> Run:  # fmt: skip
+    """Launch the job, kill a worker at a moment of ``kind``, and check what it ends with."""
+    run = Run(algorithm, layout.name, kind, index)
+    out = work / f"{algorithm}-{layout.name}-{index}-{kind}"
+    out.mkdir(parents=True)
+    # Only the job whose saves are aimed at holds them open: the others need not be slower.
+    extra = ["--save-delay-s", str(SAVE_DELAY_S)] if kind == "checkpoint_save" else []
+    if kind == "collective":
+        straggler = rng.randrange(layout.world_size)
+        (out / "straggle_rank").write_text(str(straggler))
+        step = rng.randrange(1, steps_per_job(layout) - 2)
+        extra += ["--straggle-rank", str(straggler), "--straggle-step", str(step), "--straggle-s", str(STRAGGLE_S)]
+    job = Job(agent_commands(layout, algorithm, out, device, seed, extra), out / "log.txt")
+    deadline = job.started + timeout_s
+    run.kills = aim_and_kill(job, kind, layout, out, rng, deadline)
+    # Checkpoints as the kill left them, before a restart writes new ones over them.
+    count, torn = load_checkpoints(out / "ckpt")
+    run.returncodes, run.hang = job.finish(deadline)
+    run.seconds = round(time.monotonic() - job.started, 1)
+    later_count, later_torn = load_checkpoints(out / "ckpt")
+    run.checkpoints = max(count, later_count)
+    run.torn = sorted(set(torn) | set(later_torn))
+    run.leftover_partials = len(partial_files(out / "ckpt"))
+    restarts = [r for _, r, _, _ in Markers(out / "markers").lines()]
+    run.restarts = max(restarts, default=0)
+    finals = read_finals(out, layout.world_size)
+    if run.hang:
+        run.comparison = f"hang: still running after {timeout_s:.0f} s"
+    elif finals is None or any(run.returncodes):
+        run.comparison = f"failed: exit codes {run.returncodes}"
+    else:
+        run.exact, run.comparison = compare(algorithm, finals, references)
+    if run.hang or not run.exact or run.torn:
+        # Where each rank got to, with its launch's restart count: agents that disagree on it show here.
+        markers = Markers(out / "markers")
+        run.last_markers = {rank: markers.last(rank) for rank in range(layout.world_size)}
+        run.log_tail = (out / "log.txt").read_text(errors="replace")[-3000:]
+    return run
+
+
+def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+    """Return one row of counts per algorithm and layout."""
+    rows = []
+    for key in dict.fromkeys((r.algorithm, r.layout) for r in runs):
+        group = [r for r in runs if (r.algorithm, r.layout) == key]
+        kills = [k for r in group for k in r.kills]
+        rows.append(
+            {
+                "algorithm": key[0],
+                "layout": key[1],
+                "runs": len(group),
+                "kills": len(kills),
+                "kills_by_kind": dict(Counter(k.kind for k in kills)),
+                "kills_missed_aim": sum(not k.landed for k in kills) + sum(not r.kills for r in group),
+                "restarts": sum(r.restarts for r in group),
+                "exact": sum(r.exact for r in group),
+                "not_exact": sum(not r.exact and not r.hang for r in group),
+                "torn_checkpoints": sum(len(r.torn) for r in group),
+                "leftover_partials": sum(r.leftover_partials for r in group),
+                "hangs": sum(r.hang for r in group),
+            }
+        )
+    return rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """Return the report as a Markdown page: the command, the settings, then the counts per algorithm and layout."""
+    lines = [
+        f"# Chaos: {report['name']} ({report['device']})",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Date: {report['date']}. Machine: {report['machine']['platform']}, {report['machine']['cpu_count']} CPUs, "
+        f"torch {report['machine']['torch']}.",
+        "",
+        "| algorithm | layout | runs | kills | mid_step | collective | checkpoint_save | restart | missed aim | "
+        "restarts | exact | not exact | torn ckpts | leftover .partial | hangs |",
+        "|" + " --- |" * 15,
+    ]
+    for row in report["summary"]:
+        by_kind = row["kills_by_kind"]
+        counts = [
+            row["runs"],
+            row["kills"],
+            *(by_kind.get(kind, 0) for kind in KINDS),
+            row["kills_missed_aim"],
+            row["restarts"],
+            row["exact"],
+            row["not_exact"],
+            row["torn_checkpoints"],
+            row["leftover_partials"],
+            row["hangs"],
+        ]
+        lines.append(f"| {row['algorithm']} | {row['layout']} | " + " | ".join(str(c) for c in counts) + " |")
+    lines += ["", "`restart` kills follow a `mid_step` kill in the same run (counted as `restart_trigger`).", ""]
+    problems = [r for r in report["runs"] if not r["exact"] or r["hang"] or r["torn"]]
+    if problems:
+        lines += ["## Runs that did not end exact", ""]
+        for run in problems:
+            lines.append(
+                f"- {run['algorithm']} {run['layout']} run {run['index']} ({run['kind']}): {run['comparison']}"
+                f"; torn: {run['torn'] or 'none'}; last markers: {run['last_markers'] or 'not kept'}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the campaign and write its results; return 1 when some run hung, tore a checkpoint or ended off."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=4, help="disturbed runs per algorithm and layout")
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=240.0, help="a run still going after this is a hang")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--name", default=None, help="results file stem (default chaos_<device>)")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lightning_bagua_chaos_cache")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/chaos.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    layouts = [Layout.parse(name) for name in args.layouts]
+    if args.device == "cuda":
+        import torch
+
+        # One GPU per worker on this host: NCCL refuses two ranks on one GPU.
+        layouts = [layout for layout in layouts if layout.world_size <= torch.cuda.device_count()]
+    rng = random.Random(args.seed)
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="chaos-") as directory:
+        work = Path(directory)
+        for layout in layouts:
+            for algorithm in args.algorithms:
+                seeds = [args.seed + i for i in range(ASYNC_SEEDS if algorithm == "async" else 1)]
+                references = [undisturbed(algorithm, layout, args.device, s, args.cache, args.timeout_s) for s in seeds]
+                for index in range(args.kills):
+                    kind = rng.choice(args.kinds)
+                    print(f"{algorithm} {layout.name} #{index} {kind}: started", flush=True)
+                    run = disturbed_run(
+                        algorithm, layout, kind, index, args.device, args.seed, rng, references, args.timeout_s, work
+                    )
+                    kills = "; ".join(f"{k.kind} rank {k.rank}{'' if k.landed else ' (missed aim)'}" for k in run.kills)
+                    status = "HANG" if run.hang else "exact" if run.exact else "NOT EXACT"
+                    print(
+                        f"{algorithm} {layout.name} #{index} {kind}: {kills or 'no kill'}; restarts {run.restarts}; "
+                        f"{status} ({run.comparison}); torn {len(run.torn)}; {run.seconds} s",
+                        flush=True,
+                    )
+                    runs.append(run)
+    import torch
+
+    report = {
+        "benchmark": "SIGKILL a random worker at a random moment of an elastic torchrun job; count exact finishes",
+        "command": command,
+        "device": args.device,
+        "name": args.name or f"chaos_{args.device}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+        },
+        "settings": {
+            "kills_per_configuration": args.kills,
+            "algorithms": args.algorithms,
+            "layouts": args.layouts,
+            "kinds": args.kinds,
+            "seed": args.seed,
+            "timeout_s": args.timeout_s,
+            "max_restarts": MAX_RESTARTS,
+            "samples": SAMPLES,
+            "batch": BATCH,
+            "epochs": EPOCHS,
+            "checkpoint_every": CHECKPOINT_EVERY,
+            "save_delay_s": SAVE_DELAY_S,
+            "straggle_s": STRAGGLE_S,
+            "async_seeds": ASYNC_SEEDS,
+            "near_tolerance": NEAR_TOLERANCE,
+        },
+        "summary": summarize(runs),
+        "runs": [asdict(run) for run in runs],
+    }
+    name = args.name or f"chaos_{args.device}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(markdown(report))
+    print(f"wrote {args.out / name}.json and .md")
+    return int(any(r.hang or r.torn or not r.exact for r in runs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
