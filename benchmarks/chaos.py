@@ -35,7 +35,6 @@ import platform
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "chaos_script.py"
@@ -126,13 +129,6 @@ class Run:
     leftover_partials: int = 0
     last_markers: dict[int, str] = field(default_factory=dict)
     log_tail: str = ""
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def steps_per_job(layout: Layout) -> int:
