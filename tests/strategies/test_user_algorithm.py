@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_bagua.strategies._core.checkpoint import FABRIC_CHECKPOINT_KEY
 from tests.distributed import run_torchrun
 from tests.strategies.user_algorithm_script import CHECKPOINT_STEP, PERIOD, STEPS
 
@@ -37,7 +38,9 @@ def test_a_user_algorithm_resumes_each_rank_exactly(tmp_path, framework):
     assert any(not torch.equal(full[0]["state"][key], full[1]["state"][key]) for key in full[0]["state"])
 
     name = f"trainer-step={CHECKPOINT_STEP}.ckpt" if framework == "trainer" else "fabric.ckpt"
-    entry = torch.load(tmp_path / name, weights_only=False)["bagua"]
+    # The Trainer's entry is under "bagua"; Fabric's under the documented reserved key.
+    key = "bagua" if framework == "trainer" else FABRIC_CHECKPOINT_KEY
+    entry = torch.load(tmp_path / name, weights_only=False)[key]
     module = entry["modules"]["model"]
     assert entry["version"] == 2
     assert module["algorithm"] == "local_sgd"
