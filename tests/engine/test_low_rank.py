@@ -1,8 +1,11 @@
 """low_rank on real Gloo processes: every bucket checked against an independent simulation of the hook's math."""
 
+import contextlib
 import io
 import math
 import zlib
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -568,22 +571,36 @@ def test_bad_state_names_the_keys():
         impl.load_state_dict({**good, "steps": -1})
 
 
-def test_zero_and_non_finite_gradients_keep_the_state_finite():
-    """A zero gradient stays zero (no NaN from normalising nothing); a non-finite one leaves errors and factors."""
-    state = low_rank.LowRankState(
+def lone_state(**fields: Any) -> low_rank.LowRankState:
+    """A state for one participant, with no groups or executor (the tests call the reduce functions directly)."""
+    return low_rank.LowRankState(
         groups=None,  # type: ignore[arg-type]
         counter=CommunicationCounter(),
         executor=None,  # type: ignore[arg-type]
         rank=RANK,
         names={},
+        **fields,
     )
-    slot = low_rank.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec)
-    assert slot.factored
-    zero = torch.zeros(64 * 16)
-    # One participant: the all-gather is a copy (world size 1 needs no process group for the exchange helpers).
+
+
+@contextlib.contextmanager
+def gather_is_a_copy() -> Iterator[None]:
+    """One participant: the all-gather is a copy (world size 1 needs no process group for the exchange helpers)."""
     original = _low_rank_factors.all_gather_into
     _low_rank_factors.all_gather_into = lambda output, tensor, group: output.copy_(tensor.view(1, -1))
     try:
+        yield
+    finally:
+        _low_rank_factors.all_gather_into = original
+
+
+def test_zero_and_non_finite_gradients_keep_the_state_finite():
+    """A zero gradient stays zero (no NaN from normalising nothing); a non-finite one leaves errors and factors."""
+    state = lone_state()
+    slot = low_rank.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec)
+    assert slot.factored
+    zero = torch.zeros(64 * 16)
+    with gather_is_a_copy():
         low_rank.low_rank_reduce_(zero, [slot], None, 1, state)
         assert torch.equal(zero, torch.zeros(64 * 16))
         grad = torch.randn(64 * 16, generator=torch.Generator().manual_seed(0))
@@ -596,29 +613,18 @@ def test_zero_and_non_finite_gradients_keep_the_state_finite():
         assert not torch.isfinite(bad).all()  # the skipped step sees a non-finite gradient
         assert torch.equal(state.errors["w"], error)
         assert torch.equal(state.factors["w"], factor)
-    finally:
-        _low_rank_factors.all_gather_into = original
 
 
 def test_whole_step_zero_and_non_finite_gradients_keep_the_state_finite():
     """The whole-step path's device-side check: a non-finite step leaves every error and factor as it was."""
-    state = low_rank.LowRankState(
-        groups=None,  # type: ignore[arg-type]
-        counter=CommunicationCounter(),
-        executor=None,  # type: ignore[arg-type]
-        rank=RANK,
-        names={},
-        whole_step=True,
-    )
+    state = lone_state(whole_step=True)
     slots = [
         low_rank.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec),
         low_rank.plan_slot("b", 64 * 16, torch.Size([16]), RANK, 4, state.codec),
         low_rank.plan_slot("v", 64 * 16 + 16, torch.Size([64, 16]), RANK, 4, state.codec),
     ]
     numel = 2 * 64 * 16 + 16
-    original = _low_rank_factors.all_gather_into
-    _low_rank_factors.all_gather_into = lambda output, tensor, group: output.copy_(tensor.view(1, -1))
-    try:
+    with gather_is_a_copy():
         zero = torch.zeros(numel)
         _low_rank_step.reduce_step(state, [zero], [slots], None, 1)
         assert torch.equal(zero, torch.zeros(numel))
@@ -639,8 +645,6 @@ def test_whole_step_zero_and_non_finite_gradients_keep_the_state_finite():
         # A new layout (DDP's rebuilt buckets) takes the errors and factors over by name.
         state.forget_step_plan()
         _low_rank_step.reduce_step(state, [zero.clone()], [slots], None, 1)
-    finally:
-        _low_rank_factors.all_gather_into = original
 
 
 def test_whole_step_is_refused_with_alternate():

@@ -182,7 +182,7 @@ class StepPlan:
 
     def error_views(self) -> list[Tensor]:
         """Each factored gradient's error, ``rows x cols``, in wire order."""
-        return self._matrices(self.errors)
+        return self.matrices(self.errors)
 
     def factor_views(self) -> list[Tensor]:
         """Each factored gradient's kept ``Q^T``, ``r x cols``, in wire order."""
@@ -209,7 +209,11 @@ class StepPlan:
 
     def matrices(self, flat: Tensor) -> list[Tensor]:
         """Cut an ``M``-shaped buffer into one ``rows x cols`` view per factored gradient."""
-        return self._matrices(flat)
+        views, offset = [], 0
+        for _, slot in self.factored:
+            views.append(flat[offset : offset + slot.numel].view(slot.rows, slot.cols))
+            offset += slot.numel
+        return views
 
     def group_block(self, flat: Tensor, group: ShapeGroup, side: Literal["m", "p", "q"]) -> Tensor:
         """Return the group's batch in ``flat`` (``"m"``: count x n x m, ``"p"``: count x r x n, else count x r x m)."""
@@ -220,13 +224,6 @@ class StepPlan:
         else:
             start, shape = group.q_offset, (group.count, self.rank, group.cols)
         return flat[start : start + shape[0] * shape[1] * shape[2]].view(shape)
-
-    def _matrices(self, flat: Tensor) -> list[Tensor]:
-        views, offset = [], 0
-        for _, slot in self.factored:
-            views.append(flat[offset : offset + slot.numel].view(slot.rows, slot.cols))
-            offset += slot.numel
-        return views
 
 
 class StepBatcher:

@@ -44,6 +44,7 @@ __all__ = [
     "average_state_dicts",
     "averaged_weights",
     "gather_module_entry",
+    "gather_to_rank_zero",
     "make_entry",
     "module_entries",
     "rank_resume",
@@ -109,11 +110,7 @@ def gather_module_entry(
         own.update(weights)
     # Pickled to rank 0 through the default group; CPU copies travel on any backend and load on any device.
     own = apply_to_collection(own, Tensor, lambda tensor: tensor.detach().cpu())
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
-        dist.gather_object(own, gathered, dst=0)
-    else:
-        gathered = [own]
+    gathered = gather_to_rank_zero(own, world_size)
     if gathered is None:
         return None
     per_rank = weights is not None
@@ -127,6 +124,19 @@ def gather_module_entry(
         ),
         "averaged": per_rank and average,
     }
+
+
+def gather_to_rank_zero(own: Any, world_size: int) -> list[Any] | None:
+    """Gather every rank's picklable ``own`` to rank 0 through the default group.
+
+    Returns:
+        One object per rank on rank 0 (``[own]`` without a group of several ranks), ``None`` on the other ranks.
+    """
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+        return gathered
+    return [own]
 
 
 def make_entry(modules: Mapping[str, ModuleEntry], world_size: int) -> dict[str, Any]:

@@ -23,9 +23,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import BatchSampler, IterableDataset, Sampler
+
+from lightning_bagua.strategies._core.checkpoint import gather_to_rank_zero
 
 __all__ = [
     "DATA_KEY",
@@ -221,11 +222,7 @@ def data_entry(
         The ``"data"`` entry on rank 0, ``None`` on the other ranks.
     """
     own = {"rng": rng, "seed_state": positioned.seed_state}
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
-        dist.gather_object(own, gathered, dst=0)
-    else:
-        gathered = [own]
+    gathered = gather_to_rank_zero(own, world_size)
     if gathered is None:
         return None
     return {
