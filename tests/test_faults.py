@@ -7,6 +7,8 @@ on 2 Gloo processes, rank 1 killing itself at step 8 of 12.
 """
 
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -82,3 +84,58 @@ def test_failure_reports_tell_a_shared_error_from_one_raised_alone_and_a_failed_
     lost = FailureReport(1, 2, collective=False, reports={1: "ValueError: x"}, window_s=20, store_error="gone")
     assert not lost.alone
     assert lost.note() is None
+
+
+def _attempt(port: int, world_size: int, ranks: list[int], timeout_s: float = 20.0) -> dict[int, object]:
+    """Run ``agree_on_attempt`` for ``ranks`` of one attempt, each on a store client of its own, in threads."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_bagua.strategies._core.faults import agree_on_attempt
+
+    results: dict[int, object] = {}
+
+    def join(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        try:
+            results[rank] = agree_on_attempt(client, rank, world_size, timedelta(seconds=timeout_s))
+        except Exception as error:
+            results[rank] = error
+
+    # Rank 0 last: the other ranks read the token an earlier attempt left, as restarted workers can.
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in sorted(ranks, key=lambda rank: rank == 0)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_the_ranks_of_each_attempt_agree_on_a_token_that_no_earlier_attempt_left():
+    """Workers restarted by several agents carry different restart counts; the store tells their attempts apart."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from benchmarks.harness import free_port
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+    first = _attempt(port, 3, [0, 1, 2])
+    assert all(isinstance(token, str) for token in first.values()), first
+    assert len(set(first.values())) == 1, first
+
+    # An attempt cut short: rank 2 died before it registered; ranks 0 and 1 give up at their timeout.
+    cut = _attempt(port, 3, [0, 1], timeout_s=2.0)
+    assert all(isinstance(error, dist.DistNetworkError) for error in cut.values()), cut
+    assert "waited for every rank" in str(cut[0])
+    assert "waited for rank 0 to count every rank in" in str(cut[1])
+
+    # The next attempt starts its ranks before rank 0, on the finished and the cut-short attempts' keys.
+    second = _attempt(port, 3, [0, 1, 2])
+    assert all(isinstance(token, str) for token in second.values()), second
+    assert len(set(second.values())) == 1, second
+    assert second[0] != first[0]
+    del master

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,17 +26,18 @@ __all__ = [
     "DIAGNOSIS_WINDOW_S",
     "SHARED_FAILURE_WINDOW_S",
     "FailureReport",
+    "agree_on_attempt",
     "destroy_process_group_at_exit",
     "diagnose_failure",
     "end_children_when_the_script_fails",
     "end_launched_children",
     "fail_at_exit",
-    "init_restarted_process_group",
+    "init_elastic_process_group",
     "install_failure_hook",
     "join_failed_message",
     "leave_the_job",
     "next_failure_scope",
-    "restart_count",
+    "under_torchelastic",
     "wait_for_store",
 ]
 
@@ -55,15 +57,11 @@ CHILDREN_GRACE_S = 3.0
 """How long a failed script's main process lets the ranks it started exit on their own before it kills them."""
 
 _FAILURE_KEY = "lightning_bagua/failure"
+_ATTEMPT_KEY = "lightning_bagua/attempt"
+_CURRENT_ATTEMPT = f"{_ATTEMPT_KEY}/current"
 # One number per run (fit, validate, test, or a Fabric), counted alike on every rank since every rank starts the
 # same runs in the same order; it tells one run's failure reports in the store from an earlier run's.
 _SCOPES = itertools.count(1)
-
-
-def restart_count() -> int:
-    """Return how often torch's elastic agent restarted this job's workers (0 outside torchelastic)."""
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return int(value) if value.isdigit() else 0
 
 
 def wait_for_store(address: tuple[str, int], hosts_store: bool, timeout: timedelta | None) -> None:
@@ -95,15 +93,22 @@ def wait_for_store(address: tuple[str, int], hosts_store: bool, timeout: timedel
         time.sleep(0.5)  # rank 0 may still be starting
 
 
-def init_restarted_process_group(
+def under_torchelastic() -> bool:
+    """Return whether torch's elastic agent (torchrun, ``lightning_bagua.launch``) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def init_elastic_process_group(
     address: tuple[str, int], backend: str, rank: int, world_size: int, timeout: timedelta | None
 ) -> None:
-    """Join the default process group of a restarted torchelastic attempt, under store keys of its own.
+    """Join the default process group of a torchelastic attempt, under store keys of that attempt's own.
 
     torch's elastic agent keeps one store for all attempts, and the process group's keys (each rank's address)
     carry no attempt number: a restarted rank can read the address of a rank that died in the last attempt and
-    fail to connect. Keys under a prefix of their own per attempt cannot be stale; the frameworks then find the
-    group initialised and keep it.
+    fail to connect. ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt either: with several agents, only the
+    agent whose worker failed counts a restart, while the others restart their workers at 0. So the ranks agree
+    on the attempt through the store (:func:`agree_on_attempt`), and the group's keys go under its token; the
+    frameworks then find the group initialised and keep it.
 
     Args:
         address: the store's host and port.
@@ -115,14 +120,78 @@ def init_restarted_process_group(
     use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     timeout = timeout or default_pg_timeout
     store = dist.TCPStore(*address, world_size, is_master=not use_agent_store and rank == 0, timeout=timeout)
-    log.info("Joining the process group of restart %d under its own store prefix", restart_count())
+    attempt = agree_on_attempt(store, rank, world_size, timeout)
+    log.info("Joining the process group of attempt %s under its own store prefix", attempt)
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"lightning_bagua/restart_{restart_count()}", store),
+        store=dist.PrefixStore(f"{_ATTEMPT_KEY}/{attempt}/group", store),
         rank=rank,
         world_size=world_size,
         timeout=timeout,
     )
+
+
+def agree_on_attempt(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """Agree with the other ranks of this attempt on a token that no earlier attempt used, through the store.
+
+    1. Rank 0 draws a fresh token ``t`` and publishes it as the current attempt.
+    2. Every rank draws a nonce ``n_r`` of its own, reads the current attempt ``t'`` and registers ``n_r`` under
+       it. A rank of this attempt may read the token of an earlier one, before rank 0 publishes ``t``.
+    3. Rank 0 waits until every rank ``r < world_size`` has registered under ``t``, then publishes the members
+       ``[n_0, ..., n_{w-1}]`` of ``t``.
+    4. A rank whose own nonce stands at its rank in the members of ``t'`` is in: ``t' = t``. A rank that finds
+       members without its nonce, or sees the current attempt change, registered under an earlier attempt's
+       token: it waits for the next token and registers again (step 2).
+
+    Only ranks of this attempt can know ``t`` and their nonces, so no rank of an earlier attempt, finished or
+    cut short at any step, can make a rank of this one join the wrong group.
+
+    Args:
+        store: the store every attempt of the job shares.
+        rank: this process's rank.
+        world_size: the number of processes.
+        timeout: how long to wait for the other ranks.
+
+    Returns:
+        The attempt's token.
+
+    Raises:
+        torch.distributed.DistNetworkError: the ranks did not all register within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    nonce = uuid.uuid4().hex
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store.set(_CURRENT_ATTEMPT, token)
+        registered = [f"{_ATTEMPT_KEY}/{token}/member/{other}" for other in range(world_size)]
+        store.set(registered[0], nonce)
+        while not all(store_has_key(store, key) for key in registered):
+            _pause_until(deadline, "every rank")
+        store.set(f"{_ATTEMPT_KEY}/{token}/members", ",".join(store.get(key).decode() for key in registered))
+        return token
+    stale: str | None = None
+    while True:
+        while (current := _read(store, _CURRENT_ATTEMPT)) is None or current == stale:
+            _pause_until(deadline, "rank 0 to start the attempt")
+        token = current
+        store.set(f"{_ATTEMPT_KEY}/{token}/member/{rank}", nonce)
+        while (members := _read(store, f"{_ATTEMPT_KEY}/{token}/members")) is None:
+            if _read(store, _CURRENT_ATTEMPT) != token:
+                break
+            _pause_until(deadline, "rank 0 to count every rank in")
+        if members is not None and members.split(",")[rank : rank + 1] == [nonce]:
+            return token
+        stale = token
+
+
+def _read(store: dist.Store, key: str) -> str | None:
+    return store.get(key).decode() if store_has_key(store, key) else None
+
+
+def _pause_until(deadline: float, waiting_for: str) -> None:
+    if time.monotonic() >= deadline:
+        raise dist.DistNetworkError(f"waited for {waiting_for} to join this attempt past the timeout")
+    time.sleep(0.05)
 
 
 def join_failed_message(rank: int, world_size: int, address: tuple[str, int], timeout: Any, error: Exception) -> str:
@@ -354,8 +423,9 @@ def diagnose_failure(
     Returns:
         What the reports say.
     """
-    # Keys are per restart (the agent's store outlives its workers) and per scope, so old reports never count.
-    prefix = f"{_FAILURE_KEY}/{restart_count()}/{scope}"
+    # Keys are per scope, and the default group's store is prefixed per attempt under torchelastic (the agent's
+    # store outlives its workers), so old reports never count.
+    prefix = f"{_FAILURE_KEY}/{scope}"
     summary = f"{type(exception).__name__}: {str(exception).strip().splitlines()[0] if str(exception).strip() else ''}"
     collective = _looks_like_failed_collective(exception)
     window_s = DIAGNOSIS_WINDOW_S if collective else SHARED_FAILURE_WINDOW_S if decide_alone else 0.0

@@ -225,9 +225,9 @@ class BaguaStrategyCore(_CoreBase):
                 set_world_ranks()
                 hosts_store = self.global_rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
                 faults.wait_for_store(address, hosts_store, self._timeout)
-                if faults.restart_count() > 0:
+                if faults.under_torchelastic():
                     backend = self._get_process_group_backend()
-                    faults.init_restarted_process_group(
+                    faults.init_elastic_process_group(
                         address, backend, self.global_rank, self.world_size, self._timeout
                     )
             join()
