@@ -566,6 +566,7 @@ def markdown(report: dict[str, Any]) -> str:
         "restarts | exact | not exact | torn ckpts | leftover .partial | hangs |",
         "|" + " --- |" * 15,
     ]
+    totals: list[int] = []
     for row in report["summary"]:
         by_kind = row["kills_by_kind"]
         counts = [
@@ -581,6 +582,9 @@ def markdown(report: dict[str, Any]) -> str:
             row["hangs"],
         ]
         lines.append(f"| {row['algorithm']} | {row['layout']} | " + " | ".join(str(c) for c in counts) + " |")
+        totals = [a + b for a, b in zip(totals, counts, strict=True)] if totals else counts
+    if len(report["summary"]) > 1:
+        lines.append("| **all** | | " + " | ".join(f"**{c}**" for c in totals) + " |")
     lines += ["", "`restart` kills follow a `mid_step` kill in the same run (counted as `restart_trigger`).", ""]
     problems = [r for r in report["runs"] if not r["exact"] or r["hang"] or r["torn"]]
     if problems:
@@ -591,6 +595,43 @@ def markdown(report: dict[str, Any]) -> str:
                 f"; torn: {run['torn'] or 'none'}; last markers: {run['last_markers'] or 'not kept'}"
             )
     return "\n".join(lines) + "\n"
+
+
+def merge_reports(paths: list[Path], out: Path, name: str) -> int:
+    """Write the runs of several reports as one report ``name``, with each report's command.
+
+    Args:
+        paths: the reports' JSON files, of one device.
+        out: the results folder.
+        name: the merged report's file stem.
+
+    Returns:
+        The exit code: 1 if a merged run hung, tore a checkpoint or did not end exact.
+    """
+    reports = [json.loads(path.read_text()) for path in paths]
+    devices = {report["device"] for report in reports}
+    if len(devices) != 1:
+        raise ValueError(f"--merge takes reports of one device, got {sorted(devices)} from {[str(p) for p in paths]}")
+    runs = [run for report in reports for run in report["runs"]]
+    merged = {
+        **reports[0],
+        "command": " ; ".join(report["command"] for report in reports),
+        "name": name,
+        "date": max(report["date"] for report in reports),
+        "settings": {**reports[0]["settings"], "parts": [report["settings"] for report in reports]},
+        "summary": summarize([run_from_record(run) for run in runs]),
+        "runs": runs,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(merged, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(merged))
+    print(f"wrote {out / name}.json and .md from {len(reports)} reports")
+    return int(any(r["hang"] or r["torn"] or not r["exact"] for r in runs))
+
+
+def run_from_record(record: dict[str, Any]) -> Run:
+    """Return the :class:`Run` that a report's JSON record holds."""
+    return Run(**{**record, "kills": [Kill(**kill) for kill in record["kills"]]})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,8 +647,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--name", default=None, help="results file stem (default chaos_<device>)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lightning_bagua_chaos_cache")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="write one report (--name, --out) from these reports' runs instead of running jobs; for jobs run side"
+        " by side, one process per algorithm",
+    )
     args = parser.parse_args(argv)
     command = "python benchmarks/chaos.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.merge:
+        return merge_reports(args.merge, args.out, args.name or f"chaos_{args.device}")
     layouts = [Layout.parse(name) for name in args.layouts]
     if args.device == "cuda":
         import torch

@@ -1,5 +1,6 @@
 """The benchmark suite's own plumbing: tiny convergence, time-to-accuracy and lab runs, and the targets check."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -259,3 +260,37 @@ def test_chaos_layouts_and_comparisons() -> None:
     seeds = [[final(1.0, 1.0)], [final(1.0, 1.2)]]
     assert chaos.compare("async", [final(0.0, 0.85)], seeds)[0]
     assert not chaos.compare("async", [final(0.0, 1.5)], seeds)[0]
+
+
+def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("chaos", BENCHMARKS / "chaos.py")
+    assert spec is not None
+    assert spec.loader is not None
+    chaos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chaos)
+
+    def report(algorithm: str, exact: bool) -> Path:
+        kill = chaos.Kill(kind="mid_step", rank=1, pid=7, landed=True, detail="step 5")
+        run = chaos.Run(algorithm=algorithm, layout="2", kind="mid_step", index=0, kills=[kill], exact=exact)
+        record = {
+            "command": f"python benchmarks/chaos.py --algorithms {algorithm}",
+            "device": "cuda",
+            "name": algorithm,
+            "date": "2026-11-27T00:00:00+00:00",
+            "machine": {"platform": "p", "cpu_count": 16, "torch": "2.11", "python": "3.12"},
+            "settings": {"kills_per_configuration": 1},
+            "runs": [dataclasses.asdict(run)],
+        }
+        path = tmp_path / f"{algorithm}.json"
+        path.write_text(json.dumps(record))
+        return path
+
+    parts = [report("bytegrad", True), report("low_rank", False)]
+    assert chaos.main(["--merge", *map(str, parts), "--out", str(tmp_path / "out"), "--name", "chaos_cuda"]) == 1
+    merged = json.loads((tmp_path / "out" / "chaos_cuda.json").read_text())
+    assert [row["algorithm"] for row in merged["summary"]] == ["bytegrad", "low_rank"]
+    assert [row["exact"] for row in merged["summary"]] == [1, 0]
+    assert "--algorithms bytegrad ; python benchmarks/chaos.py --algorithms low_rank" in merged["command"]
+    table = (tmp_path / "out" / "chaos_cuda.md").read_text()
+    assert "| **all** | | **2** | **2** | **2** |" in table
+    assert "low_rank 2 run 0 (mid_step)" in table
