@@ -76,6 +76,7 @@ ASYNC_SEEDS = 3
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Often enough to catch a 0.3 s save and a step of ~10 ms, rarely enough to leave the CPUs to the job.
 POLL_S = 0.005
+_RENDEZVOUS_FAILED = "The connection to the C10d store has failed"
 
 
 @dataclass(frozen=True)
@@ -477,7 +478,8 @@ def compare(algorithm: str, finals: list[dict[str, Any]], references: list[list[
         for key, value in expected["state"].items():
             if algorithm in SYNCHRONOUS and not torch.equal(final["state"][key], value):
                 difference = (final["state"][key] - value).abs().max().item()
-                return False, f"{key} differs by {difference:.3e} (must be bit-identical)"
+                parted = first_parting(final.get("trace", []), expected.get("trace", []))
+                return False, f"{key} differs by {difference:.3e} (must be bit-identical){parted}"
             worst = max(worst, (final["state"][key].double() - value.double()).abs().max().item())
     if algorithm not in SYNCHRONOUS and worst > NEAR_TOLERANCE:
         return False, f"max difference {worst:.3e} > {NEAR_TOLERANCE}"
@@ -597,6 +599,19 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def first_parting(trace: list[dict[str, Any]], expected: list[dict[str, Any]]) -> str:
+    """Say at which step of the resumed attempt the job first parted from the undisturbed one, and in what."""
+    reference = {entry["step"]: entry for entry in expected}
+    for entry in trace:
+        other = reference.get(entry["step"])
+        if other is None:
+            return f"; resumed at step {entry['step']}, which the undisturbed job never started"
+        parted = [key for key in entry if key != "step" and entry[key] != other[key]]
+        if parted:
+            return f"; first parted at step {entry['step']} (resumed at {trace[0]['step']}) in {', '.join(parted)}"
+    return f"; every traced step started alike (resumed at {trace[0]['step']})" if trace else ""
+
+
 def merge_reports(paths: list[Path], out: Path, name: str) -> int:
     """Write the runs of several reports as one report ``name``, with each report's command.
 
@@ -679,6 +694,14 @@ def main(argv: list[str] | None = None) -> int:
                     run = disturbed_run(
                         algorithm, layout, kind, index, args.device, args.seed, rng, references, args.timeout_s, work
                     )
+                    if not run.kills and _RENDEZVOUS_FAILED in run.log_tail:
+                        # Another job took the rendezvous port between free_port() and the agent's bind: the job
+                        # never started, so nothing was tested. Once more, on a fresh port and folder.
+                        print(f"{algorithm} {layout.name} #{index}: the agent's rendezvous failed; again", flush=True)
+                        run = disturbed_run(
+                            algorithm, layout, kind, index, args.device, args.seed, rng, references, args.timeout_s,
+                            work / "again",
+                        )  # fmt: skip
                     kills = "; ".join(f"{k.kind} rank {k.rank}{'' if k.landed else ' (missed aim)'}" for k in run.kills)
                     status = "HANG" if run.hang else "exact" if run.exact else "NOT EXACT"
                     print(

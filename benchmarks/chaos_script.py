@@ -15,6 +15,7 @@ on the whole data set (evaluation mode), its step count and the launcher's resta
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import random
@@ -62,6 +63,14 @@ class Markers:
             file.write(f"{self.restart} {phase} {step} {time.time():.4f}\n")
 
 
+def fingerprint(*tensors: torch.Tensor) -> str:
+    """Return a short digest of the tensors' bytes."""
+    digest = hashlib.sha1()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
 def main() -> None:
     """Fit once (resuming from ``last.ckpt`` when there is one) and write this rank's final state."""
     parser = argparse.ArgumentParser()
@@ -90,6 +99,7 @@ def main() -> None:
     markers.write("setup", -1)
     # The straggle happens once per job, whatever the restarts: the file outlives the process.
     straggled = out / "markers" / "straggled"
+    trace: list[dict[str, Any]] = []
 
     class Regression(pl.LightningModule):
         def __init__(self) -> None:
@@ -101,6 +111,18 @@ def main() -> None:
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             markers.write("step", self.global_step)
+            # What each step starts from, so that the harness can name the first step where a resumed job parts
+            # from the undisturbed one, and what parted first: the batch, a generator or the weights.
+            trace.append(
+                {
+                    "step": self.global_step,
+                    "batch": fingerprint(batch[0]),
+                    "weights": fingerprint(*self.parameters()),
+                    "torch_rng": fingerprint(torch.get_rng_state()),
+                    "cuda_rng": fingerprint(torch.cuda.get_rng_state()) if args.device == "cuda" else "",
+                    "python_rng": hashlib.sha1(repr(random.getstate()).encode()).hexdigest()[:12],
+                }
+            )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             inputs, targets = batch
@@ -162,6 +184,7 @@ def main() -> None:
         "loss": loss,
         "global_step": trainer.global_step,
         "restart_count": markers.restart,
+        "trace": trace,
     }
     torch.save(result, final / f"rank{rank}.pt")
     markers.write("done", trainer.global_step)

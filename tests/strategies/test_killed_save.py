@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
+from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO, save_atomically
 from tests.distributed import free_port
 from tests.strategies.kill_during_save import KILL_AFTER_BYTES
 from tests.strategies.killed_save_script import BALLAST_VALUES
@@ -88,6 +88,8 @@ def test_trainer_save_killed_midway_leaves_a_whole_last_checkpoint_and_ckpt_path
         assert Path(result["ckpt_path"]) == checkpoints / "last.ckpt"
         assert result["loaded"] == {"epoch": on_disk["epoch"], "ballast_values": BALLAST_VALUES, "ballast_whole": True}
         assert result["epoch"] == 3
+    # The resumed run's first complete save of last.ckpt removed what the killed one left.
+    assert not [path for path in checkpoints.iterdir() if path.name.startswith(".last.ckpt.")]
 
 
 def test_fabric_save_killed_midway_leaves_the_previous_or_the_new_checkpoint_whole(tmp_path):
@@ -112,6 +114,23 @@ def test_a_save_that_raises_keeps_the_previous_checkpoint_and_leaves_no_partial_
     assert [child.name for child in tmp_path.iterdir()] == ["last.ckpt"]
     with pytest.raises(TypeError, match=r"takes no `storage_options` \(got \{'x': 1\}\)"):
         io.save_checkpoint({"step": 3}, path, storage_options={"x": 1})
+
+
+def test_a_complete_save_removes_what_killed_saves_to_its_target_left_and_nothing_else(tmp_path):
+    killed = tmp_path / ".last.ckpt.0badc0de.partial"
+    in_progress = tmp_path / ".last.ckpt.5ca1ab1e.partial"  # another writer, still writing
+    other_target = tmp_path / ".epoch=0.ckpt.0badc0de.partial"
+    for path in (killed, in_progress, other_target):
+        path.write_bytes(b"half a checkpoint")
+    os.utime(killed, (time.time() - 60, time.time() - 60))
+    os.utime(in_progress, (time.time() + 60, time.time() + 60))
+
+    save_atomically({"step": 3}, tmp_path / "last.ckpt")
+
+    assert torch.load(tmp_path / "last.ckpt") == {"step": 3}
+    assert not killed.exists()
+    assert in_progress.exists()
+    assert other_target.exists()
 
 
 def test_every_bagua_strategy_saves_through_the_atomic_plugin_by_default():

@@ -9,11 +9,15 @@ so a machine that goes down can leave a file that exists but holds nothing.
 :func:`save_atomically` writes next to the target instead, under a name that Lightning never takes for a checkpoint
 (``ckpt_path="last"`` picks names that start with ``last`` and end in ``.ckpt``), syncs the file, renames it over
 the target (atomic within a directory) and syncs the directory, so the rename itself survives a crash. Until the
-rename the target is the previous checkpoint, complete; after it, the new one, complete.
+rename the target is the previous checkpoint, complete; after it, the new one, complete. A save that completes
+removes what killed saves to the same target left behind.
 """
 
+import glob
+import logging
 import os
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +27,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from typing_extensions import override
 
 __all__ = ["TEMPORARY_SUFFIX", "AtomicTorchCheckpointIO", "save_atomically"]
+
+log = logging.getLogger(__name__)
 
 TEMPORARY_SUFFIX = ".partial"
 """How the name of a checkpoint still being written ends; a leftover one is from a save that was killed."""
@@ -43,6 +49,7 @@ def save_atomically(checkpoint: dict[str, Any], path: str | os.PathLike[str]) ->
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
+    started = time.time()
     # A leading dot and a suffix of its own: neither Lightning's "last" lookup nor a glob for *.ckpt picks it up.
     temporary = os.path.join(directory, f".{name}.{secrets.token_hex(4)}{TEMPORARY_SUFFIX}")
     # O_EXCL: a name another writer holds is never shared; 0o666 lets the umask decide, as for any new file.
@@ -59,6 +66,7 @@ def save_atomically(checkpoint: dict[str, Any], path: str | os.PathLike[str]) ->
             os.remove(temporary)
         raise
     _sync_directory(directory)
+    _remove_killed_saves(directory, name, started)
 
 
 def _sync_directory(directory: str) -> None:
@@ -109,3 +117,16 @@ class AtomicTorchCheckpointIO(_AtomicTorchCheckpointIOLogic, TorchCheckpointIO):
 
     See :func:`save_atomically`. Loading and removing are Lightning's ``TorchCheckpointIO``'s.
     """
+
+
+def _remove_killed_saves(directory: str, name: str, started: float) -> None:
+    # Temporary files of earlier saves to the same target, killed mid-write. One untouched since this save began is
+    # no live writer's file in progress: a writer that is alive keeps writing to its file.
+    pattern = os.path.join(glob.escape(directory), f".{glob.escape(name)}.*{TEMPORARY_SUFFIX}")
+    for leftover in glob.glob(pattern):
+        try:
+            if os.stat(leftover).st_mtime < started:
+                os.remove(leftover)
+                log.debug("Removed %s, left by a save that was killed", leftover)
+        except FileNotFoundError:  # another process removed it meanwhile
+            pass
