@@ -291,6 +291,22 @@ def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list
     return ["method", "payload / step", *rates], rows, [data["command"]]
 
 
+def _chaos(results: str) -> tuple[list[str], list[list[str]], list[str]]:
+    # The harness's counts per algorithm and layout, and a total row where there are several.
+    data = _load(results)
+    kinds = ("mid_step", "collective", "checkpoint_save", "restart")
+    columns = ("runs", "kills", "kills_missed_aim", "restarts", "exact", "not_exact", "torn_checkpoints", "hangs")
+    rows, totals = [], [0] * (len(kinds) + len(columns))
+    for row in data["summary"]:
+        counts = [row["kills_by_kind"].get(kind, 0) for kind in kinds] + [row[column] for column in columns]
+        totals = [total + count for total, count in zip(totals, counts, strict=True)]
+        rows.append([row["algorithm"], row["layout"], *map(str, counts)])
+    if len(rows) > 1:
+        rows.append(["all", "", *map(str, totals)])
+    header = ["algorithm", "layout", *(f"{kind} kills" for kind in kinds), "runs", "kills", "missed aim"]
+    return [*header, "restarts", "exact", "not exact", "torn ckpts", "hangs"], rows, data["command"].split(" ; ")
+
+
 def _step_cell(row: dict[str, Any] | None, ddp: dict[str, Any] | None, spread: bool) -> str:
     """A median step time in ms with its ratio to DDP's; with ``spread``, one decimal and the repeats' min-max."""
     if row is None:
@@ -448,13 +464,14 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "gloo_scheduling": _gloo_scheduling,
     "gpu_network_lab": _gpu_network_lab,
     "gpu_time_to_target": _gpu_time_to_target,
+    "chaos": _chaos,
 }
 # Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
 NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}
 # Kinds whose results files are named after another kind's.
 RESULT_STEMS = {"gpu_time_to_target": "gpu_network_lab"}
 # Kinds whose function reads the results file named by the ``:results:`` option (a stem in benchmarks/results/).
-TAKES_RESULTS_FILE = {"network_lab", "lm_step_time"}
+TAKES_RESULTS_FILE = {"network_lab", "lm_step_time", "chaos"}
 
 
 class BenchmarkTable(SphinxDirective):
