@@ -38,7 +38,7 @@ from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
 from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
-from lightning_bagua.strategies._core import checkpoint as bagua_checkpoint
+from lightning_bagua.strategies._core import fabric_checkpoint
 from lightning_bagua.strategies._core.arguments import (
     reduce_over_all_processes,
     telemetry_metrics,
@@ -302,21 +302,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             storage_options: passed to the checkpoint plugin.
             filter: per-key filters, as for ``fabric.save``.
         """
-        bagua_checkpoint.refuse_reserved_keys(state, type(self).__name__)
-        filters = filter or {}
-        entries = {
-            key: entry
-            for key, obj in state.items()
-            if isinstance(obj, BaguaDistributedDataParallel)
-            and (entry := self._gather_module_entry(obj, partial(self._rank_weights, key, obj, state, filters)))
-            is not None
-        }
-        state = bagua_checkpoint.attach_entries(
-            state, entries, self.world_size, weights_key=lambda name: name, key=bagua_checkpoint.FABRIC_CHECKPOINT_KEY
-        )
-        for obj in state.values():
-            if isinstance(obj, DataState):
-                obj.gather()  # every process's generator states, to rank 0, which writes them
+        state = fabric_checkpoint.state_to_save(self, state, filter or {})
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -350,21 +336,8 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             The checkpoint's items that were not restored into ``state``; the whole checkpoint if ``state`` is empty.
         """
         keywords = fabric_load_checkpoint_keywords(weights_only)
-        paused = self._pause_algorithms(state)
-        remainder = super().load_checkpoint(path, state=state, strict=strict, **keywords)
-        if isinstance(state, dict) and state:
-            saved = bagua_checkpoint.module_entries(remainder, default_name="model")
-            remainder.pop(bagua_checkpoint.CHECKPOINT_KEY, None)
-            modules = {} if saved is None else saved[1]
-            for key, obj in state.items():
-                if isinstance(obj, BaguaDistributedDataParallel) and key in modules:
-                    name = obj.bagua_algorithm.name
-                    resume = bagua_checkpoint.rank_resume(modules[key], key, name, self.world_size, self.global_rank)
-                    self._restore_rank_weights(obj, resume, state, strict)
-                    obj.load_bagua_state_dict(resume.algorithm_state)
-        for wrapped in paused:
-            wrapped.bagua_algorithm_impl.start()
-        return remainder
+        load = partial(super().load_checkpoint, path, state=state, strict=strict, **keywords)
+        return fabric_checkpoint.load_and_restore(self, state, strict, load)
 
     @override
     def teardown(self) -> None:
@@ -393,46 +366,6 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         if self._autotune:
             self._autotuning.add(wrapped)
         return wrapped
-
-    def _rank_weights(
-        self,
-        module_key: str,
-        wrapped: BaguaDistributedDataParallel,
-        state: dict[str, Any],
-        filters: dict[str, Callable[[str, Any], bool]],
-    ) -> dict[str, Any]:
-        # This rank's weights, and the states of the saved optimizers that update them, keyed as in `state`; each
-        # through the filter `fabric.save` got for its key, so that nothing the filter drops is written per rank.
-        optimizers = {
-            key: filtered
-            for key, obj in state.items()
-            if isinstance(obj, Optimizer)
-            and any(obj is bound for bound in wrapped.bagua_optimizers)
-            and (filtered := _filtered(self.get_optimizer_state(obj), filters.get(key))) is not None
-        }
-        weights = _filtered(self.get_module_state_dict(wrapped), filters.get(module_key))
-        return {"state_dict": weights, "optimizer_states": optimizers}
-
-    def _pause_algorithms(self, state: Any) -> list[BaguaDistributedDataParallel]:
-        # The wrapped modules about to be loaded whose algorithm works between steps: stopped on every rank (async's
-        # stop is collective, and every rank loads the same objects), to be started again once loading is done.
-        targets = state.values() if isinstance(state, dict) else [state]
-        paused = []
-        for wrapped in self._bagua_modules:
-            if any(obj is wrapped or obj is wrapped.module for obj in targets) and wrapped.bagua_algorithm_impl.started:
-                wrapped.bagua_algorithm_impl.stop()
-                paused.append(wrapped)
-        return paused
-
-    def _restore_rank_weights(
-        self, wrapped: BaguaDistributedDataParallel, resume: bagua_checkpoint.RankResume, state: dict, strict: bool
-    ) -> None:
-        if resume.state_dict is not None:
-            self.load_module_state_dict(wrapped, resume.state_dict, strict=strict)
-        for key, optimizer_state in (resume.optimizer_states or {}).items():
-            optimizer = state.get(key)
-            if isinstance(optimizer, Optimizer):
-                optimizer.load_state_dict(optimizer_state)
 
     def _replace_wrapper(self, old: BaguaDistributedDataParallel, new: BaguaDistributedDataParallel) -> None:
         # `rewrapped` closed the old wrapper; the strategy's references move to the new one (Fabric's moved already).
@@ -528,14 +461,6 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
     _bagua_environment_cls = BaguaEnvironment
     _checkpoint_io_cls = AtomicTorchCheckpointIO
     _configuration_error = MisconfigurationException
-
-
-def _filtered(state_dict: dict[str, Any], keep: Callable[[str, Any], bool] | None) -> dict[str, Any] | None:
-    # Fabric's rule for a filtered key: the entries the filter keeps, and no entry at all when it keeps none.
-    if keep is None:
-        return state_dict
-    kept = {name: value for name, value in state_dict.items() if keep(name, value)}
-    return kept or None
 
 
 def _updates(optimizer: Optimizer, module: Module) -> bool:
