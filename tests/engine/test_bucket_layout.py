@@ -1,6 +1,7 @@
 """A wrapper resumed from ``bagua_state_dict`` replays the saved gradient buckets on its all-in-one first step."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -139,6 +140,67 @@ def test_replay_on_cuda_ends_bit_exact():
     assert any(
         not torch.equal(result["resumed_without_layout"][k], result["uninterrupted"][k]) for k in result["resumed"]
     )
+
+
+class _AllInOneBucket:
+    """The all-in-one first bucket of a new wrapper, as DDP's reducer hands it to the hook."""
+
+    def __init__(self, parameters: list[nn.Parameter], buffer: torch.Tensor) -> None:
+        self._parameters = parameters
+        self._buffer = buffer
+        pieces = buffer.split([p.numel() for p in parameters])
+        self._gradients = [piece.view_as(p) for piece, p in zip(pieces, parameters, strict=True)]
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self._parameters
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+
+def _all_reduce_hook(_: None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # gradient_allreduce's flat path: an asynchronous all-reduce whose future DDP's reducer waits on.
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda future: future.value()[0])
+
+
+def replay_while_backward_reuses_memory(rank: int, world_size: int) -> list[float]:
+    device = _device()
+    numel = 1 << 22
+    parameters = [nn.Parameter(torch.empty(numel, device=device)) for _ in range(2)]
+    layout = BucketLayout([("a", parameters[0]), ("b", parameters[1])])
+    layout.restore([["a"], ["b"]])
+    hook = layout.wrap_hook(_all_reduce_hook)
+    # Registration order is the reverse of the saved one, so the all-in-one bucket is cut into the saved two.
+    halves = [torch.full((numel,), value + rank, device=device) for value in (2.0, 1.0)]
+    buffer = torch.cat(halves)
+    bucket = _AllInOneBucket([parameters[1], parameters[0]], buffer)
+    if rank == 1:
+        torch.cuda._sleep(1_000_000_000)  # the peer's collectives start late, so rank 0's complete late
+    future = hook(None, bucket)  # type: ignore[arg-type]
+    # What backward goes on to do meanwhile: allocate and write memory of the sizes the replay lets go.
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        scratch = [torch.full((numel,), -1e6, device=device) for _ in range(4)]
+        del scratch
+        time.sleep(0.002)
+    result = future.wait()
+    torch.cuda.synchronize(device)
+    return result.view(2, numel).unique(dim=1).flatten().tolist()
+
+
+@pytest.mark.gpu(count=2)
+def test_replay_keeps_its_parts_until_their_collectives_and_copies_are_done():
+    # Rank 0 holds (2, 1) and rank 1 (3, 2) per parameter in the all-in-one bucket: the sums are (5, 3).
+    assert run_processes(replay_while_backward_reuses_memory, 2, backend="nccl") == [[5.0, 3.0], [5.0, 3.0]]
 
 
 def test_restore_refuses_a_layout_of_another_model_naming_the_parameters():

@@ -109,7 +109,16 @@ class BucketLayout:
 
         def write_back(_: Any) -> Tensor:
             for part, future in futures:
-                part.copy_result_to(future.value())
+                result = future.value()
+                part.copy_result_to(result)
+                if result.is_cuda:
+                    # The parts were made on the stream backward runs on, and this callback's stream reads them after
+                    # their collectives; their memory is handed to other work once the host drops them, right after
+                    # this returns, so it must wait for the copies just queued (else a resumed step can read memory
+                    # that backward has reused already).
+                    stream = torch.cuda.current_stream(result.device)
+                    result.record_stream(stream)
+                    part.buffer().record_stream(stream)
             return buffer
 
         return torch.futures.collect_all([future for _, future in futures]).then(write_back)
