@@ -126,7 +126,14 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, device: torch.device) -> tor
 class Wrapped:
     """One method's model, optimizer and wrapper."""
 
-    def __init__(self, method: str, args: argparse.Namespace, device: torch.device) -> None:
+    def __init__(
+        self,
+        method: str,
+        args: argparse.Namespace,
+        device: torch.device,
+        bucket_cap_mb: float | None = None,
+        keywords: dict[str, Any] | None = None,
+    ) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         from torch.nn.parallel import DistributedDataParallel
 
@@ -152,7 +159,8 @@ class Wrapped:
         self.bagua: Any = None
         device_ids = [device.index] if device.type == "cuda" else None
         if method in PEERS:
-            ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True)
+            bucket = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+            ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **bucket)
             if method == "ddp_fp16":
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             elif method.startswith("ddp_powersgd_r"):
@@ -165,9 +173,13 @@ class Wrapped:
                 ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             self.model: nn.Module = ddp
         else:
-            name, keywords = algorithm_of(method)
+            name, algorithm_keywords = algorithm_of(method)
             self.bagua = BaguaDistributedDataParallel(
-                self.module, [self.optimizer], Algorithm.init(name, **keywords), device_ids=device_ids
+                self.module,
+                [self.optimizer],
+                Algorithm.init(name, **algorithm_keywords, **(keywords or {})),
+                device_ids=device_ids,
+                bucket_cap_mb=bucket_cap_mb,
             )
             self.bagua.bagua_algorithm_impl.start()
             self.model = self.bagua

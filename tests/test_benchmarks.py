@@ -213,6 +213,33 @@ def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
     assert "steps to target" in table
 
 
+def test_step_breakdown_runs_variants_and_reads_its_traces_back(tmp_path: Path) -> None:
+    # Two Gloo processes, a tiny model: a bucket-size variant and a bucket-wise low_rank, traced, then analysed.
+    out = tmp_path / "results"
+    methods = ["--methods", "ddp@1", "low_rank_r4_bucketwise", "--rounds", "1", "--steps", "1", "--profiled", "1"]
+    traces = tmp_path / "traces"
+    completed = run(
+        str(BENCHMARKS / "step_breakdown.py"), *methods, "--cpu", "--results-dir", str(out), "--trace", str(traces)
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "step_breakdown_nvlink_cpu.json").read_text())
+    assert set(report["methods"]) == {"ddp@1", "low_rank_r4_bucketwise"}
+    assert report["methods"]["ddp@1"]["step_ms"]["median"] > 0
+    assert sorted(path.name for path in traces.iterdir()) == ["ddp_b1.json.gz", "low_rank_r4_bucketwise.json.gz"]
+    completed = run(
+        str(BENCHMARKS / "step_breakdown.py"), "--analyze", str(traces), "--profiled", "1", "--results-dir", str(out)
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    analysed = json.loads((out / "step_breakdown_trace.json").read_text())["methods"]
+    assert set(analysed) == {"ddp_b1", "low_rank_r4_bucketwise"}
+    # On CPU nothing runs on a device stream; the host passes are still timed.
+    assert analysed["ddp_b1"]["compute_stream_busy_ms"] == 0.0
+    assert analysed["ddp_b1"]["forward_host_ms"] > 0
+    bad = run(str(BENCHMARKS / "step_breakdown.py"), "--methods", "nonesuch@10", "--cpu")
+    assert bad.returncode != 0
+    assert "Unknown method 'nonesuch@10'" in bad.stderr
+
+
 def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path) -> None:
     # One algorithm on two processes, one kill inside a training step: the undisturbed job, then the killed job,
     # which torchrun restarts and which resumes from last.ckpt to the undisturbed weights, bit for bit.

@@ -291,6 +291,31 @@ def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list
     return ["method", "payload / step", *rates], rows, [data["command"]]
 
 
+def _step_breakdown(results: str) -> tuple[list[str], list[list[str]], list[str]]:
+    # Either the timed steps per method (ratio to ddp's), or the summary of the profiled steps' traces.
+    data = _load(results)
+    methods = data["methods"]
+    if "step_ms" not in next(iter(methods.values())):
+        keys = list(next(iter(methods.values())))
+        rows = [[method, *(f"{row[key]:.1f}" for key in keys)] for method, row in methods.items()]
+        return ["method", *(key.removesuffix("_ms").replace("_", " ") + " ms" for key in keys)], rows, [data["command"]]
+    base = methods["ddp"]["step_ms"]["median"] if "ddp" in methods else None
+    rows = []
+    for method, entry in methods.items():
+        step = entry["step_ms"]
+        ratio = f" ({step['median'] / base:.2f}x)" if base else ""
+        rows.append(
+            [
+                method,
+                f"{step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]",
+                f"{entry['host_ms']['median']:.1f}",
+                f"{entry['launches']['median']:.0f}",
+            ]
+        )
+    header = ["method", "step ms (x ddp) [min, max]", "host ms", "launches / step"]
+    return header, rows, [data["command"]]
+
+
 def _chaos(results: str) -> tuple[list[str], list[list[str]], list[str]]:
     # The harness's counts per algorithm and layout, and a total row where there are several.
     data = _load(results)
@@ -465,13 +490,14 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "gpu_network_lab": _gpu_network_lab,
     "gpu_time_to_target": _gpu_time_to_target,
     "chaos": _chaos,
+    "step_breakdown": _step_breakdown,
 }
 # Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
 NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}
 # Kinds whose results files are named after another kind's.
 RESULT_STEMS = {"gpu_time_to_target": "gpu_network_lab"}
 # Kinds whose function reads the results file named by the ``:results:`` option (a stem in benchmarks/results/).
-TAKES_RESULTS_FILE = {"network_lab", "lm_step_time", "chaos"}
+TAKES_RESULTS_FILE = {"network_lab", "lm_step_time", "chaos", "step_breakdown"}
 
 
 class BenchmarkTable(SphinxDirective):

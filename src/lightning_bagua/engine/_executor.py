@@ -1,5 +1,6 @@
 """Run a bucket's dependent collectives in bucket order, off the thread that runs backward."""
 
+import collections
 import queue
 import threading
 from collections.abc import Callable
@@ -15,10 +16,18 @@ class OrderedExecutor:
 
     DDP's reducer hands buckets to the communication hook in the same order on every rank. An algorithm that
     needs several dependent collectives per bucket must issue them in that same order on every rank, yet
-    without blocking backward. On CUDA the collectives are asynchronous with respect to the host already, so
-    jobs run inline; on CPU (Gloo) a job blocks while it communicates, so jobs run on one worker thread per
-    executor, first in first out, and backward carries on meanwhile. The step's last bucket runs in the
-    submitting thread when the worker has nothing unfinished: backward is over, so there is nothing to overlap.
+    without blocking backward.
+
+    - On CUDA the collectives are asynchronous with respect to the host already, so jobs run inline, but on a
+      stream of the executor's own: a job's codec kernels and its waits on the communicators would otherwise
+      queue on the stream backward runs on, so that backward stalls at every dependent collective (and at the
+      other rank's pace). The side stream first waits for the work already queued on the submitting stream;
+      the returned future makes its waiter's stream wait for the job's (DDP's reducer waits at the end of
+      backward). Each job is kept referenced until the side stream has run it, so that tensors it captured
+      are not handed to other work early by the caching allocator.
+    - On CPU (Gloo) a job blocks while it communicates, so jobs run on one worker thread per executor, first in
+      first out, and backward carries on meanwhile. The step's last bucket runs in the submitting thread when
+      the worker has nothing unfinished: backward is over, so there is nothing to overlap.
 
     Args:
         device: the device the gradients live on.
@@ -30,6 +39,9 @@ class OrderedExecutor:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._unfinished = 0  # jobs queued or running on the worker
+        self._stream: torch.cuda.Stream | None = None
+        # CUDA jobs whose kernels may still run on the side stream, with an event recorded after them.
+        self._in_flight: collections.deque[tuple[torch.cuda.Event, Callable[[], Tensor]]] = collections.deque()
 
     @property
     def runs_inline(self) -> bool:
@@ -49,10 +61,8 @@ class OrderedExecutor:
             A future completed with the job's tensor (wrapped for DDP's reducer on CUDA).
         """
         if self.runs_inline:
-            future: torch.futures.Future = torch.futures.Future(devices=[self._device])
-            future.set_result(job())
-            return future
-        future = torch.futures.Future()
+            return self._run_on_side_stream(job)
+        future: torch.futures.Future = torch.futures.Future()
         with self._lock:
             inline = last and self._unfinished == 0
             if not inline:
@@ -71,6 +81,28 @@ class OrderedExecutor:
         if thread is not None:
             self._queue.put(None)
             thread.join()
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._in_flight.clear()
+
+    def _run_on_side_stream(self, job: Callable[[], Tensor]) -> torch.futures.Future:
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+        submitting = torch.cuda.current_stream(self._device)
+        if self._stream is None:
+            # High priority: a job's kernels gate its collectives, and the last bucket's gate the step.
+            self._stream = torch.cuda.Stream(self._device, priority=-1)
+        self._stream.wait_stream(submitting)
+        future: torch.futures.Future = torch.futures.Future(devices=[self._device])
+        with torch.cuda.stream(self._stream):
+            result = job()
+            # A result made on the side stream may be read, and freed, on the waiter's stream.
+            result.record_stream(submitting)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            future.set_result(result)
+        self._in_flight.append((done, job))
+        return future
 
     def _ensure_worker(self) -> None:
         with self._lock:

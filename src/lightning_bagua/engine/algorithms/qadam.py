@@ -177,16 +177,25 @@ class QAdamOptimizer(Optimizer):
             A new flat tensor.
         """
         flat = torch.empty(sum(param.numel() for param in params), dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for param, grad in zip(params, grads, strict=True):
+        # Straight into their places in the flat tensor: no per-parameter temporary, no concatenating copy.
+        into = [
+            piece.view_as(param) for piece, param in zip(flat.split([p.numel() for p in params]), params, strict=True)
+        ]
+        by_setting: dict[tuple[float, float], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
+        for param, grad, out in zip(params, grads, into, strict=True):
             group = self._group_of(param)
-            beta1 = group["betas"][0]
-            gradient = grad.add(param, alpha=group["weight_decay"]) if group["weight_decay"] else grad
-            momentum = self._state_of(param)["exp_avg"]
-            # Straight into its place in the flat tensor: no per-parameter temporary, no concatenating copy.
-            into = flat[offset : offset + param.numel()].view_as(momentum)
-            torch.mul(momentum, beta1, out=into).add_(gradient, alpha=1 - beta1)
-            offset += param.numel()
+            entry = by_setting.setdefault((group["betas"][0], group["weight_decay"]), ([], [], [], []))
+            entry[0].append(param)
+            entry[1].append(grad)
+            entry[2].append(self._state_of(param)["exp_avg"])
+            entry[3].append(out)
+        for (beta1, weight_decay), (group_params, group_grads, momenta, outs) in by_setting.items():
+            gradients = (
+                torch._foreach_add(group_grads, group_params, alpha=weight_decay) if weight_decay else group_grads
+            )
+            torch._foreach_copy_(outs, momenta)
+            torch._foreach_mul_(outs, beta1)
+            torch._foreach_add_(outs, gradients, alpha=1 - beta1)
         return flat
 
     @torch.no_grad()
@@ -197,12 +206,12 @@ class QAdamOptimizer(Optimizer):
             params: the parameters, in the order given to :meth:`local_momentum`.
             flat: the averaged momenta.
         """
-        offset = 0
-        for param in params:
-            momentum = self._state_of(param)["exp_avg"]
-            momentum.copy_(flat[offset : offset + momentum.numel()].view_as(momentum))
-            offset += momentum.numel()
-            self._synchronized.add(id(param))
+        momenta = [self._state_of(param)["exp_avg"] for param in params]
+        pieces = flat.split([momentum.numel() for momentum in momenta])
+        torch._foreach_copy_(
+            momenta, [piece.view_as(momentum) for piece, momentum in zip(pieces, momenta, strict=True)]
+        )
+        self._synchronized.update(id(param) for param in params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -219,27 +228,48 @@ class QAdamOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                synchronized = id(param) in self._synchronized
-                if param.grad is None and not synchronized:
-                    continue
-                state = self._state_of(param)
-                state["step"] += 1
-                step = state["step"]
-                momentum, second_moment = state["exp_avg"], state["exp_avg_sq"]
-                # A synchronised m was averaged during backward; otherwise (warm-up, or no algorithm) update it here.
-                if step < group["warmup_steps"] or not synchronized:
-                    grad = param.grad
-                    if group["weight_decay"]:
-                        grad = grad.add(param, alpha=group["weight_decay"])
-                    momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
-                    if step < group["warmup_steps"]:  # v is frozen once the warm-up is over
-                        second_moment.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denominator = second_moment.sqrt().div_(math.sqrt(1 - beta2**step)).add_(group["eps"])
-                param.addcdiv_(momentum, denominator, value=-group["lr"] / (1 - beta1**step))
+            self._step_group(group)
         self._synchronized.clear()
         return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        # One multi-tensor kernel per operation and per device, dtype and step count, not a few kernels per
+        # parameter: with a model's hundreds of parameters the per-parameter loop was the step's longest part.
+        beta1, beta2 = group["betas"]
+        moving: dict[tuple[Any, ...], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
+        updated: dict[tuple[Any, ...], tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
+        for param in group["params"]:
+            synchronized = id(param) in self._synchronized
+            if param.grad is None and not synchronized:
+                continue
+            state = self._state_of(param)
+            state["step"] += 1
+            step = state["step"]
+            key = (param.device, param.dtype, step)
+            # A synchronised m was averaged during backward; otherwise (warm-up, or no algorithm) update it here.
+            if step < group["warmup_steps"] or not synchronized:
+                entry = moving.setdefault(key, ([], [], [], []))
+                entry[0].append(param)
+                entry[1].append(param.grad)
+                entry[2].append(state["exp_avg"])
+                entry[3].append(state["exp_avg_sq"])
+            entry_updated = updated.setdefault(key, ([], [], []))
+            entry_updated[0].append(param)
+            entry_updated[1].append(state["exp_avg"])
+            entry_updated[2].append(state["exp_avg_sq"])
+        for (_, _, step), (params, grads, momenta, second_moments) in moving.items():
+            if group["weight_decay"]:
+                grads = list(torch._foreach_add(grads, params, alpha=group["weight_decay"]))
+            torch._foreach_mul_(momenta, beta1)
+            torch._foreach_add_(momenta, grads, alpha=1 - beta1)
+            if step < group["warmup_steps"]:  # v is frozen once the warm-up is over
+                torch._foreach_mul_(second_moments, beta2)
+                torch._foreach_addcmul_(second_moments, grads, grads, value=1 - beta2)
+        for (_, _, step), (params, momenta, second_moments) in updated.items():
+            denominators = torch._foreach_sqrt(second_moments)
+            torch._foreach_div_(denominators, math.sqrt(1 - beta2**step))
+            torch._foreach_add_(denominators, group["eps"])
+            torch._foreach_addcdiv_(params, momenta, denominators, value=-group["lr"] / (1 - beta1**step))
 
 
 @dataclass
@@ -395,11 +425,13 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
     state.last_compressed = compressed
     if not compressed:
         return gradient_allreduce_hook(state.full_precision, bucket)
-    # Computed here, in backward, while the local gradients are in the bucket; communicated off this thread.
-    momentum = optimizer.local_momentum(params, bucket.gradients())
+    gradients = bucket.gradients()
     buffer = bucket.buffer()
 
     def job() -> Tensor:
+        # The local gradients stay in the bucket until the returned future completes; computed in the job, the
+        # momentum is made on the executor's stream (on CUDA), off the stream backward runs on.
+        momentum = optimizer.local_momentum(params, gradients)
         reduce_bucket(state.compressed, momentum)
         optimizer.set_synchronized_momentum(params, momentum)
         return buffer

@@ -38,12 +38,11 @@ class FlatWeights:
 
     def scatter(self, flat: Tensor) -> None:
         """Copy ``flat`` (laid out as :meth:`gather` lays the parameters out) into the parameters."""
-        offset = 0
+        pieces = flat.split([parameter.numel() for parameter in self.parameters])
         with torch.no_grad():
-            for parameter in self.parameters:
-                numel = parameter.numel()
-                parameter.copy_(flat[offset : offset + numel].view_as(parameter))
-                offset += numel
+            # One multi-tensor copy, not a kernel per parameter.
+            targets: list[Tensor] = list(self.parameters)
+            torch._foreach_copy_(targets, [piece.view_as(p) for piece, p in zip(pieces, targets, strict=True)])
 
 
 def group_by_dtype(parameters: Sequence[Parameter], needs_receive_buffer: bool = False) -> list[FlatWeights]:

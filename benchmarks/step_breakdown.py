@@ -1,0 +1,323 @@
+"""Where a step's time goes, method by method, on two GPUs: host time, device time, communication kernels.
+
+The GPU network lab's model, data and methods (``benchmarks/gpu_network_lab.py``), one ``torchrun`` job of two
+processes. For every method, in rounds whose order rotates:
+
+- ``step_ms``: the median wall time of ``--steps`` steps after the lab's warm-up, each between two device
+  synchronisations (as the lab times them);
+- ``host_ms``: the median time until the step's Python call returns, before the synchronisation: a step whose
+  host time nears its wall time waits on the host, not on the device;
+- from ``torch.profiler`` over ``--profiled`` further steps, per step: ``kernel_ms`` (the summed duration of every
+  kernel but NCCL's), ``nccl_ms`` (NCCL's kernels), ``launches`` (kernel launch calls), and the five kernels of
+  the longest summed duration.
+
+A method name may carry ``@<MiB>`` to build its wrapper with that bucket size (``ddp@10``,
+``gradient_allreduce@25``), and ``low_rank_rK`` may end in ``_bucketwise`` (``whole_step=False``). ``--src``
+puts another checkout's ``src`` first on the path, to compare two versions of the engine in one device call.
+``--trace DIR`` writes rank 0's profiled steps of the first round as Chrome traces, and ``--analyze DIR`` reads
+such traces back (on any machine): how long each step's compute stream and NCCL kernels were busy, how long the host
+waited for the device, and how long the forward and backward passes took on the host::
+
+    python benchmarks/step_breakdown.py --methods ddp ddp@10 gradient_allreduce bytegrad --rounds 3
+    python benchmarks/step_breakdown.py --sockets ...      # NCCL over TCP on lo, unshaped
+    python benchmarks/step_breakdown.py --methods ddp bytegrad --rounds 1 --trace traces
+    python benchmarks/step_breakdown.py --analyze traces --out step_breakdown_trace
+
+Writes ``benchmarks/results/<--out>.json`` and ``.md`` (default ``step_breakdown_nvlink`` or
+``step_breakdown_sockets``). ``--cpu`` runs a tiny model on two Gloo processes (a smoke test; its figures mean
+nothing).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_network_lab import METHODS, WARMUP_STEPS, Batches, Wrapped, corpus, machine, synchronize
+from harness import SOCKETS_ENV, rotated
+
+RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).parents[1]
+
+
+def split_variant(method: str) -> tuple[str, float | None, dict[str, Any]]:
+    """``"ddp@10"`` -> ``("ddp", 10.0, {})``; ``"low_rank_r4_bucketwise"`` -> ``("low_rank_r4", None, {...})``."""
+    name, _, bucket = method.partition("@")
+    keywords: dict[str, Any] = {}
+    if name.endswith("_bucketwise"):
+        name = name.removesuffix("_bucketwise")
+        keywords["whole_step"] = False
+    if name not in METHODS:
+        raise SystemExit(f"Unknown method {method!r}: use one of {', '.join(METHODS)}, optionally with @<MiB>.")
+    return name, float(bucket) if bucket else None, keywords
+
+
+def profile_steps(
+    wrapped: Wrapped,
+    batches: Batches,
+    args: argparse.Namespace,
+    step: int,
+    device: torch.device,
+    trace: Path | None = None,
+) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for offset in range(args.profiled):
+            wrapped.step(batches.for_step(args.seed, step + offset), device)
+        synchronize(device)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(trace))
+    launches = 0
+    kernel_us: dict[str, float] = defaultdict(float)
+    for event in profiler.key_averages():
+        if "LaunchKernel" in event.key:
+            launches += event.count
+        # Annotated ranges (a module's forward, an optimizer step, "nccl:all_reduce") show on the device too: skip them.
+        if str(getattr(event, "device_type", "")).endswith("CUDA") and not getattr(event, "is_user_annotation", False):
+            kernel_us[event.key] += getattr(event, "self_device_time_total", 0.0) or event.self_cuda_time_total
+    per_step = args.profiled
+    nccl = sum(us for name, us in kernel_us.items() if "nccl" in name.lower())
+    other = sum(us for name, us in kernel_us.items() if "nccl" not in name.lower())
+    top = sorted(kernel_us.items(), key=lambda item: -item[1])[:5]
+    return {
+        "kernel_ms": other / per_step / 1e3,
+        "nccl_ms": nccl / per_step / 1e3,
+        "launches": launches / per_step,
+        "top_kernels_ms": {name[:90]: us / per_step / 1e3 for name, us in top},
+    }
+
+
+def run_method(
+    method: str, args: argparse.Namespace, batches: Batches, device: torch.device, trace: Path | None = None
+) -> dict[str, Any]:
+    name, bucket_cap_mb, keywords = split_variant(method)
+    wrapped = Wrapped(name, args, device, bucket_cap_mb=bucket_cap_mb, keywords=keywords)
+    walls, hosts = [], []
+    for step in range(WARMUP_STEPS + args.steps):
+        tokens = batches.for_step(args.seed, step)
+        synchronize(device)
+        start = time.perf_counter()
+        wrapped.step(tokens, device)
+        returned = time.perf_counter()
+        synchronize(device)
+        if step >= WARMUP_STEPS:
+            walls.append(time.perf_counter() - start)
+            hosts.append(returned - start)
+    row = {"step_ms": statistics.median(walls) * 1e3, "host_ms": statistics.median(hosts) * 1e3}
+    row.update(profile_steps(wrapped, batches, args, WARMUP_STEPS + args.steps, device, trace))
+    wrapped.close()
+    del wrapped
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    rank = dist.get_rank()
+    text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
+    batches = Batches(text, rank, 4 if args.cpu else args.batch, args.context, device)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for round_index in range(args.rounds):
+        for method in rotated(args.methods, round_index):
+            trace = None
+            if args.trace and rank == 0 and round_index == 0:
+                trace = Path(args.trace) / f"{method.replace('@', '_b')}.json.gz"
+            row = run_method(method, args, batches, device, trace)
+            rows.setdefault(method, []).append(row)
+            if rank == 0:
+                print(
+                    f"round {round_index} {method:>30}: step {row['step_ms']:.1f} ms, host {row['host_ms']:.1f} ms,"
+                    f" kernels {row['kernel_ms']:.1f} ms, nccl {row['nccl_ms']:.1f} ms, {row['launches']:.0f} launches",
+                    flush=True,
+                )
+        if rank == 0:
+            write(args, rows, round_index + 1)
+    dist.destroy_process_group()
+
+
+def write(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], rounds: int) -> None:
+    summary: dict[str, Any] = {}
+    for method, method_rows in rows.items():
+        entry: dict[str, Any] = {}
+        for key in ("step_ms", "host_ms", "kernel_ms", "nccl_ms", "launches"):
+            values = [row[key] for row in method_rows]
+            entry[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        entry["top_kernels_ms"] = method_rows[-1]["top_kernels_ms"]
+        summary[method] = entry
+    stem = args.out or f"step_breakdown_{'sockets' if args.sockets else 'nvlink'}{'_cpu' if args.cpu else ''}"
+    command = f"python benchmarks/step_breakdown.py --methods {' '.join(args.methods)} --rounds {args.rounds}"
+    command += " --sockets" if args.sockets else ""
+    command += f" --src {args.src}" if args.src else ""
+    command += f" --out {args.out}" if args.out else ""
+    report = {
+        "benchmark": "where a step's time goes, per method, on two GPUs",
+        "command": command,
+        "rounds": rounds,
+        "settings": {k: v for k, v in vars(args).items() if k not in {"worker", "results_dir", "out", "src", "trace"}},
+        "engine_src": args.src or "src",
+        "machine": machine(args),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "methods": summary,
+    }
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(report))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    methods = report["methods"]
+    base = methods.get("ddp", {}).get("step_ms", {}).get("median")
+    lines = [
+        f"Written by `{report['command']}` ({report['machine']['device']}, {report['rounds']} rounds, engine from"
+        f" `{report['engine_src']}`). Medians over rounds [min, max]; per step.",
+        "",
+        "| method | step ms (x ddp) [min, max] | host ms | kernels ms | NCCL kernels ms | launches |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method, entry in methods.items():
+        step = entry["step_ms"]
+        ratio = f" ({step['median'] / base:.2f}x)" if base else ""
+        lines.append(
+            f"| {method} | {step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]"
+            f" | {entry['host_ms']['median']:.1f} | {entry['kernel_ms']['median']:.1f}"
+            f" | {entry['nccl_ms']['median']:.1f} | {entry['launches']['median']:.0f} |"
+        )
+    if report.get("caveat"):
+        lines += ["", report["caveat"]]
+    lines += ["", "The longest kernels per step (ms), last round:", ""]
+    for method, entry in methods.items():
+        kernels = "; ".join(f"`{name}` {ms:.2f}" for name, ms in entry["top_kernels_ms"].items())
+        lines.append(f"- {method}: {kernels}")
+    return "\n".join(lines) + "\n"
+
+
+def analyze_trace(path: Path, steps: int) -> dict[str, float]:
+    """Per-step figures from one Chrome trace of ``steps`` profiled steps (see the module docstring)."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as file:
+        events = [event for event in json.load(file)["traceEvents"] if event.get("ph") == "X"]
+    kernels = [event for event in events if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    busy: dict[Any, float] = defaultdict(float)
+    nccl = 0.0
+    for event in kernels:
+        if "nccl" in event["name"].lower():
+            nccl += event["dur"]
+        else:
+            busy[event["tid"]] += event["dur"]
+    forwards = [
+        e for e in events if e["name"].endswith("DistributedDataParallel.forward") and e.get("cat") == "user_annotation"
+    ]
+    steps_of = [e for e in events if e["name"].startswith("Optimizer.step") and e.get("cat") == "user_annotation"]
+    forwards.sort(key=lambda event: event["ts"])
+    steps_of.sort(key=lambda event: event["ts"])
+    backward = [step["ts"] - (f["ts"] + f["dur"]) for f, step in zip(forwards, steps_of, strict=False)]
+    waits = sum(
+        e["dur"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and e["name"] in ("cudaDeviceSynchronize", "cudaStreamSynchronize")
+    )
+    hooks = [
+        e["dur"] for e in events if e["name"].endswith("torch::autograd::AccumulateGrad") and e.get("cat") == "cpu_op"
+    ]
+    return {
+        "compute_stream_busy_ms": max(busy.values(), default=0.0) / steps / 1e3,
+        "nccl_busy_ms": nccl / steps / 1e3,
+        "host_waits_for_device_ms": waits / steps / 1e3,
+        "forward_host_ms": sum(f["dur"] for f in forwards) / max(len(forwards), 1) / 1e3,
+        "backward_host_ms": sum(backward) / max(len(backward), 1) / 1e3,
+        "gradient_ready_hooks_ms": sum(hooks) / steps / 1e3,
+    }
+
+
+def analyze(args: argparse.Namespace) -> None:
+    folder = Path(args.analyze)
+    rows = {path.name.split(".")[0]: analyze_trace(path, args.profiled) for path in sorted(folder.glob("*.json*"))}
+    if not rows:
+        raise SystemExit(f"No traces in {folder}: write some with --trace first.")
+    stem = args.out or "step_breakdown_trace"
+    command = f"python benchmarks/step_breakdown.py --analyze {args.analyze} --profiled {args.profiled} --out {stem}"
+    out = Path(args.results_dir)
+    report = {"benchmark": "profiled steps, per method, from Chrome traces", "command": command, "methods": rows}
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    keys = list(next(iter(rows.values())))
+    lines = [
+        f"Written by `{command}`, from traces of rank 0 under `torch.profiler` (which slows the host: compare the"
+        " methods with each other, not with unprofiled step times). Per step, in ms:",
+        "",
+        "| method | " + " | ".join(key.removesuffix("_ms").replace("_", " ") for key in keys) + " |",
+        "|---" * (len(keys) + 1) + "|",
+    ]
+    lines += [f"| {method} | " + " | ".join(f"{row[key]:.1f}" for key in keys) + " |" for method, row in rows.items()]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["ddp", "gradient_allreduce"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per method and round")
+    parser.add_argument("--profiled", type=int, default=3, help="profiled steps per method and round")
+    parser.add_argument("--sockets", action="store_true", help="NCCL over TCP on lo (unshaped)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--trace", default=None, help="write rank 0's profiled steps of round 0 here (chrome)")
+    parser.add_argument("--analyze", default=None, help="summarise the traces in this folder, run nothing")
+    parser.add_argument("--src", default=None, help="another checkout's src directory, first on the path")
+    parser.add_argument("--results-dir", default=str(RESULTS))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for method in args.methods:
+        split_variant(method)
+    return args
+
+
+def launch(args: argparse.Namespace) -> None:
+    paths = [args.src, str(ROOT / "src"), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    if args.sockets and not args.cpu:
+        env.update(SOCKETS_ENV)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [__file__, "--worker", *sys.argv[1:]]
+    subprocess.run(command, env=env, check=True, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.analyze:
+        analyze(arguments)
+    elif arguments.worker:
+        worker(arguments)
+    else:
+        launch(arguments)
