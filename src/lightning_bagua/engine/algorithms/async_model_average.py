@@ -389,6 +389,9 @@ class AsyncModelAverageImpl(AlgorithmImpl):
 
     def _apply(self, exact: bool = False) -> None:
         with self._gate.averaging(), self._after_training(), torch.no_grad():
+            # The round's collective has run on every rank, so it counts on every rank, applied or not: a stop
+            # request reaches the ranks at different moments, and the count is saved with the state.
+            self.rounds += 1
             if not exact and self._stop_request != _CONTINUE:
                 # Stopping: the round's update was taken from weights the caller may have rewritten since (a
                 # callback's on_train_end: SWA's average, pruning made permanent). Adding it would undo that write,
@@ -404,7 +407,6 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                 delta = average.sub_(weights.buffer)
                 parameters: list[Tensor] = list(weights.parameters)
                 torch._foreach_add_(parameters, views_like(delta, parameters))
-        self.rounds += 1
 
     # ------------------------------------------------------------------------------------------------ the thread
 
