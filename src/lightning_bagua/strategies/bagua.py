@@ -475,6 +475,9 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
             ranks' weights as the checkpoint's ``state_dict`` (what ``load_from_checkpoint`` and evaluation read)
             instead of rank 0's. Training is unaffected, and resuming still restores each rank's own weights. With
             other algorithms the ranks' weights are equal, so rank 0's are their average.
+        start_method: how Lightning starts the processes of a node, as for its ``DDPStrategy``: ``"popen"`` (the
+            default: the script runs again for each process), ``"spawn"``, ``"fork"`` (notebooks) or
+            ``"forkserver"`` (processes started from this one, with the function and its arguments pickled).
         **bagua_kwargs: the algorithm's keywords, e.g. ``hierarchical=True``; checked here, so that a typo
             fails before any process starts.
     """

@@ -454,6 +454,9 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
             steps and keep the fastest, the same on every rank, as the Trainer strategy does; ``None`` reads
             ``BAGUA_AUTOTUNE`` (``1``: on; the launcher's ``--autotune_level 1`` sets it), off when unset. Rank
             zero logs the choice (Python logging), and :attr:`autotuner` holds it.
+        start_method: how Lightning starts the processes of a node, as for its ``DDPStrategy``: ``"popen"`` (the
+            default: the script runs again for each process), ``"spawn"``, ``"fork"`` (notebooks) or
+            ``"forkserver"`` (processes started from this one, with the function and its arguments pickled).
         **bagua_kwargs: the algorithm's keywords, e.g. ``hierarchical=True``; checked here, so that a typo
             fails before any process starts.
     """

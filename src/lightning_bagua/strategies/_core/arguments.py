@@ -13,9 +13,11 @@ from lightning_bagua.engine.autotune import AutotuneSetting, autotune_from_envir
 from lightning_bagua.engine.communication import gloo_threads_batch_scheduled
 
 __all__ = [
+    "START_METHODS",
     "autotune_metrics",
     "check_engine_arguments",
     "check_flag",
+    "check_start_method",
     "check_telemetry_and_autotune",
     "check_timeout",
     "fill_load_balancing_samplers",
@@ -66,6 +68,28 @@ def check_timeout(timeout: Any) -> None:
             f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__})."
             " Pass e.g. timeout=timedelta(seconds=60)."
         )
+
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+"""How Lightning may start the processes of one node, as for its ``DDPStrategy``."""
+
+
+def check_start_method(start_method: Any) -> str:
+    """Return ``start_method`` if Lightning's launchers know it; raise a ``ValueError`` naming the choices otherwise.
+
+    Args:
+        start_method: the strategy's ``start_method`` argument.
+
+    Returns:
+        The value.
+    """
+    if not isinstance(start_method, str) or start_method not in START_METHODS:
+        raise ValueError(
+            f"`start_method` must be one of {', '.join(map(repr, START_METHODS))}, got {start_method!r}. Use"
+            " 'popen' (the default: the script is run again for each process) unless your script cannot be rerun,"
+            " as in a notebook ('fork') or when processes must be spawned from this one ('spawn')."
+        )
+    return start_method
 
 
 def check_flag(name: str, value: Any) -> bool:

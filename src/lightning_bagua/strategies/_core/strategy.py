@@ -26,6 +26,7 @@ from lightning_bagua.strategies._core import faults
 from lightning_bagua.strategies._core.arguments import (
     check_engine_arguments,
     check_flag,
+    check_start_method,
     check_telemetry_and_autotune,
     check_timeout,
     fill_load_balancing_samplers,
@@ -105,9 +106,11 @@ class BaguaStrategyCore(_CoreBase):
         autotune: bool | None = None,
         average_before_save: bool = False,
         pause_for_validation: bool = False,
+        start_method: str = "popen",
         **bagua_kwargs: Any,
     ) -> None:
         check_timeout(timeout)
+        check_start_method(start_method)
         self._average_before_save = check_flag("average_before_save", average_before_save)
         self._pause_for_validation = check_flag("pause_for_validation", pause_for_validation)
         self._algorithm = check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
@@ -124,6 +127,7 @@ class BaguaStrategyCore(_CoreBase):
             checkpoint_io=checkpoint_io,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            start_method=start_method,
             **{self._precision_keyword: precision_plugin},
         )
         self._flatten = flatten
