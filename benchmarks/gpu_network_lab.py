@@ -315,18 +315,25 @@ def evaluate(wrapped: Wrapped, batches: Batches, device: torch.device) -> float:
     return float(torch.stack(losses).mean())
 
 
-def worker(args: argparse.Namespace) -> None:
+def join_job(cpu: bool) -> tuple[torch.device, int]:
+    """Join the torchrun job's default group (Gloo with ``cpu``, else NCCL on the local GPU): its device and rank."""
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.cpu:
+    if cpu:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     else:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-    rank = dist.get_rank()
+    return device, dist.get_rank()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    device, rank = join_job(args.cpu)
     text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
     batch = 4 if args.cpu else args.batch
     context = args.context

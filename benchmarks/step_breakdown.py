@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu_network_lab import METHODS, WARMUP_STEPS, Batches, Wrapped, corpus, machine, synchronize
+from gpu_network_lab import METHODS, WARMUP_STEPS, Batches, Wrapped, corpus, join_job, machine, synchronize
 from harness import SOCKETS_ENV, rotated
 
 RESULTS = Path(__file__).parent / "results"
@@ -129,15 +129,7 @@ def run_method(
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.cpu:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    rank = dist.get_rank()
+    device, rank = join_job(args.cpu)
     text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
     batches = Batches(text, rank, 4 if args.cpu else args.batch, args.context, device)
     rows: dict[str, list[dict[str, Any]]] = {}
