@@ -10,6 +10,9 @@ Modes:
 * ``destroy_group``: train with ``--algorithm``, then destroy the default process group as many scripts do at their
   end, start a new one (as a test harness that runs several scripts in one process does) and end the script with it
   alive: the engine's exit cleanup must not destroy its groups a second time.
+* ``restart_group``: train with ``--algorithm`` in a function that drops its model, destroy the default process
+  group and start a new one through the same ``MASTER_PORT``, as Lightning's DDP parity test does, rank 0 last;
+  then train a torch ``DistributedDataParallel`` model in it. The cycle collector stays off from the setup on.
 * ``async_load``: the flow the Fabric docs show, under ``async``: set up, train, ``fabric.save``; set up a fresh
   model, then ``fabric.load`` into it while its averaging runs, and train on.
 * ``filter``: ``fabric.save`` with filters for ``decentralized``, ``low_precision_decentralized`` and ``async``;
@@ -20,12 +23,17 @@ Modes:
 """
 
 import argparse
+import faulthandler
+import gc
 import os
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.strategies.fabric_script import cpu_state, fabric_strategy, new_fabric, rank_loader, train_steps
 from tests.strategies.fit_script import make_network, make_optimizer
@@ -52,6 +60,39 @@ def destroy_group(fabric: Any, args: argparse.Namespace) -> dict[str, Any]:
     dist.all_reduce(ones)
     assert ones.item() == fabric.world_size
     return {}
+
+
+def restart_group(fabric: Any, args: argparse.Namespace) -> dict[str, Any]:
+    def train_with_fabric() -> dict[str, torch.Tensor]:
+        network = make_network()
+        model, optimizer = fabric.setup(network, make_optimizer(network.parameters()))
+        train_steps(fabric, model, optimizer, iter(rank_loader(fabric.world_size, fabric.global_rank)), 2)
+        return cpu_state(network)
+
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where, before the test's timeout
+    # Python's cycle collector off: a cycle that holds the engine's groups keeps the old store until it runs, which
+    # in a script may be after the new group started. Only plain reference counting frees them here.
+    gc.disable()
+    state = train_with_fabric()
+    fabric.barrier()
+    dist.destroy_process_group()
+    # Rank 1 joins first: with the old store still alive, it read rank 0's address in the old group and the new
+    # group's creation hung past its own timeout.
+    time.sleep(3.0 if fabric.global_rank == 0 else 0.5)
+    dist.init_process_group(
+        "gloo", rank=fabric.global_rank, world_size=fabric.world_size, timeout=timedelta(seconds=60)
+    )
+    network = make_network()
+    model = DistributedDataParallel(network)
+    optimizer = make_optimizer(network.parameters())
+    batches = iter(rank_loader(fabric.world_size, fabric.global_rank))
+    for _ in range(2):
+        inputs, targets = next(batches)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    dist.destroy_process_group()
+    return {"state": state, "torch_state": cpu_state(network)}
 
 
 def async_load(fabric: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -138,7 +179,9 @@ def save_result(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", required=True, choices=["destroy_group", "async_load", "filter", "kill_save"])
+    parser.add_argument(
+        "--mode", required=True, choices=["destroy_group", "restart_group", "async_load", "filter", "kill_save"]
+    )
     parser.add_argument("--algorithm", default="gradient_allreduce")
     args = parser.parse_args()
 
@@ -150,11 +193,14 @@ def main() -> None:
             kill_during_write(Path(args.out), "last", 2, Path(args.out) / "killed_at_size")
         kill_save(new_fabric(fabric_strategy("gradient_allreduce")), args)
         return
-    if args.mode == "destroy_group":
+    if args.mode in ("destroy_group", "restart_group"):
         kwargs = FILTER_ALGORITHMS.get(args.algorithm, {})
         fabric = Fabric(accelerator="cpu", devices=2, strategy=fabric_strategy(args.algorithm, **kwargs))
         fabric.launch()
-        destroy_group(fabric, args)
+        if args.mode == "destroy_group":
+            destroy_group(fabric, args)
+        else:
+            save_result(args, fabric.global_rank, restart_group(fabric, args))
         return
     first = Fabric(accelerator="cpu", devices=2, strategy="bagua")
     first.launch()  # starts rank 1 and creates the process group every later Fabric joins

@@ -254,6 +254,7 @@ def setup_checks(args: argparse.Namespace) -> dict[str, Any]:
     results["module_first_bound"] = model._forward_module.bagua_optimizers == [optimizer.optimizer]
     train_steps(fabric, model, optimizer, iter(rank_loader(2, fabric.global_rank)), STEPS)
     results["module_first"] = cpu_state(network, prefix="net.")
+    kept = [model]  # the strategy holds its modules weakly: teardown closes the ones still in use
     # Optimizer first, then the module it updates.
     network = make_network()
     optimizer = fabric.setup_optimizers(make_optimizer(network.parameters()))
@@ -261,6 +262,7 @@ def setup_checks(args: argparse.Namespace) -> dict[str, Any]:
     results["optimizer_first_bound"] = model._forward_module.bagua_optimizers == [optimizer.optimizer]
     train_steps(fabric, model, optimizer, iter(rank_loader(2, fabric.global_rank)), STEPS)
     results["optimizer_first"] = cpu_state(network, prefix="net.")
+    kept.append(model)
     # Together.
     network = make_network()
     model, optimizer = fabric.setup(network, make_optimizer(network.parameters()))
@@ -268,6 +270,7 @@ def setup_checks(args: argparse.Namespace) -> dict[str, Any]:
     results["together"] = cpu_state(network, prefix="net.")
 
     engines = fabric.strategy.bagua_modules
+    assert [engine for engine in engines] == [module._forward_module for module in [*kept, model]]
     fabric.strategy.teardown()
     results["after_teardown"] = {
         "modules": len(fabric.strategy.bagua_modules),

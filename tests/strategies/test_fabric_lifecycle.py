@@ -36,6 +36,24 @@ def test_script_that_destroys_the_process_group_exits_cleanly(tmp_path, algorith
     assert all(result["state"] for result in results)
 
 
+def test_script_that_restarts_the_process_group_joins_the_new_one(tmp_path):
+    """A script that destroys the default group and starts another through the same port joins it and trains.
+
+    This is Lightning's DDP parity test: Fabric training in a function, ``destroy_process_group()``, a new default
+    group, then torch's DDP. The strategy held every wrapper it made, and with it the engine's groups and the old
+    store (torch reuses a live store on the same port), so the new group met the old group's addresses there; its
+    creation hung, or failed, whenever rank 1 came first. The decentralized algorithms also held their groups in
+    reference cycles, through their optimizer hooks and hook state, so the script runs with the cycle collector off.
+    Only ``gradient_allreduce`` runs here. ``async`` averages in its thread until it is stopped, as its docs say,
+    and holds its engine till then. The decentralized algorithms now free their groups as well, but their script
+    hung about once in eight runs after the torch DDP part, on rank 0, as the function that held it returned; that
+    is not understood yet.
+    """
+    results = run_script(tmp_path, "restart_group", "--algorithm", "gradient_allreduce")
+    assert_ranks_identical([{"state": result["torch_state"]} for result in results])
+    assert_ranks_identical(results)
+
+
 def test_fabric_load_under_async_pauses_and_resumes_the_averaging(tmp_path):
     """``fabric.load`` into a set-up ``async`` model works: the averaging stops around it and starts again."""
     results = run_script(tmp_path, "async_load")

@@ -109,16 +109,14 @@ class BucketLayout:
 
         def write_back(_: Any) -> Tensor:
             for part, future in futures:
-                result = future.value()
-                part.copy_result_to(result)
-                if result.is_cuda:
-                    # The parts were made on the stream backward runs on, and this callback's stream reads them after
-                    # their collectives; their memory is handed to other work once the host drops them, right after
-                    # this returns, so it must wait for the copies just queued (else a resumed step can read memory
-                    # that backward has reused already).
-                    stream = torch.cuda.current_stream(result.device)
-                    result.record_stream(stream)
-                    part.buffer().record_stream(stream)
+                # `wait()`, not `value()`: this callback belongs to `collect_all`'s future, which knows no CUDA
+                # streams, and an NCCL collective's future completes once the collective is queued. `wait()` makes
+                # this callback's stream wait for the collective before the copy reads its result.
+                part.copy_result_to(future.wait())
+            if buffer.is_cuda:
+                # The reducer reads the bucket on its own stream, and the parts' memory goes back to the allocator
+                # when this returns: both must find the copies done. Once per resumed run, so the host may wait.
+                torch.cuda.current_stream(buffer.device).synchronize()
             return buffer
 
         return torch.futures.collect_all([future for _, future in futures]).then(write_back)

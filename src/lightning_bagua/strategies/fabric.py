@@ -15,6 +15,7 @@ This module holds Fabric's hooks only; what both strategies share is
 
 import atexit
 import logging
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
 __all__ = ["BaguaStrategy"]
 
 log = logging.getLogger(__name__)
+
 
 if TYPE_CHECKING:  # the hooks, mixed into one class per Fabric package, type-check as `lightning`'s DDPStrategy
     _FabricBase = DDPStrategy
@@ -91,16 +93,19 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         )
         # Every module wrapped and every optimizer set up so far: Fabric may set them up in either order, together
         # or apart, so each module is (re)bound to the optimizers over its parameters whenever either side arrives.
-        self._bagua_modules: list[BaguaDistributedDataParallel] = []
-        self._bagua_optimizers: list[Optimizer] = []
+        # Held weakly, as Fabric's DDP strategy holds none: a wrapper the script drops must go with its communicators,
+        # which keep the process group's store alive. A script that destroys the default group and starts a new
+        # one would otherwise join it through the old store, whose keys still name the old group's addresses.
+        self._module_refs: list[_WrappedRef] = []
+        self._optimizer_refs: list[weakref.ref[Optimizer]] = []
         self._closes_at_exit = False
         self._remove_failure_hook: Callable[[], None] | None = None
         self._autotuning = FabricAutotuning(on_replace=self._replace_wrapper)
 
     @property
     def bagua_modules(self) -> list[BaguaDistributedDataParallel]:
-        """The modules this strategy wrapped and has not torn down yet, in the order they were set up."""
-        return list(self._bagua_modules)
+        """The modules this strategy wrapped that are still in use and not torn down, in the order they were set up."""
+        return self._bagua_modules
 
     @property
     def telemetry(self) -> CommunicationTelemetry | None:
@@ -229,7 +234,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             The same optimizer.
         """
         if not any(optimizer is known for known in self._bagua_optimizers):
-            self._bagua_optimizers.append(optimizer)
+            self._optimizer_refs.append(weakref.ref(optimizer))
         for wrapped in self._bagua_modules:
             if _updates(optimizer, wrapped):
                 self._bind(wrapped)
@@ -247,7 +252,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
             What the optimizer's step returned.
         """
         output = super().optimizer_step(optimizer, **kwargs)
-        for wrapped in list(self._bagua_modules):
+        for wrapped in self._bagua_modules:
             bound = wrapped.bagua_optimizers
             if not any(optimizer is known for known in bound):
                 continue
@@ -350,11 +355,11 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
 
     @override
     def _bagua_wrapped_modules(self) -> list[BaguaDistributedDataParallel]:
-        return list(self._bagua_modules)
+        return self._bagua_modules
 
     def _wrap(self, module: Module) -> BaguaDistributedDataParallel:
         wrapped = self._wrap_module(module, self._determine_ddp_device_ids())
-        self._bagua_modules.append(wrapped)
+        self._module_refs = [*(ref for ref in self._module_refs if ref.in_use()), _WrappedRef(wrapped)]
         if not self._closes_at_exit:
             # Fabric has no end of run at which it tears its strategy down; engines still open when the script
             # ends are closed before the process group goes (atexit runs this before the earlier-registered
@@ -369,7 +374,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
 
     def _replace_wrapper(self, old: BaguaDistributedDataParallel, new: BaguaDistributedDataParallel) -> None:
         # `rewrapped` closed the old wrapper; the strategy's references move to the new one (Fabric's moved already).
-        self._bagua_modules = [new if wrapped is old else wrapped for wrapped in self._bagua_modules]
+        self._module_refs = [_WrappedRef(new) if ref.module() is old else ref for ref in self._module_refs]
         if old.telemetry is not None and new.telemetry is not None:
             # One record stream per module: the loop logs the step that ended with the rebuild after this step.
             new.telemetry.continue_from(old.telemetry)
@@ -397,12 +402,28 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
                 log.exception("lightning_bagua: diagnosing a failure at exit failed too")
             fail_at_exit(error, self.global_rank, self.launcher)
 
+    @property
+    def _bagua_modules(self) -> list[BaguaDistributedDataParallel]:
+        return [wrapped for ref in self._module_refs if (wrapped := ref.module()) is not None]
+
+    @property
+    def _bagua_optimizers(self) -> list[Optimizer]:
+        return [optimizer for reference in self._optimizer_refs if (optimizer := reference()) is not None]
+
     def _close_engines(self) -> None:
-        modules, self._bagua_modules = self._bagua_modules, []
-        for wrapped in modules:
-            wrapped.bagua_algorithm_impl.stop()
-            wrapped.close()
-        self._bagua_optimizers = []
+        references, self._module_refs = self._module_refs, []
+        for reference in references:
+            wrapped = reference.module()
+            if wrapped is not None:
+                wrapped.bagua_algorithm_impl.stop()
+                wrapped.close()
+            elif (impl := reference.impl()) is not None:
+                # The script let go of the module while a thread of the algorithm's own still runs it (`async`):
+                # stopped and closed as its wrapper would be, so that what the thread found out is reported.
+                impl.stop()
+                impl.close()
+                impl.context.groups.close()
+        self._optimizer_refs = []
         self._autotuning.clear()
 
 
@@ -469,3 +490,14 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
 def _updates(optimizer: Optimizer, module: Module) -> bool:
     parameters = {id(parameter) for parameter in module.parameters()}
     return any(id(parameter) in parameters for group in optimizer.param_groups for parameter in group["params"])
+
+
+class _WrappedRef:
+    """A wrapped module, held weakly, and its algorithm, which outlives the module while a thread of its own runs."""
+
+    def __init__(self, wrapped: BaguaDistributedDataParallel) -> None:
+        self.module = weakref.ref(wrapped)
+        self.impl = weakref.ref(wrapped.bagua_algorithm_impl)
+
+    def in_use(self) -> bool:
+        return self.module() is not None or self.impl() is not None

@@ -51,6 +51,7 @@ from lightning_bagua.engine.algorithms.base import (
     CommunicationHook,
     check_keyword_type,
     register_algorithm,
+    weakly_bound,
 )
 from lightning_bagua.engine.algorithms.decentralized import local_gradient_hook
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceState, gradient_allreduce_hook
@@ -184,7 +185,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._failure_reported = False
         self._optimizers: list[Optimizer] = []
         self._hook_handles: list[RemovableHandle] = []
-        self.state.release_after_backward = self._release_after_backward
+        self.state.release_after_backward = weakly_bound(self._release_after_backward)
         self._telemetry_mark = (0, time.monotonic())  # rounds and time at the last telemetry_phase call
         self._step_all_reduced = True
 
@@ -252,7 +253,9 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         for handle in self._hook_handles:
             handle.remove()
         self._optimizers = list(optimizers)
-        self._hook_handles = [optimizer.register_step_post_hook(self._release_after_step) for optimizer in optimizers]
+        self._hook_handles = [
+            optimizer.register_step_post_hook(weakly_bound(self._release_after_step)) for optimizer in optimizers
+        ]
         self.state.release_after_backward = None if self._optimizers else self._release_after_backward
 
     def start(self) -> None:

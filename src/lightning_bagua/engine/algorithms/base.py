@@ -2,6 +2,7 @@
 
 import inspect
 import logging
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ __all__ = [
     "check_positive_int",
     "check_state_keys",
     "register_algorithm",
+    "weakly_bound",
 ]
 
 log = logging.getLogger(__name__)
@@ -399,6 +401,30 @@ def check_state_keys(algorithm: str, state: Any, expected: dict[str, type | tupl
             raise ValueError(
                 f"Algorithm {algorithm!r}: saved state {key!r} must be {names}, got {value!r} ({type(value).__name__})."
             )
+
+
+def weakly_bound(method: Callable[..., None]) -> Callable[..., None]:
+    """Return a function that calls ``method`` while its object lives, and does nothing once the object is gone.
+
+    For callbacks left with objects the implementation itself holds (its optimizers' step hooks, its hook state):
+    a bound method there closes a reference cycle through the implementation, and the cycle keeps the engine's
+    groups, and through them the default group's store, until Python's cycle collector runs. A script that destroys
+    the default group and starts a new one through the same address would meet the old store there.
+
+    Args:
+        method: a bound method returning nothing.
+
+    Returns:
+        A function taking the method's arguments.
+    """
+    reference = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        bound = reference()
+        if bound is not None:
+            bound(*args, **kwargs)
+
+    return call
 
 
 def _describe_keywords(keywords: dict[str, Any]) -> str:

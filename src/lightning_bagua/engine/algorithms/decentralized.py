@@ -22,6 +22,7 @@ from lightning_bagua.engine.algorithms.base import (
     check_positive_int,
     check_state_keys,
     register_algorithm,
+    weakly_bound,
 )
 from lightning_bagua.engine.algorithms.weights import FlatWeights, check_optimizers_cover, group_by_dtype
 from lightning_bagua.engine.communication import (
@@ -157,7 +158,7 @@ class DecentralizedImpl(AlgorithmImpl):
             [parameter for _, parameter in context.named_parameters],
             needs_receive_buffer=algorithm.peer_selection_mode == "shift_one",
         )
-        self.state.copy_peer_weights = self._copy_peer_weights
+        self.state.copy_peer_weights = weakly_bound(self._copy_peer_weights)
         self._optimizers: list[Optimizer] = []
 
     def communication_hook(self) -> tuple[Any, CommunicationHook]:

@@ -23,6 +23,7 @@ from lightning_bagua.engine.algorithms.base import (
     check_positive_int,
     check_state_keys,
     register_algorithm,
+    weakly_bound,
 )
 from lightning_bagua.engine.algorithms.decentralized import local_gradient_hook
 from lightning_bagua.engine.algorithms.weights import FlatWeights, check_optimizers_cover, group_by_dtype
@@ -186,7 +187,9 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self._remove_hooks()
         self._optimizers = list(optimizers)
         self._stepped.clear()
-        self._hook_handles = [optimizer.register_step_post_hook(self._after_step) for optimizer in optimizers]
+        self._hook_handles = [
+            optimizer.register_step_post_hook(weakly_bound(self._after_step)) for optimizer in optimizers
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """Return this rank's ring copies and counters: what it needs beyond its weights to continue the ring.

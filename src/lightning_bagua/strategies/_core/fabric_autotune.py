@@ -32,7 +32,8 @@ class FabricAutotuning:
         self._on_replace = on_replace
         self._tuners: dict[int, BucketAutotuner] = {}
         self._holders: dict[int, list[tuple[weakref.ref[Module], str]]] = {}
-        self._wrappers: dict[int, BaguaDistributedDataParallel] = {}
+        # Weak, as the strategy holds its wrappers: a wrapper the script drops goes (see `BaguaStrategy`).
+        self._wrappers: weakref.WeakValueDictionary[int, BaguaDistributedDataParallel] = weakref.WeakValueDictionary()
         self._hook: RemovableHandle | None = None
 
     def tuner_of(self, wrapped: BaguaDistributedDataParallel) -> BucketAutotuner | None:
@@ -41,6 +42,7 @@ class FabricAutotuning:
 
     def add(self, wrapped: BaguaDistributedDataParallel) -> None:
         """Give a newly wrapped module a tuner and make its first call, before the first step's forward."""
+        self._tuners = {key: tuner for key, tuner in self._tuners.items() if key in self._wrappers}
         self._tuners[id(wrapped)] = BucketAutotuner()
         self._wrappers[id(wrapped)] = wrapped
         if self._hook is None:
@@ -61,7 +63,7 @@ class FabricAutotuning:
     def clear(self) -> None:
         """Forget every tuner and holder (at teardown)."""
         self._tuners = {}
-        self._wrappers = {}
+        self._wrappers = weakref.WeakValueDictionary()
         self._stop_noting_holders()
 
     def _note_holder(self, holder: Module, name: str, child: Module) -> None:
