@@ -270,7 +270,7 @@ def setup_checks(args: argparse.Namespace) -> dict[str, Any]:
     results["together"] = cpu_state(network, prefix="net.")
 
     engines = fabric.strategy.bagua_modules
-    assert [engine for engine in engines] == [module._forward_module for module in [*kept, model]]
+    assert engines == [module._forward_module for module in [*kept, model]]
     fabric.strategy.teardown()
     results["after_teardown"] = {
         "modules": len(fabric.strategy.bagua_modules),
