@@ -32,8 +32,9 @@ class FabricAutotuning:
         self._on_replace = on_replace
         self._tuners: dict[int, BucketAutotuner] = {}
         self._holders: dict[int, list[tuple[weakref.ref[Module], str]]] = {}
-        # Weak, as the strategy holds its wrappers: a wrapper the script drops goes (see `BaguaStrategy`).
-        self._wrappers: weakref.WeakValueDictionary[int, BaguaDistributedDataParallel] = weakref.WeakValueDictionary()
+        # Weak, as the strategy holds its wrappers: a wrapper the script drops goes (see `BaguaStrategy`). A plain
+        # dict of references, not a `WeakValueDictionary`: the strategy is pickled when Lightning spawns processes.
+        self._wrappers: dict[int, weakref.ref[BaguaDistributedDataParallel]] = {}
         self._hook: RemovableHandle | None = None
 
     def tuner_of(self, wrapped: BaguaDistributedDataParallel) -> BucketAutotuner | None:
@@ -42,9 +43,10 @@ class FabricAutotuning:
 
     def add(self, wrapped: BaguaDistributedDataParallel) -> None:
         """Give a newly wrapped module a tuner and make its first call, before the first step's forward."""
+        self._wrappers = {key: ref for key, ref in self._wrappers.items() if ref() is not None}
         self._tuners = {key: tuner for key, tuner in self._tuners.items() if key in self._wrappers}
         self._tuners[id(wrapped)] = BucketAutotuner()
-        self._wrappers[id(wrapped)] = wrapped
+        self._wrappers[id(wrapped)] = weakref.ref(wrapped)
         if self._hook is None:
             self._hook = register_module_module_registration_hook(self._note_holder)
         # The Trainer makes this call at the first batch's start; every later one follows an optimizer step, i.e.
@@ -63,17 +65,18 @@ class FabricAutotuning:
     def clear(self) -> None:
         """Forget every tuner and holder (at teardown)."""
         self._tuners = {}
-        self._wrappers = weakref.WeakValueDictionary()
+        self._wrappers = {}
         self._stop_noting_holders()
 
     def _note_holder(self, holder: Module, name: str, child: Module) -> None:
         # Called for every child module registered anywhere while a module is tuning: remember who holds ours.
-        if self._wrappers.get(id(child)) is child:
+        reference = self._wrappers.get(id(child))
+        if reference is not None and reference() is child:
             self._holders.setdefault(id(child), []).append((weakref.ref(holder), name))
 
     def _replace(self, old: BaguaDistributedDataParallel, new: BaguaDistributedDataParallel) -> None:
         self._tuners[id(new)] = self._tuners.pop(id(old))
-        self._wrappers[id(new)] = new
+        self._wrappers[id(new)] = weakref.ref(new)
         del self._wrappers[id(old)]
         holders = self._holders.pop(id(old), [])
         for reference, name in holders:
