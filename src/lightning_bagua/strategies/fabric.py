@@ -54,7 +54,6 @@ __all__ = ["BaguaStrategy"]
 
 log = logging.getLogger(__name__)
 
-
 if TYPE_CHECKING:  # the hooks, mixed into one class per Fabric package, type-check as `lightning`'s DDPStrategy
     _FabricBase = DDPStrategy
 else:

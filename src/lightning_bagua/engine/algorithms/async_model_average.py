@@ -256,7 +256,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._hook_handles = [
             optimizer.register_step_post_hook(weakly_bound(self._release_after_step)) for optimizer in optimizers
         ]
-        self.state.release_after_backward = None if self._optimizers else self._release_after_backward
+        self.state.release_after_backward = None if self._optimizers else weakly_bound(self._release_after_backward)
 
     def start(self) -> None:
         """Start averaging in the background: :meth:`resume`."""
