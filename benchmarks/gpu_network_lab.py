@@ -177,7 +177,7 @@ class Wrapped:
             self.bagua = BaguaDistributedDataParallel(
                 self.module,
                 [self.optimizer],
-                Algorithm.init(name, **algorithm_keywords, **(keywords or {})),
+                Algorithm.init(name, **{**algorithm_keywords, **(keywords or {})}),
                 device_ids=device_ids,
                 bucket_cap_mb=bucket_cap_mb,
             )
@@ -416,10 +416,16 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
             loaded[regime] = json.loads(path.read_text())
     # A later run of some methods alone adds them, or replaces their rows; its command is listed.
     supplements = sorted(results_dir.glob(f"gpu_network_lab_sockets{suffix}_*.json")) if "sockets" in loaded else []
+    if supplements:
+        main = loaded["sockets"]
+        main["sources"] = {f"gpu_network_lab_sockets{suffix}": (main["date"], list(main["methods"]))}
     for path in supplements:
         extra = json.loads(path.read_text())
         loaded["sockets"]["methods"].update(extra["methods"])
         loaded["sockets"]["command"] += f"`, then `{extra['command']} --out {path.stem}"
+        loaded["sockets"]["sources"][path.stem] = (extra["date"], list(extra["methods"]))
+        for _, methods in list(loaded["sockets"]["sources"].values())[:-1]:
+            methods[:] = [method for method in methods if method not in extra["methods"]]
     if not loaded:
         raise SystemExit(f"No results in {results_dir}: run the regimes first.")
     return loaded
@@ -506,6 +512,14 @@ def report(results_dir: Path, cpu: bool) -> str:
         "",
         *_markdown(*step_table(loaded)),
     ]
+    sources = loaded.get("sockets", {}).get("sources", {})
+    if sources:
+        lines += [
+            "",
+            "The sockets columns (unshaped and shaped) come from these runs, each row from the last run of it:",
+            "",
+        ]
+        lines += [f"- `{stem}` ({date[:16]}): {', '.join(methods)}" for stem, (date, methods) in sources.items()]
     if "nvlink" in loaded and "ddp" in loaded["nvlink"]["methods"]:
         target, at_step, final_ddp = target_of(loaded)
         lines += [

@@ -9,10 +9,13 @@ processes. For every method, in rounds whose order rotates:
   host time nears its wall time waits on the host, not on the device;
 - from ``torch.profiler`` over ``--profiled`` further steps, per step: ``kernel_ms`` (the summed duration of every
   kernel but NCCL's), ``nccl_ms`` (NCCL's kernels), ``launches`` (kernel launch calls), and the five kernels of
-  the longest summed duration.
+  the longest summed duration. ``--profiled 0`` profiles nothing: a profiled method may leave the methods after
+  it slower, so timings meant for comparison run without.
 
 A method name may carry ``@<MiB>`` to build its wrapper with that bucket size (``ddp@10``,
-``gradient_allreduce@25``), and ``low_rank_rK`` may end in ``_bucketwise`` (``whole_step=False``). ``--src``
+``gradient_allreduce@25``), ``low_rank_rK`` may end in ``_bucketwise`` (``whole_step=False``), and ``bytegrad``,
+``qadam`` and ``low_rank_rK`` in ``_onenode``: their own default ``hierarchical=True``, which on one node leaves only
+the full-precision level (the lab runs them flat, to time their compression). ``--src``
 puts another checkout's ``src`` first on the path, to compare two versions of the engine in one device call.
 ``--trace DIR`` writes rank 0's profiled steps of the first round as Chrome traces, and ``--analyze DIR`` reads
 such traces back (on any machine): how long each step's compute stream and NCCL kernels were busy, how long the host
@@ -30,6 +33,7 @@ nothing).
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -58,6 +62,9 @@ def split_variant(method: str) -> tuple[str, float | None, dict[str, Any]]:
     if name.endswith("_bucketwise"):
         name = name.removesuffix("_bucketwise")
         keywords["whole_step"] = False
+    if name.endswith("_onenode"):  # the algorithm's own default, hierarchical=True: on one node, full precision
+        name = name.removesuffix("_onenode")
+        keywords["hierarchical"] = True
     if name not in METHODS:
         raise SystemExit(f"Unknown method {method!r}: use one of {', '.join(METHODS)}, optionally with @<MiB>.")
     return name, float(bucket) if bucket else None, keywords
@@ -118,7 +125,10 @@ def run_method(
             walls.append(time.perf_counter() - start)
             hosts.append(returned - start)
     row = {"step_ms": statistics.median(walls) * 1e3, "host_ms": statistics.median(hosts) * 1e3}
-    row.update(profile_steps(wrapped, batches, args, WARMUP_STEPS + args.steps, device, trace))
+    if args.profiled:
+        row.update(profile_steps(wrapped, batches, args, WARMUP_STEPS + args.steps, device, trace))
+    else:
+        row.update({"kernel_ms": math.nan, "nccl_ms": math.nan, "launches": math.nan, "top_kernels_ms": {}})
     wrapped.close()
     del wrapped
     if device.type == "cuda":
@@ -162,6 +172,8 @@ def write(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], round
         summary[method] = entry
     stem = args.out or f"step_breakdown_{'sockets' if args.sockets else 'nvlink'}{'_cpu' if args.cpu else ''}"
     command = f"python benchmarks/step_breakdown.py --methods {' '.join(args.methods)} --rounds {args.rounds}"
+    command += f" --steps {args.steps}" if args.steps != 20 else ""
+    command += f" --profiled {args.profiled}" if args.profiled != 3 else ""
     command += " --sockets" if args.sockets else ""
     command += f" --src {args.src}" if args.src else ""
     command += f" --out {args.out}" if args.out else ""

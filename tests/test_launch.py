@@ -76,6 +76,10 @@ def test_bucket_size_and_bagua_net_become_environment_variables():
     }
 
 
+def test_without_a_bucket_size_the_children_keep_the_engines_default():
+    assert "BAGUA_DEFAULT_BUCKET_SIZE" not in child_environment(parse(), environ={})
+
+
 def launch(*argv: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env["PYTHONPATH"] = python_path()

@@ -35,7 +35,6 @@ __all__ = ["build_parser", "child_environment", "main", "torchrun_arguments"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_SIZE = 10 * 1024**2
 _NCCL_MULTI_SOCKET = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 # Flags kept for compatibility, with the value at which they do nothing.
 _WITHOUT_EFFECT = {
@@ -64,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("-m", "--module", action="store_true", help="run the script as a module, like python -m")
     add("--no_python", action="store_true", help="run the script as an executable, not with python")
     add("--logdir", default=None, help="write each process's output under this folder")
-    add("--default_bucket_size", type=int, default=DEFAULT_BUCKET_SIZE, help="gradient bucket size in bytes")
+    add(
+        "--default_bucket_size",
+        type=int,
+        default=None,
+        help="gradient bucket size in bytes (default: the engine's, 25 MiB on CUDA and 10 MiB elsewhere)",
+    )
     add("--enable_bagua_net", action="store_true", help="several sockets and threads per NCCL connection")
     add("--autotune_level", type=int, default=0, help="1: tune the bucket size in the first steps (BAGUA_AUTOTUNE=1)")
     add("--is_output_autotune_log", action="store_true", help="accepted; no effect in this release")
@@ -128,10 +132,9 @@ def child_environment(args: argparse.Namespace, environ: dict[str, str] | None =
         Variable names and values to set.
     """
     environ = dict(os.environ if environ is None else environ)
-    added = {
-        "BAGUA_SERVICE_PORT": str(args.bagua_service_port),
-        "BAGUA_DEFAULT_BUCKET_SIZE": str(args.default_bucket_size),
-    }
+    added = {"BAGUA_SERVICE_PORT": str(args.bagua_service_port)}
+    if args.default_bucket_size is not None:
+        added["BAGUA_DEFAULT_BUCKET_SIZE"] = str(args.default_bucket_size)
     if args.autotune_level == 1:
         added["BAGUA_AUTOTUNE"] = "1"
     if args.enable_bagua_net:
@@ -173,7 +176,7 @@ def _check(args: argparse.Namespace) -> None:
             f"--node_rank must be in [0, {int(nodes[0])}) for --nnodes {nodes[0]}, got {args.node_rank}. Number the"
             " nodes 0 to nnodes - 1, one launcher each."
         )
-    if args.default_bucket_size <= 0:
+    if args.default_bucket_size is not None and args.default_bucket_size <= 0:
         raise SystemExit(f"--default_bucket_size must be a positive number of bytes, got {args.default_bucket_size}.")
 
 

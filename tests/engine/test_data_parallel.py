@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, GradientAllReduceAlgorithm
+from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
 from tests.distributed import assert_ranks_identical, run_processes
 
 STEPS = 4
@@ -212,6 +213,39 @@ def test_bagua_attributes_users_relied_on():
         "require_sync": True,
         "module_is_model": True,
     }
+
+
+@pytest.mark.parametrize(
+    ("device", "variable", "expected"),
+    [
+        (torch.device("cpu"), None, 10.0),
+        (None, None, 10.0),
+        (torch.device("cuda", 0), None, 25.0),  # only the device's type is read: no GPU needed
+        (torch.device("cuda", 0), "4194304", 4.0),
+        (torch.device("cpu"), "4194304", 4.0),
+    ],
+)
+def test_default_bucket_size_is_ddps_on_cuda_and_baguas_elsewhere_unless_the_launcher_sets_it(
+    monkeypatch, device, variable, expected
+):
+    if variable is None:
+        monkeypatch.delenv("BAGUA_DEFAULT_BUCKET_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("BAGUA_DEFAULT_BUCKET_SIZE", variable)
+    assert default_bucket_cap_mb(device) == expected
+
+
+def test_a_cpu_wrapper_without_a_bucket_size_reduces_in_10_mib_buckets(monkeypatch):
+    monkeypatch.delenv("BAGUA_DEFAULT_BUCKET_SIZE", raising=False)
+    result = run_processes(report_default_bucket, 2)[0]
+    assert result == {"bucket_cap_mb": 10.0, "reducer_bucket_bytes": 10 * 1024**2}
+
+
+def report_default_bucket(rank: int, world_size: int) -> dict:
+    ddp = BaguaDistributedDataParallel(make_model())
+    result = {"bucket_cap_mb": ddp.bucket_cap_mb, "reducer_bucket_bytes": ddp.bucket_bytes_cap}
+    ddp.close()
+    return result
 
 
 def backward_without_a_peer(rank: int, world_size: int, algorithm: str, hierarchical: bool) -> dict:

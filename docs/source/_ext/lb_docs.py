@@ -27,6 +27,7 @@ functions).
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -300,19 +301,16 @@ def _step_breakdown(results: str) -> tuple[list[str], list[list[str]], list[str]
         rows = [[method, *(f"{row[key]:.1f}" for key in keys)] for method, row in methods.items()]
         return ["method", *(key.removesuffix("_ms").replace("_", " ") + " ms" for key in keys)], rows, [data["command"]]
     base = methods["ddp"]["step_ms"]["median"] if "ddp" in methods else None
+    # A job run with --profiled 0 counted no launches (NaN in its file): its table leaves the column out.
+    profiled = not all(math.isnan(entry["launches"]["median"]) for entry in methods.values())
     rows = []
     for method, entry in methods.items():
         step = entry["step_ms"]
         ratio = f" ({step['median'] / base:.2f}x)" if base else ""
-        rows.append(
-            [
-                method,
-                f"{step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]",
-                f"{entry['host_ms']['median']:.1f}",
-                f"{entry['launches']['median']:.0f}",
-            ]
-        )
-    header = ["method", "step ms (x ddp) [min, max]", "host ms", "launches / step"]
+        row = [method, f"{step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]"]
+        row.append(f"{entry['host_ms']['median']:.1f}")
+        rows.append([*row, f"{entry['launches']['median']:.0f}"] if profiled else row)
+    header = ["method", "step ms (x ddp) [min, max]", "host ms", *(["launches / step"] if profiled else [])]
     return header, rows, [data["command"]]
 
 

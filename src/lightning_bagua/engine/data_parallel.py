@@ -19,12 +19,20 @@ from lightning_bagua.engine.bucket_layout import BucketLayout
 from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "BaguaDistributedDataParallel", "default_bucket_cap_mb", "warn_about_node_layout"]
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_CUDA_BUCKET_CAP_MB",
+    "BaguaDistributedDataParallel",
+    "default_bucket_cap_mb",
+    "warn_about_node_layout",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 10.0
-"""Bagua's default bucket size, in MiB (torch's DDP defaults to 25)."""
+"""The default bucket size off CUDA, in MiB: Bagua's."""
+DEFAULT_CUDA_BUCKET_CAP_MB = 25.0
+"""The default bucket size on CUDA, in MiB: torch's DDP's."""
 
 
 # Messages already logged by this process: rewrapping a model (autotuning) must not repeat them.
@@ -73,14 +81,21 @@ def warn_about_node_layout(algorithm: Algorithm, groups: CommunicationGroups) ->
         log.warning(message)
 
 
-def default_bucket_cap_mb() -> float:
-    """Return the bucket size to use when none is given: ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes) or 10 MiB.
+def default_bucket_cap_mb(device: torch.device | None = None) -> float:
+    """Return the bucket size to use when none is given, in MiB.
 
-    ``lightning_bagua.launch --default_bucket_size`` sets that variable for its children, as Bagua's did.
+    ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes) when set: ``lightning_bagua.launch --default_bucket_size`` sets it for its
+    children, as Bagua's launcher did. Otherwise :data:`DEFAULT_CUDA_BUCKET_CAP_MB` (DDP's 25 MiB) for a CUDA
+    ``device`` and :data:`DEFAULT_BUCKET_CAP_MB` (Bagua's 10 MiB) for any other. On GPUs over a fast link the step
+    waits on the host, and every bucket costs a communication hook call on it: with fewer buckets the
+    full-precision algorithms cost what DDP costs there (``benchmarks/step_breakdown.py``).
+
+    Args:
+        device: the device the gradients live on; the CPU default when ``None``.
     """
     value = os.environ.get("BAGUA_DEFAULT_BUCKET_SIZE")
     if value is None:
-        return DEFAULT_BUCKET_CAP_MB
+        return DEFAULT_CUDA_BUCKET_CAP_MB if device is not None and device.type == "cuda" else DEFAULT_BUCKET_CAP_MB
     try:
         size = int(value)
     except ValueError:
@@ -108,7 +123,8 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         gradient_as_bucket_view: let gradients be views into the flat bucket buffers, so no copy is made
             before or after communication (Bagua's ``flatten``).
         find_unused_parameters: as in DDP.
-        bucket_cap_mb: bucket size in MiB; :func:`default_bucket_cap_mb` when ``None`` (Bagua's 10 MiB).
+        bucket_cap_mb: bucket size in MiB; :func:`default_bucket_cap_mb` when ``None`` (DDP's 25 MiB on CUDA,
+            Bagua's 10 MiB elsewhere).
         ranks_per_node: processes per node, for hierarchical algorithms; read from ``LOCAL_WORLD_SIZE`` when
             ``None``, and derived from the hosts the ranks run on (gathered once, here) if that is unset too.
         bagua_module_name: a name for this model in logs; derived from the module when ``None``.
@@ -158,7 +174,8 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             raise TypeError(f"`telemetry` must be a bool, got {telemetry!r} ({type(telemetry).__name__}).")
         _merge_ignored_parameters(module)
         _refuse_sparse_gradients(module)
-        reducer_cap_mb = default_bucket_cap_mb() if bucket_cap_mb is None else bucket_cap_mb
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        reducer_cap_mb = default_bucket_cap_mb(device) if bucket_cap_mb is None else float(bucket_cap_mb)
         with first_bucket_capped_at(reducer_cap_mb):
             super().__init__(
                 module,
@@ -180,12 +197,12 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             "telemetry": telemetry,
             **ddp_kwargs,
         }
+        self._bagua_bucket_cap_mb = reducer_cap_mb
         self.bagua_algorithm: Algorithm = algorithm
         self.bagua_module_name: str = bagua_module_name or f"{type(module).__name__}_{id(module)}"
         self.communication_counter = (
             communication_counter if communication_counter is not None else CommunicationCounter()
         )
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._bagua_groups = CommunicationGroups.create(
             process_group, ranks_per_node, algorithm.hierarchical, timeout, device
         )
@@ -203,7 +220,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             device,
             named_parameters,
             timeout,
-            default_bucket_cap_mb() if bucket_cap_mb is None else float(bucket_cap_mb),
+            reducer_cap_mb,
         )
         try:
             self._bagua_impl: AlgorithmImpl = algorithm.reify(context)
@@ -244,8 +261,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
     @property
     def bucket_cap_mb(self) -> float:
         """The gradient bucket size this wrapper was built with, in MiB."""
-        given = self._bagua_init_kwargs["bucket_cap_mb"]
-        return default_bucket_cap_mb() if given is None else float(given)
+        return self._bagua_bucket_cap_mb
 
     @property
     def telemetry(self) -> CommunicationTelemetry | None:

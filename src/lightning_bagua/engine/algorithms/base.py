@@ -56,7 +56,7 @@ class AlgorithmContext:
         timeout: how long a collective may wait before it fails (the wrapper's ``timeout``); ``None`` for torch's
             default. An algorithm that creates communicators of its own creates them with it.
         bucket_cap_mb: the wrapper's bucket size in MiB; algorithms that communicate weights rather than DDP's
-            gradient buckets cut their flat weights into pieces of this size where Bagua did (its 10 MiB default).
+            gradient buckets cut their flat weights into pieces of this size where Bagua did.
     """
 
     groups: CommunicationGroups

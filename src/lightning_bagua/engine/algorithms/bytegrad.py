@@ -16,6 +16,7 @@ from lightning_bagua.engine.algorithms.base import (
     check_keyword_type,
     register_algorithm,
 )
+from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceState, gradient_allreduce_hook
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import (
     CommunicationCounter,
@@ -39,7 +40,17 @@ class ByteGradImpl(AlgorithmImpl):
         )
 
     def communication_hook(self) -> tuple[Any, CommunicationHook]:
-        """Return the state and :func:`bytegrad_hook`."""
+        """Return the state and :func:`bytegrad_hook`; on one node with ``hierarchical``, ``gradient_allreduce``'s.
+
+        Hierarchical on one node leaves only the full-precision intra-node level, which is exactly
+        :func:`gradient_allreduce_hook`'s all-reduce: that hook issues it from the reducer's thread, without a job
+        on the executor per bucket, which is what makes this case cost what DDP costs over NVLink.
+        """
+        groups = self.state.groups
+        if self.state.hierarchical and groups.layout.num_nodes == 1 and not groups.is_hierarchical:
+            return GradientAllReduceState.from_context(
+                self.context, average=self.state.average
+            ), gradient_allreduce_hook
         return self.state, bytegrad_hook
 
 

@@ -316,7 +316,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
        step. It reads ``d = (x - w) + ((w + L + R)/3 - w)``: the local progress since the last round, plus the
        move of ``w`` to the average of the three neighbouring ``w`` (the ring's mixing weights of 1/3 each).
     2. Compress it to 8 bits with the MinMaxUInt8 codec, one chunk (one min/max) per bucket-sized piece of ``d``
-       (the wrapper's ``bucket_cap_mb``, Bagua's 10 MiB by default), as Bagua compresses per bucket:
+       (the wrapper's ``bucket_cap_mb``), as Bagua compresses per bucket:
        ``c = compress(d)``.
     3. Send ``c`` to both neighbours; receive ``cL`` from the left one and ``cR`` from the right one. On a ring
        of two, the one peer is both neighbours: ``c`` is sent once and ``cL = cR``.

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         cluster_environment: ClusterEnvironment | None
         _timeout: timedelta | None
         _process_group_backend: str | None
+        parallel_devices: list[torch.device] | None
 
         def __init__(self, **kwargs: Any) -> None: ...
 
@@ -155,8 +156,14 @@ class BaguaStrategyCore(_CoreBase):
 
     @property
     def bucket_cap_mb(self) -> float:
-        """The bucket size in MiB (``BAGUA_DEFAULT_BUCKET_SIZE`` or Bagua's 10 MiB unless given)."""
-        return default_bucket_cap_mb() if self._bucket_cap_mb is None else self._bucket_cap_mb
+        """The bucket size in MiB.
+
+        As given, else ``BAGUA_DEFAULT_BUCKET_SIZE``, else DDP's 25 MiB on CUDA and Bagua's 10 MiB elsewhere (see
+        :func:`~lightning_bagua.engine.data_parallel.default_bucket_cap_mb`).
+        """
+        if self._bucket_cap_mb is not None:
+            return self._bucket_cap_mb
+        return default_bucket_cap_mb(self.root_device if self.parallel_devices else None)
 
     @property
     def average_before_save(self) -> bool:
