@@ -25,8 +25,9 @@ method's figure is the median over rounds of its per-round median step, with the
 
 Peers: ``ddp``; ``ddp_fp16`` (torch's ``fp16_compress_hook``); ``ddp_powersgd_rK`` (torch's PowerSGD hook at rank
 K with ``batch_tensors_with_same_shape=True``, its fastest setting, after 10 uncompressed steps). Ours: every
-algorithm, with ``bytegrad``, ``qadam`` and ``low_rank`` flat (``hierarchical=False``: on one node their default
-would not compress), ``low_rank_rK`` at rank K.
+algorithm, with ``bytegrad``, ``qadam``, ``low_precision_decentralized`` and ``low_rank`` flat
+(``hierarchical=False``: on one node their default would not compress; the GPU lab files of 2026-11-27 and
+earlier ran ``low_precision_decentralized`` with its default), ``low_rank_rK`` at rank K.
 
 On a machine with two GPUs (the device's ``tc`` comes from ``shared/tools`` when the image has none)::
 
@@ -196,11 +197,23 @@ class Wrapped:
             self.bagua.close()
 
 
+# What the rows of files written before the rows recorded their keywords ran, where it differs from algorithm_of.
+UNRECORDED_KEYWORDS: dict[str, dict[str, Any]] = {"low_precision_decentralized": {}}
+
+
+def recorded_keywords(method: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """The algorithm keywords a results row of ``method`` ran with (rows of older files did not record them)."""
+    rounds = entry.get("rounds") or [entry]
+    if "algorithm_keywords" in rounds[0]:
+        return rounds[0]["algorithm_keywords"]
+    return UNRECORDED_KEYWORDS.get(method, algorithm_of(method)[1])
+
+
 def algorithm_of(method: str) -> tuple[str, dict[str, Any]]:
     """The algorithm name and keywords a method of ours runs."""
     if method.startswith("low_rank_r"):
         return "low_rank", {"rank": int(method.rsplit("_r", 1)[1]), "hierarchical": False}
-    if method in ("bytegrad", "qadam"):
+    if method in ("bytegrad", "qadam", "low_precision_decentralized"):
         return method, {"hierarchical": False}
     if method == "async":
         return method, {"warmup_steps": WARMUP_STEPS - 2}
@@ -253,6 +266,8 @@ def run_method(
     rank = dist.get_rank()
     wrapped = Wrapped(method, args, device)
     row: dict[str, Any] = {"method": method, "parameters": wrapped.parameters}
+    if method in OURS:
+        row["algorithm_keywords"] = algorithm_of(method)[1]
     step = 0
 
     def timed(count: int) -> list[float]:

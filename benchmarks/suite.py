@@ -136,7 +136,7 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
     Every step ratio compares rows of one regime's results; the PowerSGD and launch targets compare ``low_rank`` at
     rank K with torch's batched PowerSGD hook at the same rank.
     """
-    from gpu_network_lab import OURS, load_results, target_of
+    from gpu_network_lab import OURS, algorithm_of, load_results, recorded_keywords, target_of
 
     command = "python benchmarks/gpu_network_lab.py --report, from the runs gpu_network_lab.md names"
 
@@ -155,6 +155,10 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
         if value is None or ref is None:
             missing = f"no {label} step of {method if value is None else base} in the GPU network lab's results"
             found.append(_target(target, source, f"<= {bar:.2f}x", None, None, missing))
+            return
+        if method in OURS and (ran := recorded_keywords(method, rows[method])) != (now := algorithm_of(method)[1]):
+            stale = f"{method} ran with {ran or 'its defaults'}, but the lab now runs it with {now}: run the lab again"
+            found.append(_target(target, source, f"<= {bar:.2f}x", None, None, stale))
             return
         ratio = value["median"] / ref["median"]
         detail = f"{value['median'] * 1e3:.1f} ms vs {ref['median'] * 1e3:.1f} ms (medians over rounds)"

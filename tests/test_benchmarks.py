@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -225,6 +226,8 @@ def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
     sockets = json.loads((out / "gpu_network_lab_sockets_cpu.json").read_text())
     assert set(sockets["methods"]["low_rank_r4"]["step_s"]) == {"unshaped", "1gbit"}
     assert {"median", "min", "max"} == set(sockets["methods"]["ddp"]["step_s"]["1gbit"])
+    # Each row of ours records the keywords it ran with, which the targets check compares with the lab's.
+    assert sockets["methods"]["low_rank_r4"]["rounds"][0]["algorithm_keywords"] == {"rank": 4, "hierarchical": False}
     table = (out / "gpu_network_lab_cpu.md").read_text()
     assert "python benchmarks/gpu_network_lab.py --regime sockets --rounds 1 --methods ddp low_rank_r4" in table
     assert "| low_rank_r4 |" in table
@@ -253,6 +256,15 @@ def test_step_breakdown_runs_variants_and_reads_its_traces_back(tmp_path: Path) 
     # On CPU nothing runs on a device stream; the host passes are still timed.
     assert analysed["ddp_b1"]["compute_stream_busy_ms"] == 0.0
     assert analysed["ddp_b1"]["forward_host_ms"] > 0
+    # Unprofiled, a one-node default: nothing profiled, and bytegrad keeps its hierarchical=True.
+    methods = ["--methods", "bytegrad_onenode", "--rounds", "1", "--steps", "1", "--profiled", "0"]
+    completed = run(str(BENCHMARKS / "step_breakdown.py"), *methods, "--cpu", "--results-dir", str(out), "--out", "u")
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    unprofiled = json.loads((out / "u.json").read_text())
+    assert unprofiled["command"].endswith("--methods bytegrad_onenode --rounds 1 --steps 1 --profiled 0 --out u")
+    assert unprofiled["methods"]["bytegrad_onenode"]["step_ms"]["median"] > 0
+    assert math.isnan(unprofiled["methods"]["bytegrad_onenode"]["launches"]["median"])
+    assert "bytegrad (hierarchical=True) found a single node" in completed.stderr
     bad = run(str(BENCHMARKS / "step_breakdown.py"), "--methods", "nonesuch@10", "--cpu")
     assert bad.returncode != 0
     assert "Unknown method 'nonesuch@10'" in bad.stderr
