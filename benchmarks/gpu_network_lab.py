@@ -491,14 +491,21 @@ def target_of(loaded: dict[str, Any]) -> tuple[float, int, float]:
     return point["val_loss"], point["step"], curve[-1]["val_loss"]
 
 
+def steps_to_target(loaded: dict[str, Any], method: str) -> int | None:
+    """The step of a method's first evaluation at or under the target loss; ``None`` if it never got there."""
+    target, _, _ = target_of(loaded)
+    curve = loaded["nvlink"]["methods"][method].get("curve", [])
+    return next((point["step"] for point in curve if point["val_loss"] <= target), None)
+
+
 def time_to_target_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Steps to the target times the median step at each link, and the final loss against DDP's."""
     labels = links(loaded)
-    target, _, final_ddp = target_of(loaded)
+    _, _, final_ddp = target_of(loaded)
     rows = []
     for method, entry in loaded["nvlink"]["methods"].items():
         curve = entry.get("curve", [])
-        reached = next((point["step"] for point in curve if point["val_loss"] <= target), None)
+        reached = steps_to_target(loaded, method)
         cells = [method, "not reached" if reached is None else str(reached)]
         for label in labels:
             value = step_of(loaded, method, label)

@@ -214,11 +214,9 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
 
 def _time_to_target(loaded: dict[str, Any], method: str, label: str) -> float | None:
     """Steps to the lab's target loss times the method's median step at ``label``; ``None`` where not measured."""
-    from gpu_network_lab import step_of, target_of
+    from gpu_network_lab import step_of, steps_to_target
 
-    target, _, _ = target_of(loaded)
-    curve = loaded["nvlink"]["methods"][method].get("curve", [])
-    reached = next((point["step"] for point in curve if point["val_loss"] <= target), None)
+    reached = steps_to_target(loaded, method)
     step = step_of(loaded, method, label)
     # async averages at the link's pace beside the steps: its NVLink curve does not carry over to a shaped link.
     if reached is None or step is None or method == "async":

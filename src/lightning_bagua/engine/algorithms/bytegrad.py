@@ -46,8 +46,7 @@ class ByteGradImpl(AlgorithmImpl):
         :func:`gradient_allreduce_hook`'s all-reduce: that hook issues it from the reducer's thread, without a job
         on the executor per bucket, which is what makes this case cost what DDP costs over NVLink.
         """
-        groups = self.state.groups
-        if self.state.hierarchical and groups.layout.num_nodes == 1 and not groups.is_hierarchical:
+        if self.state.full_precision_only:
             return GradientAllReduceState.from_context(
                 self.context, average=self.state.average
             ), gradient_allreduce_hook
@@ -90,6 +89,14 @@ class ByteGradState(HookState):
     hierarchical: bool = True
     codec: MinMaxUInt8Codec = field(default_factory=MinMaxUInt8Codec)
 
+    @property
+    def full_precision_only(self) -> bool:
+        """Whether only the full-precision intra-node level is left: hierarchical, on one node.
+
+        With one rank per node, every rank leads its node and the compressed scatter-gather is the inter-node level.
+        """
+        return self.hierarchical and self.groups.layout.num_nodes == 1 and not self.groups.is_hierarchical
+
 
 def bytegrad_hook(state: ByteGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket of gradients with 8-bit scatter-gather.
@@ -121,9 +128,7 @@ def reduce_bucket(state: ByteGradState, buffer: Tensor) -> Tensor:
             )
 
         return all_reduce_hierarchically(buffer, groups, state.counter, inter_node)
-    if state.hierarchical and groups.layout.num_nodes == 1:
-        # Hierarchical on one node: only the full-precision intra-node level is left. (With one rank per node,
-        # every rank is its node's leader and the compressed scatter-gather below is the inter-node level.)
+    if state.full_precision_only:
         state.counter.record("all_reduce", buffer)
         dist.all_reduce(buffer, group=groups.flat)
         return buffer.div_(groups.world_size) if state.average else buffer
