@@ -15,7 +15,9 @@ processes. For every method, in rounds whose order rotates:
 A method name may carry ``@<MiB>`` to build its wrapper with that bucket size (``ddp@10``,
 ``gradient_allreduce@25``), ``low_rank_rK`` may end in ``_bucketwise`` (``whole_step=False``), and ``bytegrad``,
 ``qadam`` and ``low_rank_rK`` in ``_onenode``: their own default ``hierarchical=True``, which on one node leaves only
-the full-precision level (the lab runs them flat, to time their compression). ``--src``
+the full-precision level (the lab runs them flat, to time their compression). Any method may end in ``_eager``:
+its wrapper is built with ``BAGUA_CUDA_GRAPHS=0``, so that it runs every bucket's job eagerly where it would
+replay it as a CUDA graph (``bytegrad_eager`` against ``bytegrad``). ``--src``
 puts another checkout's ``src`` first on the path, to compare two versions of the engine in one device call.
 ``--trace DIR`` writes rank 0's profiled steps of the first round as Chrome traces, and ``--analyze DIR`` reads
 such traces back (on any machine): how long each step's compute stream and NCCL kernels were busy, how long the host
@@ -53,6 +55,8 @@ from harness import SOCKETS_ENV, rotated
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
+# The engine's switch (lightning_bagua.engine._cuda_graphs), spelled out: --src may load an engine without it.
+CUDA_GRAPHS_VARIABLE = "BAGUA_CUDA_GRAPHS"
 
 
 def split_variant(method: str) -> tuple[str, float | None, dict[str, Any]]:
@@ -111,8 +115,18 @@ def profile_steps(
 def run_method(
     method: str, args: argparse.Namespace, batches: Batches, device: torch.device, trace: Path | None = None
 ) -> dict[str, Any]:
-    name, bucket_cap_mb, keywords = split_variant(method)
-    wrapped = Wrapped(name, args, device, bucket_cap_mb=bucket_cap_mb, keywords=keywords)
+    eager = "_eager" in method
+    name, bucket_cap_mb, keywords = split_variant(method.replace("_eager", ""))
+    previous = os.environ.get(CUDA_GRAPHS_VARIABLE)
+    if eager:
+        os.environ[CUDA_GRAPHS_VARIABLE] = "0"  # read when the wrapper builds its executor
+    try:
+        wrapped = Wrapped(name, args, device, bucket_cap_mb=bucket_cap_mb, keywords=keywords)
+    finally:
+        if previous is None:
+            os.environ.pop(CUDA_GRAPHS_VARIABLE, None)
+        else:
+            os.environ[CUDA_GRAPHS_VARIABLE] = previous
     walls, hosts = [], []
     for step in range(WARMUP_STEPS + args.steps):
         tokens = batches.for_step(args.seed, step)
@@ -303,7 +317,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for method in args.methods:
-        split_variant(method)
+        split_variant(method.replace("_eager", ""))
     return args
 
 

@@ -20,7 +20,9 @@ from lightning_bagua.engine import (
     NodeLayout,
     _node_layout,
 )
+from lightning_bagua.engine._cuda_graphs import CUDA_GRAPHS_VARIABLE, cuda_graphs_enabled
 from lightning_bagua.engine.communication import (
+    CounterTotals,
     OrderedExecutor,
     all_gather_into,
     all_to_all_into,
@@ -167,6 +169,59 @@ def test_counter_counts_bytes_and_calls_per_operation():
     counter.reset()
     assert counter.bytes_sent == 0
     assert counter.calls == {}
+
+
+def test_counter_lists_what_a_block_records_and_counts_it_again_on_replay():
+    counter = CommunicationCounter()
+    counter.record("all_reduce", torch.zeros(2))
+    with counter.logged() as records:
+        counter.record("all_to_all", torch.zeros(8, dtype=torch.uint8), received=4, uncompressed=32)
+        counter.record("all_gather", torch.zeros(4, dtype=torch.uint8), received=4, uncompressed=16)
+    counter.record("broadcast", torch.zeros(1))  # after the block: not listed
+    assert records == [("all_to_all", 8, 4, 32), ("all_gather", 4, 4, 16)]
+    once = counter.totals()
+    counter.replay(records)
+    assert counter.totals() - once == CounterTotals(12, 8, 48, 2)
+    assert counter.calls == {"all_reduce": 1, "all_to_all": 2, "all_gather": 2, "broadcast": 1}
+
+
+def test_counter_lists_only_the_recording_thread():
+    counter = CommunicationCounter()
+    with counter.logged() as records:
+        other = threading.Thread(target=lambda: counter.record("all_reduce", torch.zeros(3)))
+        other.start()
+        other.join()
+        counter.record("all_reduce", torch.zeros(1))
+    assert records == [("all_reduce", 4, 4, 4)]
+    assert counter.bytes_sent == 16
+
+
+def test_executor_runs_bucket_jobs_eagerly_off_cuda_and_captures_no_graph():
+    executor = OrderedExecutor(torch.device("cpu"))
+    counter = CommunicationCounter()
+
+    def job(tensor: torch.Tensor) -> torch.Tensor:
+        counter.record("all_reduce", tensor)
+        return tensor.mul_(2)
+
+    buffer = torch.ones(4)
+    for _ in range(4):
+        executor.submit_bucket(("bytegrad", 0, 4, torch.float32), buffer, job, counter).wait()
+    assert torch.equal(buffer, torch.full((4,), 16.0))
+    assert counter.calls == {"all_reduce": 4}
+    assert executor.graphs.captured == 0
+    executor.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, True), ("1", True), ("0", False), ("off", False), (" False ", False), ("no", False)]
+)
+def test_cuda_graphs_follow_the_environment_variable(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(CUDA_GRAPHS_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(CUDA_GRAPHS_VARIABLE, value)
+    assert cuda_graphs_enabled() is expected
 
 
 def test_executor_runs_cpu_jobs_in_submission_order_off_the_calling_thread():

@@ -3,10 +3,13 @@
 import collections
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor
+
+from lightning_bagua.engine._counter import CommunicationCounter
+from lightning_bagua.engine._cuda_graphs import BucketGraphs, BucketJob, cuda_graphs_enabled
 
 __all__ = ["OrderedExecutor"]
 
@@ -29,12 +32,18 @@ class OrderedExecutor:
       first out, and backward carries on meanwhile. The step's last bucket runs in the submitting thread when
       the worker has nothing unfinished: backward is over, so there is nothing to overlap.
 
+    Jobs submitted with :meth:`submit_bucket` may, on CUDA, be captured once and replayed as CUDA graphs
+    (:class:`~lightning_bagua.engine._cuda_graphs.BucketGraphs`).
+
     Args:
         device: the device the gradients live on.
+        cuda_graphs: replay bucket jobs as CUDA graphs; by default unless ``BAGUA_CUDA_GRAPHS=0``.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cuda_graphs: bool | None = None) -> None:
         self._device = device
+        self._cuda_graphs = cuda_graphs_enabled() if cuda_graphs is None else cuda_graphs
+        self.graphs = BucketGraphs()
         self._queue: queue.SimpleQueue[tuple[Callable[[], Tensor], torch.futures.Future] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -74,6 +83,25 @@ class OrderedExecutor:
         self._queue.put((job, future))
         return future
 
+    def submit_bucket(
+        self, key: Hashable, buffer: Tensor, job: BucketJob, counter: CommunicationCounter, last: bool = False
+    ) -> torch.futures.Future:
+        """Queue ``job(buffer)`` like :meth:`submit`; on CUDA it may run as a replayed graph.
+
+        Args:
+            key: what every rank agrees identifies the job (see :meth:`BucketGraphs.run`).
+            buffer: the flat bucket ``job`` reduces in place.
+            job: depends on nothing but the values it is given: the same kernels and collectives at every call.
+            counter: where ``job`` records its collectives.
+            last: as for :meth:`submit`.
+
+        Returns:
+            A future completed with ``buffer`` once reduced.
+        """
+        if self.runs_inline and self._cuda_graphs:
+            return self._run_on_side_stream(lambda: self.graphs.run(key, buffer, job, counter))
+        return self.submit(lambda: job(buffer), last=last)
+
     def close(self) -> None:
         """Finish the queued jobs and stop the worker thread; safe to call twice."""
         with self._lock:
@@ -84,6 +112,7 @@ class OrderedExecutor:
         if self._stream is not None:
             self._stream.synchronize()
         self._in_flight.clear()
+        self.graphs.clear()
 
     def _run_on_side_stream(self, job: Callable[[], Tensor]) -> torch.futures.Future:
         while self._in_flight and self._in_flight[0][0].query():

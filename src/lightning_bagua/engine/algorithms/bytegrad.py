@@ -110,7 +110,14 @@ def bytegrad_hook(state: ByteGradState, bucket: dist.GradBucket) -> torch.future
     """
     buffer = bucket.buffer()
     # Looked up at call time, so that a test can observe every bucket's input and output.
-    return state.executor.submit(lambda: reduce_bucket(state, buffer), last=bucket.is_last())
+    if state.groups.is_hierarchical:
+        return state.executor.submit(lambda: reduce_bucket(state, buffer), last=bucket.is_last())
+    # Flat, a bucket's job is the same kernels and collectives on one communicator at every step: on CUDA it is
+    # replayed as one graph.
+    key = ("bytegrad", bucket.index(), buffer.numel(), buffer.dtype)
+    return state.executor.submit_bucket(
+        key, buffer, lambda tensor: reduce_bucket(state, tensor), state.counter, last=bucket.is_last()
+    )
 
 
 def reduce_bucket(state: ByteGradState, buffer: Tensor) -> Tensor:
