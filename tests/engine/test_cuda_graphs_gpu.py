@@ -1,5 +1,9 @@
 """Bucket jobs replayed as CUDA graphs over NCCL on two GPUs (run on the device machine; skipped elsewhere)."""
 
+import multiprocessing
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 from torch import nn
@@ -7,7 +11,7 @@ from torch import nn
 from lightning_bagua.engine import BaguaDistributedDataParallel
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm
 from lightning_bagua.engine.communication import CommunicationCounter
-from tests.distributed import assert_ranks_identical, run_processes
+from tests.distributed import _child, assert_ranks_identical, free_port, run_processes
 from tests.engine.test_data_parallel import batch_for, make_model, make_optimizer
 
 pytestmark = pytest.mark.gpu(count=2)
@@ -65,3 +69,60 @@ def test_bytegrad_replayed_as_cuda_graphs_matches_it_run_eagerly_bit_for_bit():
     for step in range(STEPS):
         for first, second in zip(graphed[0]["gradients"][step], graphed[1]["gradients"][step], strict=True):
             torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+PEER_TIMEOUT_S = 10
+
+
+def lose_the_peer_once_graphed(rank: int, world_size: int) -> dict:
+    device = torch.device("cuda", rank)
+    model = make_model().to(device)
+    optimizer = make_optimizer(model)
+    ddp = BaguaDistributedDataParallel(
+        model,
+        [optimizer],
+        ByteGradAlgorithm(hierarchical=False),
+        device_ids=[rank],
+        bucket_cap_mb=0.004,
+        timeout=timedelta(seconds=PEER_TIMEOUT_S),
+    )
+
+    def step(index: int) -> None:
+        inputs, targets = (t.to(device) for t in batch_for(rank, index))
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+
+    for index in range(4):
+        step(index)
+    assert ddp._bagua_executor.graphs.captured > 0
+    if rank == 1:
+        time.sleep(240)  # gone, as far as rank 0 can tell; the test kills it
+        return {}
+    step(4)  # the replays wait for rank 1 for good: the eager last bucket must end this
+    return {"finished": True}
+
+
+def test_a_peer_lost_during_graph_replays_ends_the_job_within_the_timeout():
+    """Replayed collectives escape NCCL's watchdog; the eager last bucket lets it end the job instead of a hang."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_child, args=(lose_the_peer_once_graphed, rank, 2, port, "nccl", {}, (), results))
+        for rank in range(2)
+    ]
+    for process in processes:
+        process.start()
+    start = time.monotonic()
+    try:
+        # Start-up and four steps take well under a minute; then the watchdog's timeout.
+        processes[0].join(timeout=PEER_TIMEOUT_S + 110)
+        assert not processes[0].is_alive(), f"rank 0 waits for its lost peer after {time.monotonic() - start:.0f} s"
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    assert processes[0].exitcode != 0, "rank 0 finished a step that its peer never joined"

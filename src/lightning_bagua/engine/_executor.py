@@ -88,17 +88,22 @@ class OrderedExecutor:
     ) -> torch.futures.Future:
         """Queue ``job(buffer)`` like :meth:`submit`; on CUDA it may run as a replayed graph.
 
+        The step's last bucket always runs eagerly. A collective replayed from a graph is invisible to torch's NCCL
+        watchdog, so a peer lost during a replay would leave it spinning on the GPU for good; the last bucket's
+        collectives queue behind it on the same stream and communicator, and the watchdog times them out and aborts
+        the communicator, which ends the stuck replay too.
+
         Args:
             key: what every rank agrees identifies the job (see :meth:`BucketGraphs.run`).
             buffer: the flat bucket ``job`` reduces in place.
             job: depends on nothing but the values it is given: the same kernels and collectives at every call.
             counter: where ``job`` records its collectives.
-            last: as for :meth:`submit`.
+            last: the step's last bucket, as for :meth:`submit`; never replayed.
 
         Returns:
             A future completed with ``buffer`` once reduced.
         """
-        if self.runs_inline and self._cuda_graphs:
+        if self.runs_inline and self._cuda_graphs and not last:
             return self._run_on_side_stream(lambda: self.graphs.run(key, buffer, job, counter))
         return self.submit(lambda: job(buffer), last=last)
 
