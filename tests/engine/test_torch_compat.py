@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_bagua.engine._torch_compat import destroy_process_group, store_has_key
+from lightning_bagua.engine._torch_compat import backward_context_out_of_tls, destroy_process_group, store_has_key
 from tests.distributed import free_port, run_processes
 
 
@@ -111,3 +111,47 @@ def _destroy_the_default_group_while_a_subgroup_work_has_a_python_callback(rank:
 def test_destroying_the_default_group_frees_a_busy_subgroup_without_deadlock():
     results = run_processes(_destroy_the_default_group_while_a_subgroup_work_has_a_python_callback, 2, timeout=30)
     assert results == [16.0, 8.0]
+
+
+def test_the_backward_context_is_out_of_thread_local_state_inside_the_block_and_back_after():
+    seen: list[tuple[str, bool]] = []
+
+    def tensor_hook(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(("before", torch._C._is_key_in_tls("context")))
+        with backward_context_out_of_tls():
+            seen.append(("inside", torch._C._is_key_in_tls("context")))
+        seen.append(("after", torch._C._is_key_in_tls("context")))
+        return grad
+
+    weight = torch.ones(3, requires_grad=True)
+    weight.register_hook(tensor_hook)
+    (weight * 2).sum().backward()
+    # torch stashes the caller's contextvars context for the backward; outside a backward the block changes nothing.
+    assert seen == [("before", True), ("inside", False), ("after", True)]
+    with backward_context_out_of_tls():
+        assert not torch._C._is_key_in_tls("context")
+
+
+def record_context_in_the_engine_hook(rank: int, world_size: int) -> list[bool]:
+    from torch import nn
+
+    from lightning_bagua.engine import BaguaDistributedDataParallel
+    from lightning_bagua.engine.algorithms import gradient_allreduce
+
+    seen: list[bool] = []
+    original = gradient_allreduce.gradient_allreduce_hook
+
+    def recording_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        seen.append(torch._C._is_key_in_tls("context"))
+        return original(state, bucket)
+
+    gradient_allreduce.GradientAllReduceImpl.communication_hook = lambda self: (self.state, recording_hook)
+    model = BaguaDistributedDataParallel(nn.Linear(4, 2), algorithm="gradient_allreduce")
+    model(torch.ones(2, 4)).sum().backward()
+    model.close()
+    return seen
+
+
+def test_the_engine_runs_its_hooks_without_the_backward_context():
+    """What a hook issues must hold no Python object, or a Gloo worker needs the GIL to free it (a deadlock)."""
+    assert run_processes(record_context_in_the_engine_hook, 2) == [[False], [False]]

@@ -41,6 +41,8 @@ from tests.strategies.fit_script import make_network, make_optimizer
 from tests.strategies.kill_during_save import kill_during_write
 from tests.strategies.killed_save_script import BALLAST_VALUES
 
+KEEP_UNTIL_EXIT: list[Any] = []
+
 FILTER_ALGORITHMS = {
     "decentralized": {"hierarchical": False},
     "low_precision_decentralized": {"hierarchical": False},
@@ -93,6 +95,11 @@ def restart_group(fabric: Any, args: argparse.Namespace) -> dict[str, Any]:
         torch.nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
     dist.destroy_process_group()
+    # Kept until the process ends without teardown: freeing torch's DDP here frees its reducer's Gloo group, whose
+    # destructor joins the group's worker threads while this thread holds the GIL, and a worker may still be freeing
+    # the backward's last all-reduce, whose saved thread-local state holds a Python object (torch stashes the
+    # backward's `contextvars` context there): its release waits for the GIL, and both threads wait for good.
+    KEEP_UNTIL_EXIT.extend([model, optimizer])
     return {"state": state, "torch_state": cpu_state(network)}
 
 

@@ -17,6 +17,7 @@ from packaging.version import Version
 from torch.optim import Optimizer
 
 __all__ = [
+    "backward_context_out_of_tls",
     "default_store",
     "destroy_process_group",
     "first_bucket_capped_at",
@@ -34,6 +35,41 @@ _NO_VALUE = "\0lightning_bagua: no value\0"
 _GROUP_FREED_WITHOUT_GIL = Version(torch.__version__).release >= (2, 8)
 
 
+# The key under which torch's `autograd.graph._engine_run_backward` stashes the caller's `contextvars` context in the
+# C++ thread-local state for the backward's duration.
+_BACKWARD_CONTEXT_KEY = "context"
+
+
+@contextmanager
+def backward_context_out_of_tls() -> Iterator[None]:
+    """Take the backward's Python ``contextvars`` context out of torch's thread-local state inside the block.
+
+    Every collective and future made during a backward copies the C++ thread-local state, and since torch keeps the
+    caller's ``contextvars`` context there for the backward (``torch._C._stash_obj_in_tls("context", ...)``, in
+    ``torch/autograd/graph.py``), each copy holds a Python object. A Gloo worker that finishes such a work must take
+    the GIL to let it go. If the thread that frees the work's group holds the GIL meanwhile, as a DDP reducer's
+    destructor does while it joins the group's workers, both wait for good: a script that freed torch's own DDP
+    right after its last backward hung so, with the worker in ``~ThreadLocalState`` waiting for the GIL (seen with
+    gdb, torch 2.13). The engine's hooks and end-of-backward callbacks run inside this block, so that what they
+    issue holds no Python object; the context is put back when the block ends. ``_is_key_in_tls``,
+    ``_get_obj_in_tls``, ``_remove_obj_from_tls`` and ``_stash_obj_in_tls`` are private; where they are missing
+    (older releases, which stash nothing), the block changes nothing.
+
+    Yields:
+        Nothing; the context is back in place after the block, also when it raises.
+    """
+    has_key = getattr(torch._C, "_is_key_in_tls", None)
+    if has_key is None or not has_key(_BACKWARD_CONTEXT_KEY):
+        yield
+        return
+    context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT_KEY)
+    torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT_KEY)
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT_KEY, context)
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the backward pass running now has finished, after the callbacks queued before it.
 
@@ -43,10 +79,18 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     it. torch exposes no public way to run code at the end of a backward: ``Variable._execution_engine`` is the
     engine DDP itself uses (``torch/nn/parallel/distributed.py``), present from torch 1.x through 2.14.
 
+    The callback runs without the backward's Python context in torch's thread-local state
+    (:func:`backward_context_out_of_tls`), so that the collectives it issues hold no Python object.
+
     Args:
         callback: called with no arguments on the thread that runs the backward.
     """
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    def run_callback() -> None:
+        with backward_context_out_of_tls():
+            callback()
+
+    torch.autograd.Variable._execution_engine.queue_callback(run_callback)
 
 
 def default_store() -> dist.Store:

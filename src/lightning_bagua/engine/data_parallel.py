@@ -8,15 +8,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_bagua.engine._torch_compat import first_bucket_capped_at
+from lightning_bagua.engine._torch_compat import backward_context_out_of_tls, first_bucket_capped_at
 from lightning_bagua.engine.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from lightning_bagua.engine.bucket_layout import BucketLayout
-from lightning_bagua.engine.communication import CommunicationCounter, CommunicationGroups, OrderedExecutor
+from lightning_bagua.engine.communication import (
+    CommunicationCounter,
+    CommunicationGroups,
+    CommunicationHook,
+    OrderedExecutor,
+)
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
 __all__ = [
@@ -237,7 +243,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             self._bagua_telemetry = CommunicationTelemetry(self.communication_counter, self._bagua_impl, device)
             self._bagua_impl.telemetry = self._bagua_telemetry
             hook = self._bagua_telemetry.wrap_hook(hook)
-        self.register_comm_hook(state, hook)
+        self.register_comm_hook(state, _without_backward_context(hook))
         self._bagua_optimizers: list[Optimizer] = []
         self._bagua_closed = False
         self.bind_optimizers(optimizers)
@@ -408,3 +414,17 @@ def _refuse_sparse_gradients(module: Module) -> None:
             " (sparse=True). Construct them with sparse=False, or list their parameters in the module's"
             " `_bagua_params_and_buffers_to_ignore` and synchronise them yourself."
         )
+
+
+def _without_backward_context(hook: CommunicationHook) -> CommunicationHook:
+    """Return ``hook`` run without the backward's Python context in torch's thread-local state.
+
+    What the hook issues then holds no Python object, so a Gloo worker can free it without the GIL
+    (:func:`~lightning_bagua.engine._torch_compat.backward_context_out_of_tls` says why that matters).
+    """
+
+    def hook_without_context(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        with backward_context_out_of_tls():
+            return hook(state, bucket)
+
+    return hook_without_context
