@@ -38,7 +38,10 @@ On a machine with two GPUs (the device's ``tc`` comes from ``shared/tools`` when
 Each regime writes ``benchmarks/results/gpu_network_lab_<regime>.json``; ``--report`` writes
 ``gpu_network_lab.md`` and ``gpu_network_lab.png``. A sockets run of some methods apart, written with
 ``--out gpu_network_lab_sockets_NAME``, is added to the report (its rows replace the main run's), with its
-command. ``--cpu`` runs a tiny model on two Gloo processes, unshaped
+command. A further NVLink run, written with ``--out gpu_network_lab_nvlink_NAME`` (another ``--seed``, more
+rounds), pools with the first instead: each method's step is the median over both runs' rounds, its curve the
+mean of the seeds' curves, and its final loss is shown with the seeds' range; runs of other settings or keywords
+are refused. ``--cpu`` runs a tiny model on two Gloo processes, unshaped
 (a smoke test of the script; its figures mean nothing).
 """
 
@@ -389,7 +392,8 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
         "benchmark": f"GPU network lab, regime {args.regime}",
         "command": f"python benchmarks/gpu_network_lab.py --regime {args.regime} --rounds {args.rounds}"
         + (f" --methods {' '.join(args.methods)}" if args.methods else "")
-        + (f" --rates {' '.join(f'{r:g}' for r in args.rates)}" if args.regime == "sockets" else ""),
+        + (f" --rates {' '.join(f'{r:g}' for r in args.rates)}" if args.regime == "sockets" else "")
+        + (f" --seed {args.seed}" if args.seed else ""),
         "settings": {
             k: v
             for k, v in vars(args).items()
@@ -441,9 +445,52 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
         loaded["sockets"]["sources"][path.stem] = (extra["date"], list(extra["methods"]))
         for _, methods in list(loaded["sockets"]["sources"].values())[:-1]:
             methods[:] = [method for method in methods if method not in extra["methods"]]
+    # Further NVLink runs (``--out gpu_network_lab_nvlink_NAME``: other seeds, more rounds) pool with the first.
+    for path in sorted(results_dir.glob(f"gpu_network_lab_nvlink{suffix}_*.json")) if "nvlink" in loaded else []:
+        pool_nvlink_run(loaded["nvlink"], json.loads(path.read_text()), path.stem)
     if not loaded:
         raise SystemExit(f"No results in {results_dir}: run the regimes first.")
     return loaded
+
+
+# What must agree between NVLink runs for their rounds and curves to pool (the seed may differ).
+POOLED_SETTINGS = ("batch", "context", "lr", "train_steps", "eval_every", "timing_steps", "cpu")
+
+
+def pool_nvlink_run(main: dict[str, Any], extra: dict[str, Any], stem: str) -> None:
+    """Add a further NVLink run's rounds and loss curve to ``main``'s, method by method.
+
+    Each method's step is then the median over every run's rounds, and its ``curve`` the mean of the runs' curves
+    (``curves`` keeps each, for the spread over seeds). The runs must share their model, data and schedule, and each
+    method its keywords; a run that differs is refused, naming what differs.
+    """
+    differing = [key for key in POOLED_SETTINGS if main["settings"].get(key) != extra["settings"].get(key)]
+    if differing:
+        raise SystemExit(f"{stem} cannot pool with the NVLink run: its settings differ in {', '.join(differing)}.")
+    for method, entry in extra["methods"].items():
+        base = main["methods"].get(method)
+        if base is None:
+            main["methods"][method] = entry
+            continue
+        if recorded_keywords(method, base) != recorded_keywords(method, entry):
+            raise SystemExit(
+                f"{stem} ran {method} with {recorded_keywords(method, entry)}, the NVLink run with"
+                f" {recorded_keywords(method, base)}:"
+                " pool only runs of the same keywords."
+            )
+        base["rounds"] = base["rounds"] + entry["rounds"]
+        values = [row["step_s"]["nvlink"] for row in base["rounds"]]
+        base["step_s"]["nvlink"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        curves = base.get("curves") or ([base["curve"]] if "curve" in base else [])
+        curves += [entry["curve"]] if "curve" in entry else []
+        if curves:
+            base["curves"] = curves
+            base["curve"] = [
+                {"step": points[0]["step"], "val_loss": statistics.fmean(point["val_loss"] for point in points)}
+                for points in zip(*curves, strict=True)
+            ]
+    main["rounds"] += extra["rounds"]
+    main["command"] += f"`, then `{extra['command']} --out {stem}"
 
 
 def links(loaded: dict[str, Any]) -> list[str]:
@@ -515,7 +562,9 @@ def time_to_target_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[s
                 continue
             cells.append("" if value is None or reached is None else f"{reached * value['median']:.1f}")
         final = curve[-1]["val_loss"] if curve else math.nan
-        cells.append(f"{final:.4f} ({final / final_ddp:.3f}x)")
+        finals = [run[-1]["val_loss"] for run in entry.get("curves", [])]
+        spread = f" [{min(finals):.4f}, {max(finals):.4f}] over {len(finals)} seeds" if len(finals) > 1 else ""
+        cells.append(f"{final:.4f} ({final / final_ddp:.3f}x){spread}")
         rows.append(cells)
     return ["method", "steps to target", *(f"{label} s" for label in labels), "final loss (x DDP)"], rows
 

@@ -99,14 +99,19 @@ def test_time_to_accuracy_tiny_curves_with_cpu_hooks(tmp_path: Path) -> None:
     assert "python benchmarks/time_to_accuracy.py" in (out / "time_to_accuracy_cpu.md").read_text()
 
 
-def network_lab() -> Any:
-    """``benchmarks/network_lab.py`` as a module (the benchmarks are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("network_lab", BENCHMARKS / "network_lab.py")
+def benchmark_module(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def network_lab() -> Any:
+    """``benchmarks/network_lab.py`` as a module."""
+    return benchmark_module("network_lab")
 
 
 def skip_without_lab_tools() -> None:
@@ -234,6 +239,54 @@ def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
     assert "steps to target" in table
 
 
+def lab_run(seed: int, steps: dict[str, list[float]], finals: dict[str, float], **settings: Any) -> dict[str, Any]:
+    """A GPU lab NVLink results file in miniature: per method, each round's step and one curve of two points."""
+    methods = {}
+    for method, rounds in steps.items():
+        curve = [{"step": 8, "val_loss": 3.0}, {"step": 16, "val_loss": finals[method]}]
+        methods[method] = {
+            "step_s": {"nvlink": {"median": sorted(rounds)[len(rounds) // 2]}},
+            "rounds": [{"method": method, "step_s": {"nvlink": value}} for value in rounds],
+            "curve": curve,
+        }
+    base = {"batch": 16, "context": 512, "lr": 3e-4, "train_steps": 16, "eval_every": 8, "timing_steps": 40}
+    return {
+        "command": f"python benchmarks/gpu_network_lab.py --regime nvlink --rounds 1 --seed {seed}",
+        "settings": {**base, "cpu": False, "seed": seed, **settings},
+        "rounds": len(next(iter(steps.values()))),
+        "machine": {"device": "H200"},
+        "date": "2026-11-27T00:00:00+00:00",
+        "methods": methods,
+    }
+
+
+def test_gpu_network_lab_pools_further_nvlink_runs_and_refuses_unlike_ones(tmp_path: Path) -> None:
+    lab = benchmark_module("gpu_network_lab")
+    first = lab_run(0, {"ddp": [0.050], "bytegrad": [0.060]}, {"ddp": 2.5, "bytegrad": 2.4})
+    second = lab_run(1, {"ddp": [0.040, 0.045], "bytegrad": [0.050, 0.052]}, {"ddp": 2.7, "bytegrad": 2.6})
+    (tmp_path / "gpu_network_lab_nvlink.json").write_text(json.dumps(first))
+    (tmp_path / "gpu_network_lab_nvlink_seed1.json").write_text(json.dumps(second))
+    loaded = lab.load_results(tmp_path)
+    ddp = loaded["nvlink"]["methods"]["ddp"]
+    # The median over all three rounds, and the mean curve of the two seeds, which the report shows with its spread.
+    assert ddp["step_s"]["nvlink"] == {"median": 0.045, "min": 0.040, "max": 0.050}
+    assert ddp["curve"][-1]["val_loss"] == pytest.approx(2.6)
+    assert lab.steps_to_target(loaded, "bytegrad") == 16
+    rows = {row[0]: row for row in lab.time_to_target_table(loaded)[1]}
+    assert rows["bytegrad"][-1] == "2.5000 (0.962x) [2.4000, 2.6000] over 2 seeds"
+    assert "--seed 1 --out gpu_network_lab_nvlink_seed1" in loaded["nvlink"]["command"]
+
+    faster = {**second, "settings": {**second["settings"], "lr": 1e-3}}
+    (tmp_path / "gpu_network_lab_nvlink_seed1.json").write_text(json.dumps(faster))
+    with pytest.raises(SystemExit, match="settings differ in lr"):
+        lab.load_results(tmp_path)
+    other = lab_run(1, {"bytegrad": [0.05]}, {"bytegrad": 2.6})
+    other["methods"]["bytegrad"]["rounds"][0]["algorithm_keywords"] = {"hierarchical": True}
+    (tmp_path / "gpu_network_lab_nvlink_seed1.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="pool only runs of the same keywords"):
+        lab.load_results(tmp_path)
+
+
 def test_step_breakdown_runs_variants_and_reads_its_traces_back(tmp_path: Path) -> None:
     # Two Gloo processes, a tiny model: a bucket-size variant and a bucket-wise low_rank, traced, then analysed.
     out = tmp_path / "results"
@@ -293,11 +346,7 @@ def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path) -> None:
 
 
 def test_chaos_layouts_and_comparisons() -> None:
-    spec = importlib.util.spec_from_file_location("chaos", BENCHMARKS / "chaos.py")
-    assert spec is not None
-    assert spec.loader is not None
-    chaos = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chaos)
+    chaos = benchmark_module("chaos")
     layout = chaos.Layout.parse("2x2")
     assert (layout.nodes, layout.per_node, layout.world_size) == (2, 2, 4)
     assert chaos.Layout.parse("4").nodes == 1
@@ -320,11 +369,7 @@ def test_chaos_layouts_and_comparisons() -> None:
 
 
 def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("chaos", BENCHMARKS / "chaos.py")
-    assert spec is not None
-    assert spec.loader is not None
-    chaos = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chaos)
+    chaos = benchmark_module("chaos")
 
     def report(algorithm: str, exact: bool) -> Path:
         kill = chaos.Kill(kind="mid_step", rank=1, pid=7, landed=True, detail="step 5")

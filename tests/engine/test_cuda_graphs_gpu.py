@@ -3,10 +3,12 @@
 import multiprocessing
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_bagua.engine import BaguaDistributedDataParallel
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm
@@ -26,19 +28,19 @@ def make_model() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(64, 1))
 
 
+def wrap_flat_bytegrad(rank: int, **kwargs: Any) -> tuple[BaguaDistributedDataParallel, nn.Module, Optimizer]:
+    """``bytegrad`` run flat on GPU ``rank``, with small buckets: its buckets replay as graphs from the third step."""
+    model = make_model().to(torch.device("cuda", rank))
+    optimizer = make_optimizer(model)
+    algorithm = ByteGradAlgorithm(hierarchical=False)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, device_ids=[rank], bucket_cap_mb=0.004, **kwargs)
+    return ddp, model, optimizer
+
+
 def train_bytegrad(rank: int, world_size: int) -> dict:
     device = torch.device("cuda", rank)
-    model = make_model().to(device)
-    optimizer = make_optimizer(model)
     counter = CommunicationCounter()
-    ddp = BaguaDistributedDataParallel(
-        model,
-        [optimizer],
-        ByteGradAlgorithm(hierarchical=False),
-        device_ids=[rank],
-        bucket_cap_mb=0.004,
-        communication_counter=counter,
-    )
+    ddp, model, optimizer = wrap_flat_bytegrad(rank, communication_counter=counter)
     gradients, sent = [], []
     for step in range(STEPS):
         inputs, targets = (t.to(device) for t in batch_for(rank, step))
@@ -82,16 +84,7 @@ PEER_TIMEOUT_S = 10
 
 def lose_the_peer_once_graphed(rank: int, world_size: int) -> dict:
     device = torch.device("cuda", rank)
-    model = make_model().to(device)
-    optimizer = make_optimizer(model)
-    ddp = BaguaDistributedDataParallel(
-        model,
-        [optimizer],
-        ByteGradAlgorithm(hierarchical=False),
-        device_ids=[rank],
-        bucket_cap_mb=0.004,
-        timeout=timedelta(seconds=PEER_TIMEOUT_S),
-    )
+    ddp, _, optimizer = wrap_flat_bytegrad(rank, timeout=timedelta(seconds=PEER_TIMEOUT_S))
 
     def step(index: int) -> None:
         inputs, targets = (t.to(device) for t in batch_for(rank, index))
