@@ -243,8 +243,14 @@ def shape_link(rate_gbit: float | None) -> None:
     subprocess.run([*command, "burst", str(burst), "limit", str(limit)], check=True)
 
 
+def is_launch(key: str) -> bool:
+    """Whether a profiler event is a launch the host makes: a kernel's, or a CUDA graph's (one for all its kernels)."""
+    return "LaunchKernel" in key or "GraphLaunch" in key
+
+
 def count_launches(wrapped: Wrapped, batches: Batches, seed: int, step: int, device: torch.device) -> dict[str, float]:
-    """Kernel launches per step (host API calls and kernels run on the device), over two profiled steps."""
+    """Launches per step (host API calls, a graph's replay counted once) and kernels run on the device, over two
+    profiled steps."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -254,7 +260,7 @@ def count_launches(wrapped: Wrapped, batches: Batches, seed: int, step: int, dev
         synchronize(device)
     launches = kernels = 0
     for event in profiler.key_averages():
-        if "LaunchKernel" in event.key:
+        if is_launch(event.key):
             launches += event.count
         if getattr(event, "device_type", None) is not None and str(event.device_type).endswith("CUDA"):
             kernels += event.count

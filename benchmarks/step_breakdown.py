@@ -8,9 +8,9 @@ processes. For every method, in rounds whose order rotates:
 - ``host_ms``: the median time until the step's Python call returns, before the synchronisation: a step whose
   host time nears its wall time waits on the host, not on the device;
 - from ``torch.profiler`` over ``--profiled`` further steps, per step: ``kernel_ms`` (the summed duration of every
-  kernel but NCCL's), ``nccl_ms`` (NCCL's kernels), ``launches`` (kernel launch calls), and the five kernels of
-  the longest summed duration. ``--profiled 0`` profiles nothing: a profiled method may leave the methods after
-  it slower, so timings meant for comparison run without.
+  kernel but NCCL's), ``nccl_ms`` (NCCL's kernels), ``launches`` (kernel and CUDA graph launch calls), and the five
+  kernels of the longest summed duration. ``--profiled 0`` profiles nothing: a profiled method may leave the methods
+  after it slower, so timings meant for comparison run without.
 
 A method name may carry ``@<MiB>`` to build its wrapper with that bucket size (``ddp@10``,
 ``gradient_allreduce@25``), ``low_rank_rK`` may end in ``_bucketwise`` (``whole_step=False``), and ``bytegrad``,
@@ -50,7 +50,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu_network_lab import METHODS, WARMUP_STEPS, Batches, Wrapped, corpus, join_job, machine, synchronize
+from gpu_network_lab import (
+    METHODS,
+    WARMUP_STEPS,
+    Batches,
+    Wrapped,
+    corpus,
+    is_launch,
+    join_job,
+    machine,
+    synchronize,
+)
 from harness import SOCKETS_ENV, rotated
 
 RESULTS = Path(__file__).parent / "results"
@@ -95,7 +105,7 @@ def profile_steps(
     launches = 0
     kernel_us: dict[str, float] = defaultdict(float)
     for event in profiler.key_averages():
-        if "LaunchKernel" in event.key:
+        if is_launch(event.key):
             launches += event.count
         # Annotated ranges (a module's forward, an optimizer step, "nccl:all_reduce") show on the device too: skip them.
         if str(getattr(event, "device_type", "")).endswith("CUDA") and not getattr(event, "is_user_annotation", False):
