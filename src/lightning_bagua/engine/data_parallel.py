@@ -1,5 +1,6 @@
 """``BaguaDistributedDataParallel``: torch's DDP reducer driven by a Bagua algorithm."""
 
+import functools
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -423,6 +424,7 @@ def _without_backward_context(hook: CommunicationHook) -> CommunicationHook:
     (:func:`~lightning_bagua.engine._torch_compat.backward_context_out_of_tls` says why that matters).
     """
 
+    @functools.wraps(hook)  # DDP and the telemetry tests see the hook it wraps
     def hook_without_context(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         with backward_context_out_of_tls():
             return hook(state, bucket)
