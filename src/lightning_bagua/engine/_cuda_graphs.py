@@ -110,11 +110,16 @@ class BucketGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         static_input = torch.empty_like(buffer)
         graph = torch.cuda.CUDAGraph()
-        # Thread-local: NCCL's watchdog and the training thread keep using CUDA while this thread captures.
+        # Thread-local: NCCL's watchdog keeps using CUDA from its own thread while this one captures.
         with counter.logged() as records:
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 static_output = job(static_input)
+            except Exception as error:
+                raise RuntimeError(
+                    f"Capturing a bucket's communication ({buffer.numel()} {buffer.dtype} elements) as a CUDA graph"
+                    f" failed: {error}. Set {CUDA_GRAPHS_VARIABLE}=0 to run every bucket eagerly."
+                ) from error
             finally:
                 graph.capture_end()
         log.debug("Captured a CUDA graph for a bucket of %d elements", buffer.numel())
