@@ -189,10 +189,10 @@ def save_result(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> 
 def end_without_teardown(args: argparse.Namespace, rank: int) -> None:
     """End the process at once, once both ranks' results are written, skipping the interpreter's teardown.
 
-    With the cycle collector off, this script's teardown hangs now and then after both ranks wrote their results
-    (seen under ``decentralized`` about once in eight runs, once under ``gradient_allreduce`` in a loaded CI run;
-    gdb found the ranks in CPython's cycle collector). That defect is open and tracked apart; this mode tests that
-    the restarted group is joined, so it ends here.
+    With the cycle collector off, this script's teardown hung about once in eight runs under ``decentralized``
+    after both ranks wrote their results, the ranks spinning in CPython's cycle collector (gdb). That defect is open
+    and tracked apart; this mode tests that the restarted group is joined, so it ends here. (A hang under
+    ``gradient_allreduce`` at the same place was another one: freeing torch's DDP, see ``KEEP_UNTIL_EXIT``.)
     """
     if rank == 0:
         deadline = time.monotonic() + 60

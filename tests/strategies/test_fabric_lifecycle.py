@@ -48,7 +48,9 @@ def test_script_that_restarts_the_process_group_joins_the_new_one(tmp_path):
     and holds its engine till then. The decentralized algorithms now free their groups as well, but their script
     hung about once in eight runs after both ranks wrote their results: gdb found them in CPython's cycle collector
     at interpreter exit, the first collection of the run; that is not understood yet, and the script ends its
-    processes without the interpreter's teardown once both results are written (``end_without_teardown``).
+    processes without the interpreter's teardown once both results are written (``end_without_teardown``). Freeing
+    torch's DDP at the end of the script's second part could deadlock in torch (a Gloo worker freeing the last
+    all-reduce waits for the GIL that the freeing thread holds), so the script keeps it until the process ends.
     """
     results = run_script(tmp_path, "restart_group", "--algorithm", "gradient_allreduce")
     assert_ranks_identical([{"state": result["torch_state"]} for result in results])
