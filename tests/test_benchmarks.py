@@ -71,6 +71,13 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
         "1gbit: time to the target loss, best low_rank vs the best other method",
     ):
         assert by_name[name]["status"] in {"pass", "miss"}, by_name[name]
+    # Where no low_rank curve reached the target, the target is missed, and the detail says so.
+    lab_module = benchmark_module("gpu_network_lab")
+    merged = lab_module.load_results(RESULTS)
+    time_to_target = by_name["1gbit: time to the target loss, best low_rank vs the best other method"]
+    if not any(lab_module.steps_to_target(merged, m) for m in merged["nvlink"]["methods"] if m.startswith("low_rank")):
+        assert time_to_target["status"] == "miss"
+        assert "no low_rank curve" in time_to_target["detail"]
 
 
 def test_time_to_accuracy_tiny_curves_with_cpu_hooks(tmp_path: Path) -> None:

@@ -63,6 +63,7 @@ class CommunicationCounter:
     The counter is thread-safe: the engine records from the autograd thread and from its communication thread.
 
     Example:
+        >>> import torch
         >>> counter = CommunicationCounter()
         >>> counter.record("all_reduce", torch.zeros(4))
         >>> counter.bytes_sent, counter.bytes_received, counter.calls["all_reduce"]
