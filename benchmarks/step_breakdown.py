@@ -45,6 +45,7 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -69,9 +70,16 @@ ROOT = Path(__file__).parents[1]
 CUDA_GRAPHS_VARIABLE = "BAGUA_CUDA_GRAPHS"
 
 
-def split_variant(method: str) -> tuple[str, float | None, dict[str, Any]]:
-    """``"ddp@10"`` -> ``("ddp", 10.0, {})``; ``"low_rank_r4_bucketwise"`` -> ``("low_rank_r4", None, {...})``."""
+def split_variant(method: str) -> tuple[str, float | None, dict[str, Any], dict[str, str]]:
+    """``"ddp@10"`` -> ``("ddp", 10.0, {}, {})``; ``"low_rank_r4_bucketwise"`` -> ``("low_rank_r4", None, {...}, {})``.
+
+    The last element holds the environment variables the method's wrapper is built under (``_eager``: no graphs).
+    """
     name, _, bucket = method.partition("@")
+    environment: dict[str, str] = {}
+    if name.endswith("_eager"):
+        name = name.removesuffix("_eager")
+        environment[CUDA_GRAPHS_VARIABLE] = "0"  # read when the wrapper builds its executor
     keywords: dict[str, Any] = {}
     if name.endswith("_bucketwise"):
         name = name.removesuffix("_bucketwise")
@@ -81,7 +89,7 @@ def split_variant(method: str) -> tuple[str, float | None, dict[str, Any]]:
         keywords["hierarchical"] = True
     if name not in METHODS:
         raise SystemExit(f"Unknown method {method!r}: use one of {', '.join(METHODS)}, optionally with @<MiB>.")
-    return name, float(bucket) if bucket else None, keywords
+    return name, float(bucket) if bucket else None, keywords, environment
 
 
 def profile_steps(
@@ -125,18 +133,9 @@ def profile_steps(
 def run_method(
     method: str, args: argparse.Namespace, batches: Batches, device: torch.device, trace: Path | None = None
 ) -> dict[str, Any]:
-    eager = "_eager" in method
-    name, bucket_cap_mb, keywords = split_variant(method.replace("_eager", ""))
-    previous = os.environ.get(CUDA_GRAPHS_VARIABLE)
-    if eager:
-        os.environ[CUDA_GRAPHS_VARIABLE] = "0"  # read when the wrapper builds its executor
-    try:
+    name, bucket_cap_mb, keywords, environment = split_variant(method)
+    with mock.patch.dict(os.environ, environment):
         wrapped = Wrapped(name, args, device, bucket_cap_mb=bucket_cap_mb, keywords=keywords)
-    finally:
-        if previous is None:
-            os.environ.pop(CUDA_GRAPHS_VARIABLE, None)
-        else:
-            os.environ[CUDA_GRAPHS_VARIABLE] = previous
     walls, hosts = [], []
     for step in range(WARMUP_STEPS + args.steps):
         tokens = batches.for_step(args.seed, step)
@@ -327,7 +326,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for method in args.methods:
-        split_variant(method.replace("_eager", ""))
+        split_variant(method)
     return args
 
 

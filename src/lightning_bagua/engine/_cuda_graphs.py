@@ -85,7 +85,9 @@ class BucketGraphs:
         Returns:
             ``buffer``.
         """
-        slot = self._slots.setdefault(key, _Slot())
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = _Slot()
         captured = slot.captured
         if captured is None:
             if slot.eager_calls < self.warmup or self._graphs >= self.max_graphs:
