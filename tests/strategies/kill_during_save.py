@@ -60,3 +60,29 @@ def _kill_when_written(path: str, marker: Path) -> None:
             marker.write_text(str(size))
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.0002)
+
+
+def kill_at_link(directory: Path, at_link: int, marker: Path) -> None:
+    """Kill this process as it makes its ``at_link``-th symbolic link (1-based) in ``directory``.
+
+    The kill comes before the link is made: with ``ModelCheckpoint(save_last="link")``, after the callback has
+    removed what it removes before linking.
+
+    Args:
+        directory: the checkpoint directory.
+        at_link: which link to kill at.
+        marker: where to record the checkpoint directory's entries at the kill.
+    """
+    directory_path = os.path.realpath(directory)
+    links = 0
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        nonlocal links
+        if event != "os.symlink" or os.path.dirname(os.path.realpath(os.fspath(args[1]))) != directory_path:
+            return
+        links += 1
+        if links == at_link:
+            marker.write_text("\n".join(sorted(os.listdir(directory_path))))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)

@@ -4,7 +4,9 @@ Run as ``python tests/strategies/killed_save_script.py --dir CKPT --out DIR --ma
 [--resume]`` with the repository on PYTHONPATH; Lightning's own launcher starts rank 1. Every checkpoint carries a
 ballast of about 128 MB whose every value is the epoch it was saved at plus one, so that a torn file is told from a
 whole one. ``--kill-at K`` kills rank 0 in the middle of writing its K-th ``last`` checkpoint (see
-``kill_during_save.py``); ``--resume`` fits with ``ckpt_path="last"``. Each rank that finishes writes
+``kill_during_save.py``); ``--resume`` fits with ``ckpt_path="last"``. With ``--link``, ``last.ckpt`` is
+``ModelCheckpoint(save_last="link")``'s link to the newest checkpoint, the ballast is small, and ``--kill-at K``
+kills rank 0 as it makes its K-th link. Each rank that finishes writes
 ``DIR/rank{r}.pt``: the checkpoint it resumed from and what that checkpoint held.
 """
 
@@ -18,9 +20,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.strategies.fit_script import BATCH, make_dataset, make_network
-from tests.strategies.kill_during_save import kill_during_write
+from tests.strategies.kill_during_save import kill_at_link, kill_during_write
 
 BALLAST_VALUES = 32 * 1024 * 1024
+LINK_BALLAST_VALUES = 1024
 
 
 def parse_args() -> argparse.Namespace:
@@ -30,11 +33,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-epochs", type=int, required=True)
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--link", action="store_true")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    ballast_values = LINK_BALLAST_VALUES if args.link else BALLAST_VALUES
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -55,7 +60,7 @@ def main() -> None:
             return DataLoader(make_dataset(), batch_size=BATCH)
 
         def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-            checkpoint["ballast"] = torch.full((BALLAST_VALUES,), float(self.current_epoch + 1))
+            checkpoint["ballast"] = torch.full((ballast_values,), float(self.current_epoch + 1))
 
         def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
             ballast = checkpoint["ballast"]
@@ -68,13 +73,16 @@ def main() -> None:
     checkpoints = Path(args.dir)
     # Lightning's launcher sets LOCAL_RANK for the ranks it starts; the main process is rank 0.
     if args.kill_at and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        kill_during_write(checkpoints, "last", args.kill_at, Path(args.out) / "killed_at_size")
+        if args.link:
+            kill_at_link(checkpoints, args.kill_at, Path(args.out) / "entries_at_kill")
+        else:
+            kill_during_write(checkpoints, "last", args.kill_at, Path(args.out) / "killed_at_size")
     trainer = pl.Trainer(
         strategy="bagua",
         accelerator="cpu",
         devices=2,
         max_epochs=args.max_epochs,
-        callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)],
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last="link" if args.link else True)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO, save_atomically
+from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO, LastCheckpointLinks, save_atomically
 from tests.distributed import free_port
 from tests.strategies.kill_during_save import KILL_AFTER_BYTES
-from tests.strategies.killed_save_script import BALLAST_VALUES
+from tests.strategies.killed_save_script import BALLAST_VALUES, LINK_BALLAST_VALUES
 
 ROOT = Path(__file__).parents[2]
 TRAINER_SCRIPT = Path(__file__).with_name("killed_save_script.py")
@@ -90,6 +90,139 @@ def test_trainer_save_killed_midway_leaves_a_whole_last_checkpoint_and_ckpt_path
         assert result["epoch"] == 3
     # The resumed run's first complete save of last.ckpt removed what the killed one left.
     assert not [path for path in checkpoints.iterdir() if path.name.startswith(".last.ckpt.")]
+
+
+def test_trainer_killed_as_it_links_last_keeps_last_naming_a_whole_checkpoint_and_resumes_from_it(tmp_path):
+    # ModelCheckpoint(save_last="link", save_top_k=1): at epoch 1's link Lightning has removed epoch 0's checkpoint
+    # (the one last.ckpt names) and, in its own linking, the old link itself. The kill lands at that link.
+    checkpoints, first, second = tmp_path / "checkpoints", tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    arguments = ["--dir", str(checkpoints), "--max-epochs", "3", "--link"]
+    code, output = run(TRAINER_SCRIPT, *arguments, "--out", str(first), "--kill-at", "2", tmp_path=tmp_path)
+    assert code == -signal.SIGKILL, output[-6000:]
+    entries = (first / "entries_at_kill").read_text().split()
+    assert "last.ckpt" in entries, entries
+    assert "epoch=0-step=12.ckpt" in entries, entries
+
+    last = checkpoints / "last.ckpt"
+    assert last.is_symlink()
+    on_disk = torch.load(last, weights_only=False)  # follows the link: epoch 0's checkpoint, kept for it
+    assert on_disk["epoch"] == 0
+    assert bool((on_disk["ballast"] == 1).all())
+
+    code, output = run(TRAINER_SCRIPT, *arguments, "--out", str(second), "--resume", tmp_path=tmp_path)
+    assert code == 0, output[-6000:]
+    for rank in range(2):
+        result = torch.load(second / f"rank{rank}.pt", weights_only=False)
+        assert Path(result["ckpt_path"]) == last
+        assert result["loaded"] == {"epoch": 0, "ballast_values": LINK_BALLAST_VALUES, "ballast_whole": True}
+        assert result["epoch"] == 3
+    # Epoch 0's checkpoint holds no `last_model_path` yet, so the resumed callback links a new name (Lightning's
+    # version counter); the next `ckpt_path="last"` takes the newest, the final checkpoint.
+    newest = max(checkpoints.glob("last*.ckpt"), key=lambda path: path.stat().st_mtime)
+    assert newest.is_symlink()
+    assert newest.resolve() == checkpoints / "epoch=2-step=36.ckpt"
+    assert not [path for path in checkpoints.iterdir() if path.name.endswith(".partial")]
+
+
+class _Strategy:
+    def __init__(self) -> None:
+        self.barriers = 0
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+class _Trainer:
+    is_global_zero = True
+
+    def __init__(self) -> None:
+        self.strategy = _Strategy()
+
+
+def _lightnings_link(trainer: _Trainer, filepath: Path, linkpath: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ModelCheckpoint._link_checkpoint(trainer, str(filepath), str(linkpath))  # type: ignore[arg-type]
+
+
+def test_last_link_is_renamed_over_the_old_one_where_lightning_removes_the_old_one_first(tmp_path, monkeypatch):
+    old, new, last = tmp_path / "epoch=0.ckpt", tmp_path / "epoch=1.ckpt", tmp_path / "last.ckpt"
+    torch.save({"epoch": 0}, old)
+    torch.save({"epoch": 1}, new)
+    last.symlink_to(old.name)
+    seen_at_symlink: list[bool] = []
+    symlink = os.symlink
+
+    def watching_symlink(*args, **kwargs):
+        seen_at_symlink.append(last.exists())
+        symlink(*args, **kwargs)
+
+    monkeypatch.setattr(os, "symlink", watching_symlink)
+    # Lightning's own linking: a kill at its symlink would find no last.ckpt.
+    _lightnings_link(_Trainer(), new, last)
+    assert seen_at_symlink == [False]
+    last.unlink()
+    symlink(old.name, last)
+
+    trainer = _Trainer()
+    LastCheckpointLinks().link(trainer, str(new), str(last))
+    assert seen_at_symlink == [False, True]  # ours: last.ckpt names the old checkpoint while the new link is made
+    assert os.readlink(last) == new.name
+    assert torch.load(last) == {"epoch": 1}
+    assert trainer.strategy.barriers == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
+
+
+def test_a_checkpoint_the_last_link_names_is_removed_only_once_the_link_names_another(tmp_path):
+    first, second, third = (tmp_path / f"epoch={epoch}.ckpt" for epoch in range(3))
+    last = tmp_path / "last.ckpt"
+    links, removed = LastCheckpointLinks(), []
+
+    def remove(path: str) -> None:
+        removed.append(Path(path).name)
+        os.remove(path)
+
+    for path in (first, second, third):
+        torch.save({"path": path.name}, path)
+    links.link(_Trainer(), str(first), str(last))
+    links.remove(str(first), remove)  # top-k drops it while last.ckpt still names it: kept
+    assert first.exists()
+    assert removed == []
+    links.remove(str(third), remove)  # named by no link: removed at once
+    assert removed == ["epoch=2.ckpt"]
+    links.link(_Trainer(), str(second), str(last))
+    assert not first.exists()
+    assert torch.load(last) == {"path": "epoch=1.ckpt"}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["epoch=1.ckpt", "last.ckpt"]
+
+
+def test_last_link_falls_back_to_a_whole_copy_without_symbolic_links_and_refuses_a_directory(tmp_path, monkeypatch):
+    checkpoint, last = tmp_path / "epoch=0.ckpt", tmp_path / "last.ckpt"
+    torch.save({"epoch": 0}, checkpoint)
+
+    def no_symlinks(*args, **kwargs):
+        raise OSError("symbolic links are not permitted here")
+
+    monkeypatch.setattr(os, "symlink", no_symlinks)
+    LastCheckpointLinks().link(_Trainer(), str(checkpoint), str(last))
+    assert not last.is_symlink()
+    assert torch.load(last) == {"epoch": 0}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["epoch=0.ckpt", "last.ckpt"]
+
+    last.unlink()
+    last.mkdir()
+    with pytest.raises(IsADirectoryError, match=r"last\.ckpt' is a directory\. Remove it"):
+        LastCheckpointLinks().link(_Trainer(), str(checkpoint), str(last))
+
+
+def test_the_strategy_makes_each_checkpoint_callback_link_through_it_alone():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ours, other = ModelCheckpoint(save_last="link"), ModelCheckpoint(save_last="link")
+    LastCheckpointLinks().install([ours])
+    assert ours._link_checkpoint is not ModelCheckpoint._link_checkpoint
+    assert other._link_checkpoint is ModelCheckpoint._link_checkpoint
 
 
 def test_fabric_save_killed_midway_leaves_the_previous_or_the_new_checkpoint_whole(tmp_path):

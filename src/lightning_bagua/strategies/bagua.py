@@ -33,7 +33,7 @@ from lightning_bagua.strategies._core.checkpoint import (
     module_entries,
     rank_resume,
 )
-from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
+from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO, LastCheckpointLinks
 from lightning_bagua.strategies._core.data_resume import (
     DATA_KEY,
     DataResume,
@@ -81,6 +81,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     # rank, applied when the training dataloader is prepared (position) and when training starts (generators).
     _positioned: PositionedSampler | None = None
     _data_resume: DataResume | None = None
+    # `ModelCheckpoint(save_last="link")`'s links, kept whole through a kill (set up with the Trainer).
+    _last_links: LastCheckpointLinks | None = None
 
     @property
     def telemetry(self) -> CommunicationTelemetry | None:
@@ -100,6 +102,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
+        self._last_links = LastCheckpointLinks()
+        self._last_links.install(trainer.checkpoint_callbacks)
         if trainer.state.fn == "fit":
             self._check_optimizers(self.optimizers, self.lr_scheduler_configs)
         if isinstance(self.model, BaguaDistributedDataParallel):
@@ -293,6 +297,18 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
                 if data is not None and CHECKPOINT_KEY in checkpoint:
                     checkpoint[CHECKPOINT_KEY][DATA_KEY] = data
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint on rank 0, or keep it while ``last.ckpt`` links to it (see :class:`LastCheckpointLinks`).
+
+        Args:
+            filepath: the checkpoint to remove.
+        """
+        if self._last_links is None or not self.is_global_zero:
+            super().remove_checkpoint(filepath)
+        else:
+            self._last_links.remove(filepath, super().remove_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
