@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_bagua.engine import BaguaDistributedDataParallel
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm
+from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer
 from lightning_bagua.engine.communication import CommunicationCounter
 from tests.distributed import _child, assert_ranks_identical, free_port, run_processes
 from tests.engine.test_data_parallel import batch_for, make_optimizer
@@ -77,6 +78,52 @@ def test_bytegrad_replayed_as_cuda_graphs_matches_it_run_eagerly_bit_for_bit():
     for step in range(STEPS):
         for first, second in zip(graphed[0]["gradients"][step], graphed[1]["gradients"][step], strict=True):
             torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+QADAM_WARMUP = 2
+QADAM_STEPS = 8
+
+
+def train_qadam(rank: int, world_size: int) -> dict:
+    device = torch.device("cuda", rank)
+    model = make_model().to(device)
+    optimizer = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=QADAM_WARMUP, weight_decay=0.01)
+    algorithm = QAdamAlgorithm(optimizer, hierarchical=False)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, device_ids=[rank], bucket_cap_mb=0.004)
+    momenta = []
+    for step in range(QADAM_STEPS):
+        inputs, targets = (t.to(device) for t in batch_for(rank, step))
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+        momenta.append([optimizer.state[p]["exp_avg"].detach().cpu().clone() for p in model.parameters()])
+    result = {
+        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "momenta": momenta,
+        "graphs": ddp._bagua_executor.graphs.captured,
+    }
+    ddp.close()
+    return result
+
+
+def test_qadam_momenta_exchanged_from_cuda_graphs_match_the_eager_run_bit_for_bit():
+    """QAdam's compressed momentum exchange replayed from graphs gives the eager run's momenta and weights exactly."""
+    graphed = run_processes(train_qadam, 2, backend="nccl")
+    eager = run_processes(train_qadam, 2, env={"BAGUA_CUDA_GRAPHS": "0"}, backend="nccl")
+    assert_ranks_identical(graphed)
+    # The compressed phase starts at the second step, on the rebuilt three buckets: each but the last is captured
+    # after its two eager calls.
+    assert graphed[0]["graphs"] == 2
+    assert eager[0]["graphs"] == 0
+    for rank in range(2):
+        for step in range(QADAM_STEPS):
+            for got, want in zip(graphed[rank]["momenta"][step], eager[rank]["momenta"][step], strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for name, tensor in graphed[rank]["state"].items():
+            torch.testing.assert_close(tensor, eager[rank]["state"][name], rtol=0, atol=0)
+    # The averaged momenta are the same on both ranks, whose gradients differ: the replays exchanged them.
+    for first, second in zip(graphed[0]["momenta"][-1], graphed[1]["momenta"][-1], strict=True):
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
 
 
 PEER_TIMEOUT_S = 10

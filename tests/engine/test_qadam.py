@@ -244,13 +244,21 @@ def train_with_qadam(rank: int, world_size: int, kwargs: dict, ranks_per_node: i
     )
     ddp.bind_optimizers([optimizer])  # bound after wrapping, as the Lightning strategy does
     qadam.qadam_hook = original
+    parts: list[tuple] = []  # the exchanges handed to the executor as parts it may replay as CUDA graphs
+    run_part = ddp._bagua_executor.run_part
+
+    def spy_part(key, tensor, job, counter, last=False):
+        parts.append((key, last))
+        return run_part(key, tensor, job, counter, last=last)
+
+    ddp._bagua_executor.run_part = spy_part
     steps = []
     for step in range(STEPS):
         before = snapshot(model, optimizer)
         inputs, targets = batch_for(rank, step)
         optimizer.zero_grad()
         ddp.communication_counter.reset()
-        first = len(layouts)
+        first, first_part = len(layouts), len(parts)
         nn.functional.mse_loss(ddp(inputs), targets).backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
@@ -260,6 +268,7 @@ def train_with_qadam(rank: int, world_size: int, kwargs: dict, ranks_per_node: i
                 "after": snapshot(model, optimizer),
                 "grads": grads,
                 "layout": layouts[first:],
+                "parts": parts[first_part:],
                 "bytes": ddp.communication_counter.bytes_by_op,
             }
         )
@@ -338,10 +347,25 @@ def test_flat_qadam_matches_the_spec_step_by_step():
     results = run_processes(train_with_qadam, 2, {"hierarchical": False}, None)
     assert_ranks_identical(results)
     check_against_simulation(results, None)
+    # Flat, each compressed bucket's exchange is a part the executor may replay as a CUDA graph, keyed by what
+    # every rank agrees on, the step's last bucket marked (never replayed); the warm-up's all-reduce is not.
+    for step, record in enumerate(results[0]["steps"]):
+        if step + 1 < WARMUP:
+            assert record["parts"] == []
+            continue
+        sizes = [sum(record["before"]["x"][name].numel() for name in layout) for layout in record["layout"]]
+        keys = [key for key, _ in record["parts"]]
+        assert [(name, numel, dtype) for name, _, numel, dtype in keys] == [
+            ("qadam", size, torch.float32) for size in sizes
+        ]
+        assert len({index for _, index, _, _ in keys}) == len(keys)
+        assert [last for _, last in record["parts"]] == [False] * (len(keys) - 1) + [True]
 
 
 def test_hierarchical_qadam_on_two_nodes_of_two():
     results = run_processes(train_with_qadam, 4, {"hierarchical": True}, 2)
+    # Hierarchical, the exchange runs over two communicators: never captured.
+    assert all(record["parts"] == [] for result in results for record in result["steps"])
     assert_ranks_identical(results)
     check_against_simulation(results, 2)
     for rank, result in enumerate(results):

@@ -103,9 +103,29 @@ class OrderedExecutor:
         Returns:
             A future completed with ``buffer`` once reduced.
         """
+        return self.submit(lambda: self.run_part(key, buffer, job, counter, last=last), last=last)
+
+    def run_part(
+        self, key: Hashable, tensor: Tensor, job: BucketJob, counter: CommunicationCounter, last: bool = False
+    ) -> Tensor:
+        """Run ``job(tensor)`` from inside a job of :meth:`submit`; on CUDA it may run as a replayed graph.
+
+        For a job whose own work cannot be captured (it reads host state, or has effects beyond its tensors) but
+        whose communication can: the job calls this for that part, under the same rules as :meth:`submit_bucket`.
+
+        Args:
+            key: what every rank agrees identifies the part (see :meth:`BucketGraphs.run`).
+            tensor: what ``job`` reduces in place.
+            job: depends on nothing but the values it is given: the same kernels and collectives at every call.
+            counter: where ``job`` records its collectives.
+            last: part of the step's last bucket; never replayed.
+
+        Returns:
+            ``tensor``, reduced.
+        """
         if self.runs_inline and self._cuda_graphs and not last:
-            return self._run_on_side_stream(lambda: self.graphs.run(key, buffer, job, counter))
-        return self.submit(lambda: job(buffer), last=last)
+            return self.graphs.run(key, tensor, job, counter)
+        return job(tensor)
 
     def close(self) -> None:
         """Finish the queued jobs and stop the worker thread; safe to call twice."""

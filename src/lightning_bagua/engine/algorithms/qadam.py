@@ -406,8 +406,9 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
     1. Ask the optimizer which phase the coming step is in (every parameter of the bucket must agree).
     2. Warm-up: all-reduce the gradients at full precision (mean) and return them.
     3. Compressed: ``m_i = b1 * m + (1 - b1) * (g_i + weight_decay * x)`` for the bucket's parameters, flattened;
-       ``m = mean_i m_i`` by 8-bit scatter-gather; ``m`` written back into the optimizer; the local gradients
-       returned untouched.
+       ``m = mean_i m_i`` by 8-bit scatter-gather (run flat on CUDA, replayed as a CUDA graph once it has run
+       twice, as ``bytegrad``'s buckets are); ``m`` written back into the optimizer; the local gradients returned
+       untouched.
 
     Args:
         state: the phases' states and the bound optimizer.
@@ -427,16 +428,29 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
         return gradient_allreduce_hook(state.full_precision, bucket)
     gradients = bucket.gradients()
     buffer = bucket.buffer()
+    index, last = bucket.index(), bucket.is_last()
+    compressed_state = state.compressed
+    # Flat, the momenta's exchange is the same kernels and collectives on one communicator at every step: on CUDA
+    # it is replayed as one graph. The momenta themselves are computed eagerly: they read the optimizer's
+    # hyper-parameters, which a schedule may change, and its state, which loading a checkpoint replaces.
+    graphable = not compressed_state.groups.is_hierarchical and not compressed_state.full_precision_only
+
+    def exchange(momentum: Tensor) -> Tensor:
+        return reduce_bucket(compressed_state, momentum)
 
     def job() -> Tensor:
         # The local gradients stay in the bucket until the returned future completes; computed in the job, the
         # momentum is made on the executor's stream (on CUDA), off the stream backward runs on.
         momentum = optimizer.local_momentum(params, gradients)
-        reduce_bucket(state.compressed, momentum)
+        if graphable:
+            key = ("qadam", index, momentum.numel(), momentum.dtype)
+            state.executor.run_part(key, momentum, exchange, compressed_state.counter, last=last)
+        else:
+            exchange(momentum)
         optimizer.set_synchronized_momentum(params, momentum)
         return buffer
 
-    return state.executor.submit(job, last=bucket.is_last())
+    return state.executor.submit(job, last=last)
 
 
 def check_qadam_configuration(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any]) -> None:
