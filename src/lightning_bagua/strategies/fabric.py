@@ -15,7 +15,6 @@ This module holds Fabric's hooks only; what both strategies share is
 
 import atexit
 import logging
-import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -47,6 +46,7 @@ from lightning_bagua.strategies._core.arguments import (
 from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
 from lightning_bagua.strategies._core.data_resume import DataState, positioned_sampler
 from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
+from lightning_bagua.strategies._core.fabric_engines import WrappedEngines, updates
 from lightning_bagua.strategies._core.faults import fail_at_exit, install_failure_hook
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
 
@@ -90,13 +90,8 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         super().__init__(
             algorithm, flatten, accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, **kwargs
         )
-        # Every module wrapped and every optimizer set up so far: Fabric may set them up in either order, together
-        # or apart, so each module is (re)bound to the optimizers over its parameters whenever either side arrives.
-        # Held weakly, as Fabric's DDP strategy holds none: a wrapper the script drops must go with its communicators,
-        # which keep the process group's store alive. A script that destroys the default group and starts a new
-        # one would otherwise join it through the old store, whose keys still name the old group's addresses.
-        self._module_refs: list[_WrappedRef] = []
-        self._optimizer_refs: list[weakref.ref[Optimizer]] = []
+        # Every module wrapped and every optimizer set up so far, held weakly (see `WrappedEngines`).
+        self._engines = WrappedEngines()
         self._closes_at_exit = False
         self._remove_failure_hook: Callable[[], None] | None = None
         self._autotuning = FabricAutotuning(on_replace=self._replace_wrapper)
@@ -232,10 +227,9 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         Returns:
             The same optimizer.
         """
-        if not any(optimizer is known for known in self._bagua_optimizers):
-            self._optimizer_refs.append(weakref.ref(optimizer))
+        self._engines.add_optimizer(optimizer)
         for wrapped in self._bagua_modules:
-            if _updates(optimizer, wrapped):
+            if updates(optimizer, wrapped):
                 self._bind(wrapped)
         return optimizer
 
@@ -358,14 +352,14 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
 
     def _wrap(self, module: Module) -> BaguaDistributedDataParallel:
         wrapped = self._wrap_module(module, self._determine_ddp_device_ids())
-        self._module_refs = [*(ref for ref in self._module_refs if ref.in_use()), _WrappedRef(wrapped)]
+        self._engines.add_module(wrapped)
         if not self._closes_at_exit:
             # Fabric has no end of run at which it tears its strategy down; engines still open when the script
             # ends are closed before the process group goes (atexit runs this before the earlier-registered
             # handler that destroys the group).
             atexit.register(self._close_engines_at_exit)
             self._closes_at_exit = True
-        if any(_updates(optimizer, wrapped) for optimizer in self._bagua_optimizers):
+        if self._engines.optimizers_of(wrapped):
             self._bind(wrapped)
         if self._autotune:
             self._autotuning.add(wrapped)
@@ -373,13 +367,13 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
 
     def _replace_wrapper(self, old: BaguaDistributedDataParallel, new: BaguaDistributedDataParallel) -> None:
         # `rewrapped` closed the old wrapper; the strategy's references move to the new one (Fabric's moved already).
-        self._module_refs = [_WrappedRef(new) if ref.module() is old else ref for ref in self._module_refs]
+        self._engines.replace_module(old, new)
         if old.telemetry is not None and new.telemetry is not None:
             # One record stream per module: the loop logs the step that ended with the rebuild after this step.
             new.telemetry.continue_from(old.telemetry)
 
     def _bind(self, wrapped: BaguaDistributedDataParallel) -> None:
-        optimizers = [optimizer for optimizer in self._bagua_optimizers if _updates(optimizer, wrapped)]
+        optimizers = self._engines.optimizers_of(wrapped)
         self._check_optimizers(optimizers, [])
         wrapped.bind_optimizers(optimizers)
 
@@ -403,26 +397,10 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
 
     @property
     def _bagua_modules(self) -> list[BaguaDistributedDataParallel]:
-        return [wrapped for ref in self._module_refs if (wrapped := ref.module()) is not None]
-
-    @property
-    def _bagua_optimizers(self) -> list[Optimizer]:
-        return [optimizer for reference in self._optimizer_refs if (optimizer := reference()) is not None]
+        return self._engines.modules
 
     def _close_engines(self) -> None:
-        references, self._module_refs = self._module_refs, []
-        for reference in references:
-            wrapped = reference.module()
-            if wrapped is not None:
-                wrapped.bagua_algorithm_impl.stop()
-                wrapped.close()
-            elif (impl := reference.impl()) is not None:
-                # The script let go of the module while a thread of the algorithm's own still runs it (`async`):
-                # stopped and closed as its wrapper would be, so that what the thread found out is reported.
-                impl.stop()
-                impl.close()
-                impl.context.groups.close()
-        self._optimizer_refs = []
+        self._engines.close()
         self._autotuning.clear()
 
 
@@ -484,19 +462,3 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
     _bagua_environment_cls = BaguaEnvironment
     _checkpoint_io_cls = AtomicTorchCheckpointIO
     _configuration_error = MisconfigurationException
-
-
-def _updates(optimizer: Optimizer, module: Module) -> bool:
-    parameters = {id(parameter) for parameter in module.parameters()}
-    return any(id(parameter) in parameters for group in optimizer.param_groups for parameter in group["params"])
-
-
-class _WrappedRef:
-    """A wrapped module, held weakly, and its algorithm, which outlives the module while a thread of its own runs."""
-
-    def __init__(self, wrapped: BaguaDistributedDataParallel) -> None:
-        self.module = weakref.ref(wrapped)
-        self.impl = weakref.ref(wrapped.bagua_algorithm_impl)
-
-    def in_use(self) -> bool:
-        return self.module() is not None or self.impl() is not None

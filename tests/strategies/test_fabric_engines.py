@@ -1,0 +1,90 @@
+"""The Fabric strategy's weakly held modules and optimizers, and the closing of their engines."""
+
+import gc
+
+import torch
+from torch import nn
+
+from lightning_bagua.strategies._core.fabric_engines import WrappedEngines
+
+
+class FakeGroups:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def close(self) -> None:
+        self.log.append(f"close groups of {self.name}")
+
+
+class FakeImpl:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+        self.context = self  # `impl.context.groups.close()`
+        self.groups = FakeGroups(log, name)
+
+    def stop(self) -> None:
+        self.log.append(f"stop {self.name}")
+
+    def close(self) -> None:
+        self.log.append(f"close {self.name}")
+
+
+class FakeWrapped(nn.Module):
+    """A stand-in for a wrapped module: its parameters, its algorithm and its ``close``."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 2)
+        self.bagua_algorithm_impl = FakeImpl(log, f"impl {name}")
+        self.log, self.name = log, name
+
+    def close(self) -> None:
+        self.log.append(f"close {self.name}")
+
+
+def test_modules_and_optimizers_are_held_weakly_in_order_and_matched_by_parameters():
+    log: list[str] = []
+    engines = WrappedEngines()
+    first, second = FakeWrapped(log, "first"), FakeWrapped(log, "second")
+    engines.add_module(first)
+    engines.add_module(second)
+    optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
+    engines.add_optimizer(optimizer)
+    engines.add_optimizer(optimizer)
+    assert engines.modules == [first, second]
+    assert engines.optimizers == [optimizer]
+    assert engines.optimizers_of(second) == [optimizer]
+    assert engines.optimizers_of(first) == []
+
+    replacement = FakeWrapped(log, "replacement")
+    engines.replace_module(first, replacement)
+    assert engines.modules == [replacement, second]
+    del optimizer, second
+    gc.collect()
+    assert engines.modules == [replacement]
+    assert engines.optimizers == []
+
+
+def test_close_stops_and_closes_every_module_and_an_orphaned_algorithm_then_lets_go():
+    log: list[str] = []
+    engines = WrappedEngines()
+    kept, dropped = FakeWrapped(log, "kept"), FakeWrapped(log, "dropped")
+    engines.add_module(kept)
+    engines.add_module(dropped)
+    # The script let go of the module while its algorithm lives on (an `async` thread holds it).
+    orphan = dropped.bagua_algorithm_impl
+    del dropped
+    gc.collect()
+    engines.close()
+    assert log == [
+        "stop impl kept",
+        "close kept",
+        "stop impl dropped",
+        "close impl dropped",
+        "close groups of impl dropped",
+    ]
+    assert orphan is not None
+    assert engines.modules == []
+    log.clear()
+    engines.close()
+    assert log == []
