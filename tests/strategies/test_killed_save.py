@@ -219,10 +219,16 @@ def test_last_link_falls_back_to_a_whole_copy_without_symbolic_links_and_refuses
 def test_the_strategy_makes_each_checkpoint_callback_link_through_it_alone():
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    ours, other = ModelCheckpoint(save_last="link"), ModelCheckpoint(save_last="link")
-    LastCheckpointLinks().install([ours])
+    class OwnLinks(ModelCheckpoint):
+        @staticmethod
+        def _link_checkpoint(trainer, filepath, linkpath):  # a user's own linking
+            pass
+
+    ours, other, own = ModelCheckpoint(save_last="link"), ModelCheckpoint(save_last="link"), OwnLinks()
+    LastCheckpointLinks().install([ours, own])
     assert ours._link_checkpoint is not ModelCheckpoint._link_checkpoint
     assert other._link_checkpoint is ModelCheckpoint._link_checkpoint
+    assert own._link_checkpoint is OwnLinks._link_checkpoint
 
 
 def test_fabric_save_killed_midway_leaves_the_previous_or_the_new_checkpoint_whole(tmp_path):

@@ -87,6 +87,9 @@ def _temporary_name(directory: str, name: str) -> str:
     return os.path.join(directory, f".{name}.{secrets.token_hex(4)}{TEMPORARY_SUFFIX}")
 
 
+_LIGHTNING_CALLBACK_MODULES = ("lightning.pytorch.", "pytorch_lightning.")
+
+
 class LastCheckpointLinks:
     """Link ``last.ckpt`` to the newest checkpoint so that a kill at any moment leaves it naming a whole checkpoint.
 
@@ -107,17 +110,19 @@ class LastCheckpointLinks:
         self._kept: set[str] = set()
 
     def install(self, callbacks: Any) -> None:
-        """Make every checkpoint callback among ``callbacks`` that links ``last.ckpt`` link through :meth:`link`.
+        """Make every checkpoint callback among ``callbacks`` that links as Lightning does link through :meth:`link`.
 
         Args:
             callbacks: the Trainer's checkpoint callbacks.
         """
         for callback in callbacks:
-            lightnings = getattr(type(callback), "_link_checkpoint", None)
-            if callable(lightnings):
-                # Lightning calls `self._link_checkpoint(trainer, filepath, linkpath)`, a static method: an attribute
-                # of the instance takes its place for this callback alone.
-                callback._link_checkpoint = self._linking_locally(lightnings)
+            owner = next((klass for klass in type(callback).__mro__ if "_link_checkpoint" in vars(klass)), None)
+            # Only Lightning's own linking: a subclass that links its own way is left to it.
+            if owner is None or not owner.__module__.startswith(_LIGHTNING_CALLBACK_MODULES):
+                continue
+            # Lightning calls `self._link_checkpoint(trainer, filepath, linkpath)`, a static method: an attribute
+            # of the instance takes its place for this callback alone.
+            callback._link_checkpoint = self._linking_locally(type(callback)._link_checkpoint)
 
     def link(self, trainer: Any, filepath: str, linkpath: str) -> None:
         """Point the link ``linkpath`` at ``filepath`` on global rank zero, then meet every rank at a barrier.
