@@ -177,7 +177,10 @@ def test_last_link_is_renamed_over_the_old_one_where_lightning_removes_the_old_o
 def test_a_checkpoint_the_last_link_names_is_removed_only_once_the_link_names_another(tmp_path):
     first, second, third = (tmp_path / f"epoch={epoch}.ckpt" for epoch in range(3))
     last = tmp_path / "last.ckpt"
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     links, removed = LastCheckpointLinks(), []
+    links.install([ModelCheckpoint(save_last="link")])
 
     def remove(path: str) -> None:
         removed.append(Path(path).name)
@@ -195,6 +198,11 @@ def test_a_checkpoint_the_last_link_names_is_removed_only_once_the_link_names_an
     assert not first.exists()
     assert torch.load(last) == {"path": "epoch=1.ckpt"}
     assert sorted(path.name for path in tmp_path.iterdir()) == ["epoch=1.ckpt", "last.ckpt"]
+
+    # With no callback linking through it, nothing would remove what it kept: a removal is a removal.
+    alone = LastCheckpointLinks()
+    alone.remove(str(second), remove)
+    assert not second.exists()
 
 
 def test_last_link_falls_back_to_a_whole_copy_without_symbolic_links_and_refuses_a_directory(tmp_path, monkeypatch):

@@ -108,6 +108,7 @@ class LastCheckpointLinks:
 
     def __init__(self) -> None:
         self._kept: set[str] = set()
+        self._linking = False  # whether any callback links through `link`, which removes what is kept
 
     def install(self, callbacks: Any) -> None:
         """Make every checkpoint callback among ``callbacks`` that links as Lightning does link through :meth:`link`.
@@ -123,6 +124,7 @@ class LastCheckpointLinks:
             # Lightning calls `self._link_checkpoint(trainer, filepath, linkpath)`, a static method: an attribute
             # of the instance takes its place for this callback alone.
             callback._link_checkpoint = self._linking_locally(type(callback)._link_checkpoint)
+            self._linking = True
 
     def link(self, trainer: Any, filepath: str, linkpath: str) -> None:
         """Point the link ``linkpath`` at ``filepath`` on global rank zero, then meet every rank at a barrier.
@@ -171,7 +173,8 @@ class LastCheckpointLinks:
             filepath: the checkpoint to remove.
             remove: what removes it (the strategy's own ``remove_checkpoint``).
         """
-        if isinstance(get_filesystem(filepath), LocalFileSystem) and _linked(path := _local_path(filepath)):
+        local = self._linking and isinstance(get_filesystem(filepath), LocalFileSystem)
+        if local and _linked(path := _local_path(filepath)):
             self._kept.add(os.path.realpath(path))
             log.debug("Keeping %s until last.ckpt links to another checkpoint", path)
         else:
