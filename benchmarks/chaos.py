@@ -68,6 +68,10 @@ KINDS = ("mid_step", "collective", "checkpoint_save", "restart")
 LAYOUTS = ("2", "4", "2x2")
 # The job: 96 samples in batches of 4 per rank, 3 epochs, a checkpoint every 5 steps (chaos_script.py's defaults).
 SAMPLES, BATCH, EPOCHS, CHECKPOINT_EVERY = 96, 4, 3, 5
+# The job's `ModelCheckpoint(save_last=...)`: "true" saves last.ckpt, "link" links it to the newest checkpoint
+# (`--save-last`; one element, set once by `main`, read by every job it starts).
+SAVE_LAST_CHOICES = ("true", "link")
+SAVE_LAST = ["true"]
 MAX_RESTARTS = 3
 STEP_SLEEP_S = 0.01
 SAVE_DELAY_S = 0.3
@@ -184,6 +188,8 @@ def agent_commands(
         str(CHECKPOINT_EVERY),
         "--step-sleep-s",
         str(STEP_SLEEP_S),
+        "--save-last",
+        SAVE_LAST[0],
         *extra,
     ]
     return [
@@ -406,8 +412,10 @@ def load_checkpoints(directory: Path) -> tuple[int, list[str]]:
     for path in paths:
         try:
             torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:  # removed by ModelCheckpoint between the listing and the load: not torn
-            continue
+        except FileNotFoundError:
+            if path.is_symlink():  # `save_last="link"`'s last.ckpt naming a checkpoint that is gone: no checkpoint
+                torn.append(f"{path.name}: a link to {os.readlink(path)}, which is gone")
+            continue  # otherwise removed by ModelCheckpoint between the listing and the load: not torn
         except Exception as error:  # whatever stops a load makes it useless
             torn.append(f"{path.name}: {type(error).__name__}: {str(error)[:200]}")
     return len(paths), torn
@@ -428,7 +436,7 @@ def cache_key(algorithm: str, layout: Layout, device: str, seed: int) -> str:
     digest = hashlib.sha256(SCRIPT.read_bytes())
     for path in sorted((REPO / "src").rglob("*.py")):
         digest.update(path.read_bytes())
-    digest.update(f"{algorithm}/{layout.name}/{device}/{seed}/{MAX_RESTARTS}".encode())
+    digest.update(f"{algorithm}/{layout.name}/{device}/{seed}/{MAX_RESTARTS}/{SAVE_LAST[0]}".encode())
     return f"{algorithm}-{layout.name}-{device}-{seed}-{digest.hexdigest()[:16]}"
 
 
@@ -659,6 +667,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--save-last",
+        choices=SAVE_LAST_CHOICES,
+        default="true",
+        help="the job's ModelCheckpoint(save_last=...): a checkpoint saved as last.ckpt, or a link to the newest",
+    )
     parser.add_argument("--timeout-s", type=float, default=240.0, help="a run still going after this is a hang")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -673,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         " by side, one process per algorithm",
     )
     args = parser.parse_args(argv)
+    SAVE_LAST[0] = args.save_last
     command = "python benchmarks/chaos.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.merge:
         return merge_reports(args.merge, args.out, args.name or f"chaos_{args.device}")
@@ -738,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": BATCH,
             "epochs": EPOCHS,
             "checkpoint_every": CHECKPOINT_EVERY,
+            "save_last": SAVE_LAST[0],
             "save_delay_s": SAVE_DELAY_S,
             "straggle_s": STRAGGLE_S,
             "async_seeds": ASYNC_SEEDS,

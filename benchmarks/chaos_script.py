@@ -1,6 +1,7 @@
 """The job ``benchmarks/chaos.py`` kills: a small Trainer fit that resumes from ``last.ckpt``; run under torchrun.
 
-The user's script of issue 34: ``ModelCheckpoint(every_n_train_steps=k, save_last=True)``, a plain shuffled
+The user's script of issue 34: ``ModelCheckpoint(every_n_train_steps=k, save_last=True)`` (or ``"link"``, with
+``--save-last link``), a plain shuffled
 ``DataLoader`` and ``trainer.fit(model, loader, ckpt_path="last")``; a restarted worker runs it again, unchanged.
 The model has dropout and the loss a draw from Python's ``random``, so resuming must restore the generators too.
 
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--save-last", choices=("true", "link"), default="true", help="ModelCheckpoint's save_last")
     parser.add_argument("--step-sleep-s", type=float, default=0.01)
     parser.add_argument("--save-delay-s", type=float, default=0.0)
     parser.add_argument("--straggle-rank", type=int, default=-1)
@@ -156,6 +158,7 @@ def main() -> None:
     pl.seed_everything(args.seed, verbose=False)
     keywords = json.loads(args.keywords)
     strategy: Any = "ddp" if args.algorithm == "ddp" else BaguaStrategy(algorithm=args.algorithm, **keywords)
+    save_last: bool | str = True if args.save_last == "true" else "link"
     nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
     trainer = pl.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu",
@@ -167,7 +170,9 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=True,
-        callbacks=[ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.checkpoint_every, save_last=True)],
+        callbacks=[
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.checkpoint_every, save_last=save_last)
+        ],
     )
     model = Regression()
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)

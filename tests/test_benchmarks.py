@@ -376,6 +376,20 @@ def test_chaos_layouts_and_comparisons() -> None:
     assert not chaos.compare("async", [final(0.0, 1.5)], seeds)[0]
 
 
+def test_chaos_counts_a_torn_checkpoint_and_a_last_link_to_nothing(tmp_path: Path) -> None:
+    import torch
+
+    chaos = benchmark_module("chaos")
+    torch.save({"step": 5}, tmp_path / "epoch=0-step=5.ckpt")
+    (tmp_path / "epoch=0-step=10.ckpt").write_bytes(b"half a checkpoint")
+    (tmp_path / "last.ckpt").symlink_to("epoch=0-step=15.ckpt")  # removed before the link moved
+    (tmp_path / "last-v1.ckpt").symlink_to("epoch=0-step=5.ckpt")
+    count, torn = chaos.load_checkpoints(tmp_path)
+    assert count == 4
+    assert [entry.split(":")[0] for entry in torn] == ["epoch=0-step=10.ckpt", "last.ckpt"]
+    assert "a link to epoch=0-step=15.ckpt, which is gone" in torn[1]
+
+
 def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
     chaos = benchmark_module("chaos")
 
