@@ -68,10 +68,9 @@ KINDS = ("mid_step", "collective", "checkpoint_save", "restart")
 LAYOUTS = ("2", "4", "2x2")
 # The job: 96 samples in batches of 4 per rank, 3 epochs, a checkpoint every 5 steps (chaos_script.py's defaults).
 SAMPLES, BATCH, EPOCHS, CHECKPOINT_EVERY = 96, 4, 3, 5
-# The job's `ModelCheckpoint(save_last=...)`: "true" saves last.ckpt, "link" links it to the newest checkpoint
-# (`--save-last`; one element, set once by `main`, read by every job it starts).
+# The job's `ModelCheckpoint(save_last=...)` (`--save-last`): "true" saves last.ckpt, "link" links it to the newest
+# checkpoint.
 SAVE_LAST_CHOICES = ("true", "link")
-SAVE_LAST = ["true"]
 MAX_RESTARTS = 3
 STEP_SLEEP_S = 0.01
 SAVE_DELAY_S = 0.3
@@ -165,7 +164,7 @@ def worker_env() -> dict[str, str]:
 
 
 def agent_commands(
-    layout: Layout, algorithm: str, out: Path, device: str, seed: int, extra: list[str]
+    layout: Layout, algorithm: str, out: Path, device: str, seed: int, save_last: str, extra: list[str]
 ) -> list[list[str]]:
     """Return one torchrun command per node of ``layout``, all meeting at one rendezvous on 127.0.0.1."""
     endpoint = f"127.0.0.1:{free_port()}"
@@ -189,7 +188,7 @@ def agent_commands(
         "--step-sleep-s",
         str(STEP_SLEEP_S),
         "--save-last",
-        SAVE_LAST[0],
+        save_last,
         *extra,
     ]
     return [
@@ -431,28 +430,28 @@ def read_finals(out: Path, world_size: int) -> list[dict[str, Any]] | None:
     return [torch.load(path, weights_only=True) for path in paths]
 
 
-def cache_key(algorithm: str, layout: Layout, device: str, seed: int) -> str:
+def cache_key(algorithm: str, layout: Layout, device: str, seed: int, save_last: str) -> str:
     """Return a key that changes with the configuration, the job's script and the library's sources."""
     digest = hashlib.sha256(SCRIPT.read_bytes())
     for path in sorted((REPO / "src").rglob("*.py")):
         digest.update(path.read_bytes())
-    digest.update(f"{algorithm}/{layout.name}/{device}/{seed}/{MAX_RESTARTS}/{SAVE_LAST[0]}".encode())
+    digest.update(f"{algorithm}/{layout.name}/{device}/{seed}/{MAX_RESTARTS}/{save_last}".encode())
     return f"{algorithm}-{layout.name}-{device}-{seed}-{digest.hexdigest()[:16]}"
 
 
 def undisturbed(
-    algorithm: str, layout: Layout, device: str, seed: int, cache: Path, timeout_s: float
+    algorithm: str, layout: Layout, device: str, seed: int, save_last: str, cache: Path, timeout_s: float
 ) -> list[dict[str, Any]]:
     """Return the final records of the undisturbed job, running it once and caching it."""
     import torch
 
-    path = cache / f"{cache_key(algorithm, layout, device, seed)}.pt"
+    path = cache / f"{cache_key(algorithm, layout, device, seed, save_last)}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
     print(f"{algorithm} {layout.name}: undisturbed job, seed {seed}", flush=True)
     with tempfile.TemporaryDirectory(prefix="chaos-reference-") as directory:
         out = Path(directory)
-        job = Job(agent_commands(layout, algorithm, out, device, seed, []), out / "log.txt")
+        job = Job(agent_commands(layout, algorithm, out, device, seed, save_last, []), out / "log.txt")
         returncodes, hang = job.finish(time.monotonic() + timeout_s)
         finals = read_finals(out, layout.world_size)
         if hang or finals is None or any(returncodes):
@@ -497,8 +496,8 @@ def compare(algorithm: str, finals: list[dict[str, Any]], references: list[list[
 
 
 def disturbed_run(
-    algorithm: str, layout: Layout, kind: str, index: int, device: str, seed: int, rng: random.Random,
-    references: list[list[dict[str, Any]]], timeout_s: float, work: Path,
+    algorithm: str, layout: Layout, kind: str, index: int, device: str, seed: int, save_last: str,
+    rng: random.Random, references: list[list[dict[str, Any]]], timeout_s: float, work: Path,
 ) -> Run:  # fmt: skip
     """Launch the job, kill a worker at a moment of ``kind``, and check what it ends with."""
     run = Run(algorithm, layout.name, kind, index)
@@ -511,7 +510,7 @@ def disturbed_run(
         (out / "straggle_rank").write_text(str(straggler))
         step = rng.randrange(1, steps_per_job(layout) - 2)
         extra += ["--straggle-rank", str(straggler), "--straggle-step", str(step), "--straggle-s", str(STRAGGLE_S)]
-    job = Job(agent_commands(layout, algorithm, out, device, seed, extra), out / "log.txt")
+    job = Job(agent_commands(layout, algorithm, out, device, seed, save_last, extra), out / "log.txt")
     deadline = job.started + timeout_s
     run.kills = aim_and_kill(job, kind, layout, out, rng, deadline)
     # Checkpoints as the kill left them, before a restart writes new ones over them.
@@ -687,7 +686,6 @@ def main(argv: list[str] | None = None) -> int:
         " by side, one process per algorithm",
     )
     args = parser.parse_args(argv)
-    SAVE_LAST[0] = args.save_last
     command = "python benchmarks/chaos.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.merge:
         return merge_reports(args.merge, args.out, args.name or f"chaos_{args.device}")
@@ -704,20 +702,24 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             for algorithm in args.algorithms:
                 seeds = [args.seed + i for i in range(ASYNC_SEEDS if algorithm == "async" else 1)]
-                references = [undisturbed(algorithm, layout, args.device, s, args.cache, args.timeout_s) for s in seeds]
+                references = [
+                    undisturbed(algorithm, layout, args.device, s, args.save_last, args.cache, args.timeout_s)
+                    for s in seeds
+                ]
                 for index in range(args.kills):
                     kind = rng.choice(args.kinds)
                     print(f"{algorithm} {layout.name} #{index} {kind}: started", flush=True)
                     run = disturbed_run(
-                        algorithm, layout, kind, index, args.device, args.seed, rng, references, args.timeout_s, work
-                    )
+                        algorithm, layout, kind, index, args.device, args.seed, args.save_last, rng, references,
+                        args.timeout_s, work,
+                    )  # fmt: skip
                     if not run.kills and _RENDEZVOUS_FAILED in run.log_tail:
                         # Another job took the rendezvous port between free_port() and the agent's bind: the job
                         # never started, so nothing was tested. Once more, on a fresh port and folder.
                         print(f"{algorithm} {layout.name} #{index}: the agent's rendezvous failed; again", flush=True)
                         run = disturbed_run(
-                            algorithm, layout, kind, index, args.device, args.seed, rng, references, args.timeout_s,
-                            work / "again",
+                            algorithm, layout, kind, index, args.device, args.seed, args.save_last, rng, references,
+                            args.timeout_s, work / "again",
                         )  # fmt: skip
                     kills = "; ".join(f"{k.kind} rank {k.rank}{'' if k.landed else ' (missed aim)'}" for k in run.kills)
                     status = "HANG" if run.hang else "exact" if run.exact else "NOT EXACT"
@@ -753,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": BATCH,
             "epochs": EPOCHS,
             "checkpoint_every": CHECKPOINT_EVERY,
-            "save_last": SAVE_LAST[0],
+            "save_last": args.save_last,
             "save_delay_s": SAVE_DELAY_S,
             "straggle_s": STRAGGLE_S,
             "async_seeds": ASYNC_SEEDS,

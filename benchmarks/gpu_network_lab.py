@@ -551,6 +551,21 @@ def steps_to_target(loaded: dict[str, Any], method: str) -> int | None:
     return next((point["step"] for point in curve if point["val_loss"] <= target), None)
 
 
+def seed_spread(entry: dict[str, Any]) -> tuple[int, str]:
+    """How many seeds a method's NVLink curve averages, and their final losses' range (``""`` for a single seed).
+
+    Args:
+        entry: the method's entry of the NVLink results; pooled runs keep each seed's curve in ``curves``.
+
+    Returns:
+        The number of seeds, and ``"[min, max]"`` of their final validation losses when there is more than one.
+    """
+    finals = [curve[-1]["val_loss"] for curve in entry.get("curves", [])]
+    if len(finals) < 2:
+        return 1, ""
+    return len(finals), f"[{min(finals):.4f}, {max(finals):.4f}]"
+
+
 def time_to_target_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Steps to the target times the median step at each link, and the final loss against DDP's."""
     labels = links(loaded)
@@ -568,9 +583,8 @@ def time_to_target_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[s
                 continue
             cells.append("" if value is None or reached is None else f"{reached * value['median']:.1f}")
         final = curve[-1]["val_loss"] if curve else math.nan
-        finals = [run[-1]["val_loss"] for run in entry.get("curves", [])]
-        spread = f" [{min(finals):.4f}, {max(finals):.4f}] over {len(finals)} seeds" if len(finals) > 1 else ""
-        cells.append(f"{final:.4f} ({final / final_ddp:.3f}x){spread}")
+        seeds, spread = seed_spread(entry)
+        cells.append(f"{final:.4f} ({final / final_ddp:.3f}x)" + (f" {spread} over {seeds} seeds" if spread else ""))
         rows.append(cells)
     return ["method", "steps to target", *(f"{label} s" for label in labels), "final loss (x DDP)"], rows
 

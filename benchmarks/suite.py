@@ -224,11 +224,10 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
 
 def _seed_spread(methods: dict[str, Any], method: str) -> str:
     """How many seeds a method's NVLink curve averages, with their final losses' range when more than one."""
-    curves = methods[method].get("curves") or [methods[method]["curve"]]
-    if len(curves) == 1:
-        return "one seed"
-    finals = [curve[-1]["val_loss"] for curve in curves]
-    return f"mean of {len(curves)} seeds [{min(finals):.4f}, {max(finals):.4f}]"
+    from gpu_network_lab import seed_spread
+
+    seeds, spread = seed_spread(methods[method])
+    return f"mean of {seeds} seeds {spread}" if spread else "one seed"
 
 
 def _time_to_target(loaded: dict[str, Any], method: str, label: str) -> float | None:

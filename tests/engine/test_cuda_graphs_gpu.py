@@ -2,6 +2,7 @@
 
 import multiprocessing
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,26 +39,47 @@ def wrap_flat_bytegrad(rank: int, **kwargs: Any) -> tuple[BaguaDistributedDataPa
     return ddp, model, optimizer
 
 
-def train_bytegrad(rank: int, world_size: int) -> dict:
+def train(
+    rank: int,
+    ddp: BaguaDistributedDataParallel,
+    model: nn.Module,
+    optimizer: Optimizer,
+    steps: int,
+    after_backward: Callable[[], None] = lambda: None,
+    after_step: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Train ``steps`` steps on ``rank``'s batches, then close ``ddp``; return the weights and the graphs captured.
+
+    ``after_backward`` sees each step's reduced gradients before the optimizer takes them, ``after_step`` the
+    optimizer's state once it has.
+    """
     device = torch.device("cuda", rank)
-    counter = CommunicationCounter()
-    ddp, model, optimizer = wrap_flat_bytegrad(rank, communication_counter=counter)
-    gradients, sent = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         inputs, targets = (t.to(device) for t in batch_for(rank, step))
         optimizer.zero_grad()
         nn.functional.mse_loss(ddp(inputs), targets).backward()
-        gradients.append([p.grad.detach().cpu().clone() for p in model.parameters()])
-        sent.append(counter.totals())
+        after_backward()
         optimizer.step()
+        after_step()
     result = {
         "state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "gradients": gradients,
-        "totals": sent,
         "graphs": ddp._bagua_executor.graphs.captured,
     }
     ddp.close()
     return result
+
+
+def train_bytegrad(rank: int, world_size: int) -> dict:
+    counter = CommunicationCounter()
+    ddp, model, optimizer = wrap_flat_bytegrad(rank, communication_counter=counter)
+    gradients, sent = [], []
+
+    def record() -> None:
+        gradients.append([p.grad.detach().cpu().clone() for p in model.parameters()])
+        sent.append(counter.totals())
+
+    result = train(rank, ddp, model, optimizer, STEPS, after_backward=record)
+    return {**result, "gradients": gradients, "totals": sent}
 
 
 def test_bytegrad_replayed_as_cuda_graphs_matches_it_run_eagerly_bit_for_bit():
@@ -85,25 +107,17 @@ QADAM_STEPS = 8
 
 
 def train_qadam(rank: int, world_size: int) -> dict:
-    device = torch.device("cuda", rank)
-    model = make_model().to(device)
+    model = make_model().to(torch.device("cuda", rank))
     optimizer = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=QADAM_WARMUP, weight_decay=0.01)
     algorithm = QAdamAlgorithm(optimizer, hierarchical=False)
     ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, device_ids=[rank], bucket_cap_mb=0.004)
     momenta = []
-    for step in range(QADAM_STEPS):
-        inputs, targets = (t.to(device) for t in batch_for(rank, step))
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(inputs), targets).backward()
-        optimizer.step()
+
+    def record() -> None:
         momenta.append([optimizer.state[p]["exp_avg"].detach().cpu().clone() for p in model.parameters()])
-    result = {
-        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "momenta": momenta,
-        "graphs": ddp._bagua_executor.graphs.captured,
-    }
-    ddp.close()
-    return result
+
+    result = train(rank, ddp, model, optimizer, QADAM_STEPS, after_step=record)
+    return {**result, "momenta": momenta}
 
 
 def test_qadam_momenta_exchanged_from_cuda_graphs_match_the_eager_run_bit_for_bit():

@@ -42,12 +42,21 @@ class FakeWrapped(nn.Module):
         self.log.append(f"close {self.name}")
 
 
-def test_modules_and_optimizers_are_held_weakly_in_order_and_matched_by_parameters():
+def engines_holding(*names: str) -> tuple[WrappedEngines, list[str], tuple[FakeWrapped, ...]]:
+    """Engines holding one stand-in module per name, in order, all writing to the returned log.
+
+    The returned modules are their only strong references: once the caller lets go of one, the engines drop it.
+    """
     log: list[str] = []
     engines = WrappedEngines()
-    first, second = FakeWrapped(log, "first"), FakeWrapped(log, "second")
-    engines.add_module(first)
-    engines.add_module(second)
+    modules = tuple(FakeWrapped(log, name) for name in names)
+    for module in modules:
+        engines.add_module(module)  # type: ignore[arg-type]  # a stand-in with what WrappedEngines uses
+    return engines, log, modules
+
+
+def test_modules_and_optimizers_are_held_weakly_in_order_and_matched_by_parameters():
+    engines, log, (first, second) = engines_holding("first", "second")
     optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
     engines.add_optimizer(optimizer)
     engines.add_optimizer(optimizer)
@@ -66,11 +75,7 @@ def test_modules_and_optimizers_are_held_weakly_in_order_and_matched_by_paramete
 
 
 def test_close_stops_and_closes_every_module_and_an_orphaned_algorithm_then_lets_go():
-    log: list[str] = []
-    engines = WrappedEngines()
-    kept, dropped = FakeWrapped(log, "kept"), FakeWrapped(log, "dropped")
-    engines.add_module(kept)
-    engines.add_module(dropped)
+    engines, log, (_kept, dropped) = engines_holding("kept", "dropped")  # `_kept` holds its module alive
     # The script let go of the module while its algorithm lives on (an `async` thread holds it).
     orphan = dropped.bagua_algorithm_impl
     del dropped

@@ -196,6 +196,7 @@ def test_a_checkpoint_the_last_link_names_is_removed_only_once_the_link_names_an
     assert removed == ["epoch=2.ckpt"]
     links.link(_Trainer(), str(second), str(last))
     assert not first.exists()
+    assert removed == ["epoch=2.ckpt", "epoch=0.ckpt"]  # the kept one too goes through the strategy's removal
     assert torch.load(last) == {"path": "epoch=1.ckpt"}
     assert sorted(path.name for path in tmp_path.iterdir()) == ["epoch=1.ckpt", "last.ckpt"]
 

@@ -97,6 +97,15 @@ class ByteGradState(HookState):
         """
         return self.hierarchical and self.groups.layout.num_nodes == 1 and not self.groups.is_hierarchical
 
+    @property
+    def exchanges_flat(self) -> bool:
+        """Whether a bucket is exchanged as one flat compressed collective: the 8-bit scatter-gather over all ranks.
+
+        Neither two-level (the groups are hierarchical) nor full precision (:attr:`full_precision_only`); the third
+        way :func:`reduce_bucket` routes a bucket.
+        """
+        return not self.groups.is_hierarchical and not self.full_precision_only
+
 
 def bytegrad_hook(state: ByteGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket of gradients with 8-bit scatter-gather.
@@ -123,6 +132,10 @@ def bytegrad_hook(state: ByteGradState, bucket: dist.GradBucket) -> torch.future
 def reduce_bucket(state: ByteGradState, buffer: Tensor) -> Tensor:
     """Reduce ``buffer`` over all ranks the way ``state`` says and return it (blocking)."""
     groups = state.groups
+    if state.exchanges_flat:
+        return compressed_scatter_gather_(
+            buffer, groups.flat, groups.world_size, state.average, state.codec, state.counter
+        )
     if groups.is_hierarchical:
         ranks_per_node = groups.layout.ranks_per_node
         num_nodes = groups.layout.num_nodes
@@ -135,11 +148,10 @@ def reduce_bucket(state: ByteGradState, buffer: Tensor) -> Tensor:
             )
 
         return all_reduce_hierarchically(buffer, groups, state.counter, inter_node)
-    if state.full_precision_only:
-        state.counter.record("all_reduce", buffer)
-        dist.all_reduce(buffer, group=groups.flat)
-        return buffer.div_(groups.world_size) if state.average else buffer
-    return compressed_scatter_gather_(buffer, groups.flat, groups.world_size, state.average, state.codec, state.counter)
+    # Hierarchical on one node: only the full-precision intra-node level is left.
+    state.counter.record("all_reduce", buffer)
+    dist.all_reduce(buffer, group=groups.flat)
+    return buffer.div_(groups.world_size) if state.average else buffer
 
 
 def compressed_scatter_gather_(

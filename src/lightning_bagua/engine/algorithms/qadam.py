@@ -433,7 +433,7 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
     # Flat, the momenta's exchange is the same kernels and collectives on one communicator at every step: on CUDA
     # it is replayed as one graph. The momenta themselves are computed eagerly: they read the optimizer's
     # hyper-parameters, which a schedule may change, and its state, which loading a checkpoint replaces.
-    graphable = not compressed_state.groups.is_hierarchical and not compressed_state.full_precision_only
+    graphable = compressed_state.exchanges_flat
 
     def exchange(momentum: Tensor) -> Tensor:
         return reduce_bucket(compressed_state, momentum)

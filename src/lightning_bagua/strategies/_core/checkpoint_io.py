@@ -107,7 +107,8 @@ class LastCheckpointLinks:
     """
 
     def __init__(self) -> None:
-        self._kept: set[str] = set()
+        # Each checkpoint kept for a link, with what `remove` was given to remove it: the removal is only put off.
+        self._kept: dict[str, Callable[[Any], None]] = {}
         self._linking = False  # whether any callback links through `link`, which removes what is kept
 
     def install(self, callbacks: Any) -> None:
@@ -131,8 +132,9 @@ class LastCheckpointLinks:
 
         The new link is made under a temporary name beside ``linkpath`` and renamed over it: ``linkpath`` names the
         previous checkpoint until the rename, and the new one after it. Checkpoints kept for the old link are then
-        removed. Where the file system refuses symbolic links, the checkpoint is copied instead, as Lightning does,
-        and the copy renamed over ``linkpath`` too.
+        removed, each by what :meth:`remove` was given to remove it (the strategy's ``remove_checkpoint``, through
+        its checkpoint plugin). Where the file system refuses symbolic links, the checkpoint is copied instead, as
+        Lightning does, and the copy renamed over ``linkpath`` too.
 
         Args:
             trainer: the Trainer whose checkpoint callback links.
@@ -161,9 +163,9 @@ class LastCheckpointLinks:
                 _sync_directory(directory)
             for kept in sorted(self._kept):
                 if not _linked(kept):
-                    self._kept.discard(kept)
+                    remove = self._kept.pop(kept)
                     if os.path.exists(kept):
-                        os.remove(kept)
+                        remove(kept)
         trainer.strategy.barrier()
 
     def remove(self, filepath: Any, remove: Callable[[Any], None]) -> None:
@@ -175,7 +177,7 @@ class LastCheckpointLinks:
         """
         local = self._linking and isinstance(get_filesystem(filepath), LocalFileSystem)
         if local and _linked(path := _local_path(filepath)):
-            self._kept.add(os.path.realpath(path))
+            self._kept[os.path.realpath(path)] = remove
             log.debug("Keeping %s until last.ckpt links to another checkpoint", path)
         else:
             remove(filepath)
