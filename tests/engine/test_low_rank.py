@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, LowRankAlgorithm
+from lightning_bagua.engine._executor import OrderedExecutor
 from lightning_bagua.engine.algorithms import _low_rank_factors, _low_rank_step, low_rank
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter
@@ -146,6 +147,8 @@ def train_with_low_rank(
         held.append(([slot.name for slot in slots], buffer.detach().cpu().clone(), buffer))
         future = original_add(self, state, buffer, slots, step, last)
         if last:
+            if buffer.is_cuda:
+                torch.cuda.synchronize()  # the step was reduced on the executor's stream
             recorded.extend((names, before, buffer.detach().cpu().clone()) for names, before, buffer in held)
             held.clear()
         return future
@@ -572,11 +575,11 @@ def test_bad_state_names_the_keys():
 
 
 def lone_state(**fields: Any) -> low_rank.LowRankState:
-    """A state for one participant, with no groups or executor (the tests call the reduce functions directly)."""
+    """A state for one participant, with no groups (the tests call the reduce functions directly)."""
     return low_rank.LowRankState(
         groups=None,  # type: ignore[arg-type]
         counter=CommunicationCounter(),
-        executor=None,  # type: ignore[arg-type]
+        executor=OrderedExecutor(torch.device("cpu")),
         rank=RANK,
         names={},
         **fields,

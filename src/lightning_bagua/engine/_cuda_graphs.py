@@ -30,9 +30,9 @@ def cuda_graphs_enabled() -> bool:
 @dataclass
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
-    static_input: Tensor
-    static_output: Tensor
     records: list[CounterRecord]
+    output: Any  # what the captured job returned: its tensors are the graph's, overwritten by every replay
+    static_input: Tensor | None = None  # the graph's own copy of the bucket (:meth:`BucketGraphs.run`)
 
 
 @dataclass
@@ -85,44 +85,80 @@ class BucketGraphs:
         Returns:
             ``buffer``.
         """
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._slots[key] = _Slot()
+        slot = self._slot(key)
         captured = slot.captured
         if captured is None:
-            if slot.eager_calls < self.warmup or self._graphs >= self.max_graphs:
-                slot.eager_calls += 1
+            if not self._capture_now(slot):
                 return job(buffer)
-            # The capture counts the job's collectives once, as this call's.
-            captured = slot.captured = self._capture(buffer, job, counter)
-            self._graphs += 1
+            static_input = torch.empty_like(buffer)
+            what = f"a bucket's communication ({buffer.numel()} {buffer.dtype} elements)"
+            captured = slot.captured = self._capture(lambda: job(static_input), counter, what)
+            captured.static_input = static_input
         else:
             counter.replay(captured.records)
+        assert captured.static_input is not None
         captured.static_input.copy_(buffer)
         captured.graph.replay()
-        return buffer.copy_(captured.static_output)
+        return buffer.copy_(captured.output)
+
+    def run_in_place(self, key: Hashable, job: Callable[[], object], counter: CommunicationCounter, what: str) -> None:
+        """Run ``job`` on the current (side) stream, eagerly or by replaying its graph, with no copies in or out.
+
+        For a job that reads and writes only tensors that live, at fixed addresses, as long as its key is used:
+        buffers of the caller's own rather than DDP's buckets. The caller drops the :class:`BucketGraphs` (or never
+        uses the key again) when it drops those tensors.
+
+        Args:
+            key: what every rank agrees identifies the job.
+            job: the same kernels and collectives on the same tensors at every call, recorded in ``counter``.
+            counter: where ``job`` records; a replay records what the capture recorded.
+            what: the job, for the error a failed capture raises.
+        """
+        slot = self._slot(key)
+        captured = slot.captured
+        if captured is None:
+            if not self._capture_now(slot):
+                job()
+                return
+            captured = slot.captured = self._capture(job, counter, what)
+        else:
+            counter.replay(captured.records)
+        captured.graph.replay()
 
     def clear(self) -> None:
         """Drop every graph and its buffers."""
         self._slots.clear()
         self._graphs = 0
 
-    def _capture(self, buffer: Tensor, job: BucketJob, counter: CommunicationCounter) -> _Captured:
+    def _slot(self, key: Hashable) -> _Slot:
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = _Slot()
+        return slot
+
+    def _capture_now(self, slot: _Slot) -> bool:
+        """Whether an uncaptured key's call captures its graph now; counts it as an eager call if not."""
+        if slot.eager_calls < self.warmup or self._graphs >= self.max_graphs:
+            slot.eager_calls += 1
+            return False
+        self._graphs += 1
+        return True
+
+    def _capture(self, job: Callable[[], object], counter: CommunicationCounter, what: str) -> _Captured:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        static_input = torch.empty_like(buffer)
         graph = torch.cuda.CUDAGraph()
         # Thread-local: NCCL's watchdog keeps using CUDA from its own thread while this one captures.
         with counter.logged() as records:
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                static_output = job(static_input)
+                output = job()
             except Exception as error:
                 raise RuntimeError(
-                    f"Capturing a bucket's communication ({buffer.numel()} {buffer.dtype} elements) as a CUDA graph"
-                    f" failed: {error}. Set {CUDA_GRAPHS_VARIABLE}=0 to run every bucket eagerly."
+                    f"Capturing {what} as a CUDA graph failed: {error}. Set {CUDA_GRAPHS_VARIABLE}=0 to run every"
+                    " bucket eagerly."
                 ) from error
             finally:
                 graph.capture_end()
-        log.debug("Captured a CUDA graph for a bucket of %d elements", buffer.numel())
-        return _Captured(graph, static_input, static_output, records)
+        log.debug("Captured a CUDA graph for %s", what)
+        return _Captured(graph, records, output)

@@ -1,9 +1,10 @@
 """Run a bucket's dependent collectives in bucket order, off the thread that runs backward."""
 
 import collections
+import contextlib
 import queue
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from torch import Tensor
@@ -56,6 +57,27 @@ class OrderedExecutor:
     def runs_inline(self) -> bool:
         """Whether jobs run in the submitting thread (on CUDA)."""
         return self._device.type == "cuda"
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether jobs on CUDA may be captured and replayed as CUDA graphs."""
+        return self.runs_inline and self._cuda_graphs
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[None]:
+        """Queue the block's CUDA work on the executor's stream, after what the current stream holds so far.
+
+        For work that runs in the submitting thread outside :meth:`submit` yet must not run on the stream backward
+        runs on: a CUDA graph cannot be captured on the default stream. Futures completed inside the block make
+        their waiters wait for this stream. Nothing changes on CPU.
+        """
+        if not self.runs_inline:
+            yield
+            return
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            yield
 
     def submit(self, job: Callable[[], Tensor], last: bool = False) -> torch.futures.Future:
         """Queue ``job`` and return a future of its result; an exception in the job fails the future.
@@ -123,7 +145,7 @@ class OrderedExecutor:
         Returns:
             ``tensor``, reduced.
         """
-        if self.runs_inline and self._cuda_graphs and not last:
+        if self.cuda_graphs and not last:
             return self.graphs.run(key, tensor, job, counter)
         return job(tensor)
 
@@ -143,20 +165,24 @@ class OrderedExecutor:
         while self._in_flight and self._in_flight[0][0].query():
             self._in_flight.popleft()
         submitting = torch.cuda.current_stream(self._device)
-        if self._stream is None:
-            # High priority: a job's kernels gate its collectives, and the last bucket's gate the step.
-            self._stream = torch.cuda.Stream(self._device, priority=-1)
-        self._stream.wait_stream(submitting)
+        stream = self._side_stream()
+        stream.wait_stream(submitting)
         future: torch.futures.Future = torch.futures.Future(devices=[self._device])
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(stream):
             result = job()
             # A result made on the side stream may be read, and freed, on the waiter's stream.
             result.record_stream(submitting)
             done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(stream)
             future.set_result(result)
         self._in_flight.append((done, job))
         return future
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            # High priority: a job's kernels gate its collectives, and the last bucket's gate the step.
+            self._stream = torch.cuda.Stream(self._device, priority=-1)
+        return self._stream
 
     def _ensure_worker(self) -> None:
         with self._lock:

@@ -196,10 +196,15 @@ def offsets_of(sizes: list[int]) -> list[int]:
 
 
 def all_gather_bytes(
-    message: Tensor, group: dist.ProcessGroup | None, n: int, counter: CommunicationCounter, uncompressed: int
+    message: Tensor,
+    group: dist.ProcessGroup | None,
+    n: int,
+    counter: CommunicationCounter,
+    uncompressed: int,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """All-gather one byte message; return the ``(n, length)`` rows."""
-    gathered = torch.empty((n, message.numel()), dtype=torch.uint8, device=message.device)
+    """All-gather one byte message; return the ``(n, length)`` rows (in ``out`` if given)."""
+    gathered = torch.empty((n, message.numel()), dtype=torch.uint8, device=message.device) if out is None else out
     counter.record("all_gather", message, received=message.numel() * (n - 1), uncompressed=uncompressed)
     all_gather_into(gathered, message, group)
     return gathered

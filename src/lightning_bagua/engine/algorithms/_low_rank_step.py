@@ -18,7 +18,7 @@ as float32. What the step gives up is overlap between the factor exchange and ba
 enough for ``low_rank`` to pay is worth less than the host time it saves.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_bagua.engine._codec_segments import SegmentLayout, segment_backend
+from lightning_bagua.engine._cuda_graphs import BucketGraphs
+from lightning_bagua.engine._executor import OrderedExecutor
 from lightning_bagua.engine.algorithms import _low_rank_factors as factors
 from lightning_bagua.engine.algorithms._low_rank_factors import (
     ALIGNMENT,
@@ -50,6 +52,7 @@ class StepState(Protocol):
 
     average: bool
     counter: CommunicationCounter
+    executor: OrderedExecutor
     groups: CommunicationGroups
     errors: dict[str, Tensor]
     factors: dict[str, Tensor]
@@ -148,8 +151,12 @@ class StepPlan:
         self.first_message_bytes = first + -first % ALIGNMENT
         self.second_message_bytes = second + -second % ALIGNMENT
         self.device = device
-        # Allocated by bind(): M = G + e, the errors e, G_hat, P^T and the kept Q^T.
+        # Allocated by bind(): M = G + e, the errors e, G_hat, P^T (then P_hat^T), the kept Q^T, the two outgoing
+        # messages, the exact gradients' reduced values and the gathered second messages.
         self.m = self.errors = self.approximation = self.p = self.q = torch.empty(0)
+        self.first_message = self.second_message = self.exact_sum = self.second_gathered = torch.empty(0)
+        # The step's two halves around the second exchange, replayed as CUDA graphs on the plan's own buffers.
+        self.graphs = BucketGraphs()
 
     def uncompressed_shares(self, element_size: int) -> tuple[int, int]:
         """What DDP would send for the step, split between the two messages in proportion to what each carries."""
@@ -171,6 +178,10 @@ class StepPlan:
         self.errors = torch.zeros_like(self.m)
         self.p = torch.empty(self.p_elements, dtype=torch.float32, device=device)
         self.q = torch.empty(self.q_elements, dtype=torch.float32, device=device)
+        # Zeroed once: the codec writes the same bytes at every step and leaves the padding and spare header bytes.
+        self.first_message = torch.zeros(self.first_message_bytes, dtype=torch.uint8, device=device)
+        self.second_message = torch.zeros(self.second_message_bytes, dtype=torch.uint8, device=device)
+        self.exact_sum = torch.empty(self.exact_elements, dtype=torch.float32, device=device)
         for (_, slot), error, q_t in zip(self.factored, self.error_views(), self.factor_views(), strict=True):
             saved_error = state.errors.get(slot.name)
             if saved_error is not None:
@@ -179,6 +190,16 @@ class StepPlan:
             q_t.copy_((saved_q if saved_q is not None else initial_factor(slot, rank, device)).T)
             state.errors[slot.name] = error
             state.factors[slot.name] = q_t.T
+
+    def exact_values(self) -> Tensor:
+        """The first message's head: the exact gradients one after the other, float32."""
+        return self.first_message[: self.exact_elements * _FLOAT32_BYTES].view(torch.float32)
+
+    def gathered_second(self, n: int) -> Tensor:
+        """The ``(n, bytes)`` buffer the second messages of ``n`` participants are gathered into."""
+        if self.second_gathered.shape != (n, self.second_message_bytes):
+            self.second_gathered = torch.empty(n, self.second_message_bytes, dtype=torch.uint8, device=self.device)
+        return self.second_gathered
 
     def error_views(self) -> list[Tensor]:
         """Each factored gradient's error, ``rows x cols``, in wire order."""
@@ -269,14 +290,17 @@ class StepBatcher:
         if not last:
             return future
         pending, self._pending = self._pending, []
-        try:
-            reduce_pending(state, [buffer for buffer, _, _ in pending], [slots for _, slots, _ in pending])
-        except BaseException as error:  # a failed collective must reach the reducer through every future
-            for _, _, waiting in pending:
-                waiting.set_exception(error)
-        else:
-            for result, _, waiting in pending:
-                waiting.set_result(result)
+        # On the executor's stream: off backward's, and one a CUDA graph can be captured on. The futures completed
+        # there make DDP's reducer wait for it.
+        with state.executor.side_stream():
+            try:
+                reduce_pending(state, [buffer for buffer, _, _ in pending], [slots for _, slots, _ in pending])
+            except BaseException as error:  # a failed collective must reach the reducer through every future
+                for _, _, waiting in pending:
+                    waiting.set_exception(error)
+            else:
+                for result, _, waiting in pending:
+                    waiting.set_result(result)
         return future
 
 
@@ -321,69 +345,87 @@ def reduce_step(
        unless the step's factors are not finite, which keeps the previous ones (no host synchronisation: a
        ``torch.where`` on the device).
 
+    Steps 1 (after its copy) to 5, with the first exchange, and the decoding half of 6 with 7 (before its copy)
+    work only on the plan's buffers, so on CUDA each is captured once as a graph and replayed: two launches where
+    eagerly there are a few hundred (Gram-Schmidt alone takes several per column). The second exchange stays eager
+    between them. That keeps every step's last collective in view of NCCL's watchdog: if a peer is lost during the
+    first half's replay, the eager exchange queued behind it on the same communicator times out, and the watchdog's
+    abort of the communicator ends the replay too.
+
     Args:
-        state: the algorithm's state (its step plan, counter, codec and options).
+        state: the algorithm's state (its step plan, counter, codec, executor and options).
         buffers: the step's buckets; overwritten with the result.
         layouts: each bucket's slots.
         group: the group to exchange over.
         n: the size of ``group``.
     """
     plan = state.step_plan(layouts, buffers[0].device)
-    rank = plan.rank
-    device = buffers[0].device
     first_share, second_share = plan.uncompressed_shares(buffers[0].element_size())
     gradients = plan.gradient_views(buffers)
     exact = plan.exact_views(buffers)
+    # With nothing to factor the step is one exchange, which must stay eager (see above).
+    graphed = state.executor.cuda_graphs and plan.q_layout is not None
 
-    # Step 1.
+    def run(half: str, job: Callable[[], None]) -> None:
+        if graphed:
+            plan.graphs.run_in_place(half, job, state.counter, f"low_rank's {half} of a step")
+        else:
+            job()
+
     if gradients:
         torch._foreach_copy_(plan.matrices(plan.m), gradients)
+    if exact:
+        torch._foreach_copy_(plan.split_exact(plan.exact_values()), exact)
+    run("first half", lambda: _first_half(state, plan, group, n, first_share))
+    if exact:
+        torch._foreach_copy_(exact, plan.split_exact(plan.exact_sum))
+    if plan.q_layout is None:
+        return
+    gathered = all_gather_bytes(plan.second_message, group, n, state.counter, second_share, plan.gathered_second(n))
+    run("second half", lambda: _second_half(state, plan, gathered, n))
+    torch._foreach_copy_(gradients, plan.matrices(plan.approximation))
+
+
+def _first_half(state: StepState, plan: StepPlan, group: dist.ProcessGroup | None, n: int, share: int) -> None:
+    """Steps 1-5 of :func:`reduce_step` and the encoding of step 6, from ``plan.m`` holding the gradients."""
+    rank = plan.rank
+    if plan.factored:
         plan.m.add_(plan.errors)
-    # Step 2.
     for group_ in plan.groups:
         m = plan.group_block(plan.m, group_, "m")
         torch.bmm(plan.group_block(plan.q, group_, "q"), m.transpose(1, 2), out=plan.group_block(plan.p, group_, "p"))
-
-    # Step 3.
-    message = torch.zeros(plan.first_message_bytes, dtype=torch.uint8, device=device)
-    exact_values = message[: plan.exact_elements * _FLOAT32_BYTES].view(torch.float32)
-    if exact:
-        torch._foreach_copy_(plan.split_exact(exact_values), exact)
     if plan.p_layout is not None:
-        plan.p_layout.encode_into(plan.p, message)
-    gathered = all_gather_bytes(message, group, n, state.counter, first_share)
-    if exact:
+        plan.p_layout.encode_into(plan.p, plan.first_message)
+    gathered = all_gather_bytes(plan.first_message, group, n, state.counter, share)
+    if plan.exact:
         exact_sum = sum_in_order(gathered[:, : plan.exact_elements * _FLOAT32_BYTES].view(torch.float32))
         if state.average:
             exact_sum.div_(n)
-        torch._foreach_copy_(exact, plan.split_exact(exact_sum))
+        plan.exact_sum.copy_(exact_sum)
     if plan.p_layout is None or plan.q_layout is None:
         return
-    p_sums = plan.p_layout.decode_sum(gathered)
-
+    plan.p.copy_(plan.p_layout.decode_sum(gathered))
     # Step 4: each batch holds P^T, so its columns are the transposed view's.
     for batch in plan.row_batches:
-        block = p_sums[batch.p_offset : batch.p_offset + batch.count * rank * batch.rows]
+        block = plan.p[batch.p_offset : batch.p_offset + batch.count * rank * batch.rows]
         factors.orthonormalise_columns(block.view(batch.count, rank, batch.rows).transpose(1, 2))
-
-    # Steps 5-6.
-    q_new = torch.empty(plan.q_elements, dtype=torch.float32, device=device)
+    q_new = torch.empty(plan.q_elements, dtype=torch.float32, device=plan.device)
     for group_ in plan.groups:
-        p_hat_t = plan.group_block(p_sums, group_, "p")
+        p_hat_t = plan.group_block(plan.p, group_, "p")
         torch.bmm(p_hat_t, plan.group_block(plan.m, group_, "m"), out=plan.group_block(q_new, group_, "q"))
-    message = torch.zeros(plan.second_message_bytes, dtype=torch.uint8, device=device)
-    plan.q_layout.encode_into(q_new, message)
-    gathered = all_gather_bytes(message, group, n, state.counter, second_share)
+    plan.q_layout.encode_into(q_new, plan.second_message)
+
+
+def _second_half(state: StepState, plan: StepPlan, gathered: Tensor, n: int) -> None:
+    """The decoding of step 6 and step 7 of :func:`reduce_step`, up to ``G_hat`` in ``plan.approximation``."""
+    assert plan.q_layout is not None
     q_sums = plan.q_layout.decode_sum(gathered)
     if state.average:
         q_sums.div_(n)
-
-    # Step 7.
-    finite = finite_factors(p_sums, q_sums, rank)
+    finite = finite_factors(plan.p, q_sums, plan.rank)
     for group_ in plan.groups:
-        p_hat = plan.group_block(p_sums, group_, "p").transpose(1, 2)
+        p_hat = plan.group_block(plan.p, group_, "p").transpose(1, 2)
         torch.bmm(p_hat, plan.group_block(q_sums, group_, "q"), out=plan.group_block(plan.approximation, group_, "m"))
-    torch._foreach_copy_(gradients, plan.matrices(plan.approximation))
     plan.m.sub_(plan.approximation)
     torch.where(finite, plan.m, plan.errors, out=plan.errors)
     torch.where(finite, q_sums, plan.q, out=plan.q)

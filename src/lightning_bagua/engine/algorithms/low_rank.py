@@ -101,6 +101,15 @@ class LowRankImpl(AlgorithmImpl):
         """Return the state and :func:`low_rank_hook`."""
         return self.state, low_rank_hook
 
+    def close(self) -> None:
+        """Drop the whole-step plan with its CUDA graphs, which must not outlive the communicators they replay on.
+
+        Destroying a NCCL communicator while a graph that captured collectives on it is alive blocks for good.
+        """
+        if self.context.device.type == "cuda":
+            torch.cuda.synchronize(self.context.device)  # no replay is still running when its graph goes
+        self.state.forget_step_plan()
+
     def telemetry_phase(self) -> dict[str, float]:
         """Return ``{"compressed": 1.0}`` once factors are exchanged, ``0.0`` before (``{}`` before any bucket)."""
         if self.state.last_compressed is None:
