@@ -148,7 +148,20 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
         loaded = {}
     found = []
 
+    jobs = newer_nvlink_jobs(results, loaded.get("nvlink"))
+
     def step_ratio(target: str, label: str, method: str, base: str, bar: float) -> None:
+        job = next((job for job in jobs if {method, base} <= set(job["methods"])), None) if label == "nvlink" else None
+        if job is not None:
+            value, ref = job["methods"][method]["step_ms"], job["methods"][base]["step_ms"]
+            ratio = value["median"] / ref["median"]
+            detail = (
+                f"{value['median']:.1f} ms vs {ref['median']:.1f} ms (medians over {job['rounds']} rounds; this job"
+                f" ran after the lab's NVLink runs)"
+            )
+            found.append(_target(target, f"{job['stem']}.json", f"<= {bar:.2f}x", ratio, ratio <= bar, detail,
+                                 command=job["command"]))  # fmt: skip
+            return
         data = loaded.get("nvlink" if label == "nvlink" else "sockets")
         source = f"gpu_network_lab_{'nvlink' if label == 'nvlink' else 'sockets'}.json"
         rows = {} if data is None else data["methods"]
@@ -220,6 +233,34 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
         found.append(_target(target, "gpu_network_lab_nvlink.json", "<= 1x", ratio, ratio <= 1, detail,
                              command=command))  # fmt: skip
     return found
+
+
+def newer_nvlink_jobs(results: Path, lab: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """``step_breakdown.py`` jobs that timed the lab's NVLink steps after the lab's last NVLink run, newest first.
+
+    A job counts when it ran the lab's model and batch over NVLink from this checkout's engine, unprofiled (a profiler
+    slows the methods timed after it). For a method it timed beside DDP, such a job reflects the engine as it is
+    now, where the lab's NVLink column pools rounds of every run since its first.
+
+    Args:
+        results: the results folder.
+        lab: the lab's merged NVLink results, or ``None`` where there are none (then every such job counts).
+
+    Returns:
+        The jobs' results, each with ``stem`` added (its file name without suffix).
+    """
+    lab_dates = [json.loads(path.read_text())["date"] for path in results.glob("gpu_network_lab_nvlink*.json")]
+    after = max(lab_dates, default="")
+    settings = {} if lab is None else lab["settings"]
+    jobs = []
+    for path in results.glob("step_breakdown_*.json"):
+        job = json.loads(path.read_text())
+        ran = job.get("settings", {})
+        same_model = all(ran.get(key) == settings.get(key, ran.get(key)) for key in ("batch", "context", "lr"))
+        timed = ran.get("profiled") == 0 and not ran.get("sockets") and not ran.get("cpu")
+        if job.get("date", "") > after and job.get("engine_src") == "src" and timed and same_model:
+            jobs.append({**job, "stem": path.stem})
+    return sorted(jobs, key=lambda job: job["date"], reverse=True)
 
 
 def _seed_spread(methods: dict[str, Any], method: str) -> str:

@@ -80,6 +80,29 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
         assert time_to_target["status"] == "miss"
         assert "no low_rank curve" in time_to_target["detail"]
 
+    # A step_breakdown job run after the lab's NVLink runs, unprofiled on the lab's model, times the engine as it is:
+    # its ratio counts for the methods it timed beside DDP. A profiled one does not.
+    settings = merged["nvlink"]["settings"]
+    for name, profiled, ratio in (("step_breakdown_profiled", 3, 2.0), ("step_breakdown_timed", 0, 0.9)):
+        job = {
+            "date": "2999-01-01T00:00:00+00:00",
+            "engine_src": "src",
+            "rounds": 2,
+            "command": f"python benchmarks/step_breakdown.py --out {name}",
+            "settings": {"profiled": profiled, "sockets": False, "cpu": False}
+            | {key: settings[key] for key in ("batch", "context", "lr")},
+            "methods": {"ddp": {"step_ms": {"median": 50.0}}, "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}},
+        }
+        (out / f"{name}.json").write_text(json.dumps(job))
+    completed = run(str(BENCHMARKS / "suite.py"), "--report-only", "--results", str(out), "--out", str(out))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    by_name = {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
+    low_rank_nvlink = by_name["NVLink: low_rank_r8 step vs DDP"]
+    assert low_rank_nvlink["source"] == "step_breakdown_timed.json"
+    assert low_rank_nvlink["measured"] == pytest.approx(0.9)
+    assert low_rank_nvlink["status"] == "pass"
+    assert by_name["NVLink: gradient_allreduce step vs DDP"]["measured"] == pytest.approx(expected)
+
 
 def test_time_to_accuracy_tiny_curves_with_cpu_hooks(tmp_path: Path) -> None:
     # DDP and DDP + torch's PowerSGD hook on digits, six steps scored every three: two Lightning jobs, no lab.
