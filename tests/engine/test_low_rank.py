@@ -650,6 +650,28 @@ def test_whole_step_zero_and_non_finite_gradients_keep_the_state_finite():
         _low_rank_step.reduce_step(state, [zero.clone()], [slots], None, 1)
 
 
+def test_a_plan_with_graphs_is_dropped_only_once_its_device_is_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new layout, a loaded checkpoint or closing drops the plan; with captured graphs, after its replays ended."""
+    state = lone_state(whole_step=True)
+    slots = [low_rank.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec)]
+    waited: list[torch.device] = []
+    monkeypatch.setattr(low_rank.torch.cuda, "synchronize", waited.append)
+    with gather_is_a_copy():
+        _low_rank_step.reduce_step(state, [torch.randn(64 * 16)], [slots], None, 1)
+    plan = state.step_plan([slots], torch.device("cpu"))
+    state.forget_step_plan()
+    assert waited == []  # nothing was captured: nothing can still be replaying
+    plan = state.step_plan([slots], torch.device("cpu"))
+    assert plan is not state.step_plan([slots[:0]], torch.device("cpu"))  # another layout replaces it
+    assert waited == []
+    plan = state.step_plan([slots], torch.device("cpu"))
+    plan.graphs._graphs = 1  # as if it had captured its halves
+    state.step_plan([slots[:0]], torch.device("cpu"))
+    assert waited == [torch.device("cpu")]
+    state.forget_step_plan()
+    assert state._step_plan is None
+
+
 def test_whole_step_is_refused_with_alternate():
     with pytest.raises(ValueError, match=r"`whole_step=True` does not support `alternate=True`"):
         LowRankAlgorithm(alternate=True, whole_step=True)

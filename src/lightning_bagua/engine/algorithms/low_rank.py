@@ -106,8 +106,6 @@ class LowRankImpl(AlgorithmImpl):
 
         Destroying a NCCL communicator while a graph that captured collectives on it is alive blocks for good.
         """
-        if self.context.device.type == "cuda":
-            torch.cuda.synchronize(self.context.device)  # no replay is still running when its graph goes
         self.state.forget_step_plan()
 
     def telemetry_phase(self) -> dict[str, float]:
@@ -321,11 +319,19 @@ class LowRankState(HookState):
         if self._step_plan is None or key != self._step_plan_key:
             plan = _low_rank_step.StepPlan(layouts, self.rank, self.codec, device)
             plan.bind(self)
+            self.forget_step_plan()
             self._step_plan, self._step_plan_key = plan, key
         return self._step_plan
 
     def forget_step_plan(self) -> None:
-        """Drop the whole-step plan, so that the next step binds a new one to the errors and factors held now."""
+        """Drop the whole-step plan, so that the next step binds a new one to the errors and factors held now.
+
+        A plan whose CUDA graphs were captured waits for its device first: a replay may still be running, and the
+        graphs' memory goes back to the allocator with them.
+        """
+        plan = self._step_plan
+        if plan is not None and plan.graphs.captured:
+            torch.cuda.synchronize(plan.device)
         self._step_plan = self._step_plan_key = None
 
     def factor(self, slot: TensorSlot) -> Tensor:
