@@ -150,6 +150,10 @@ def test_fabric_data_state_checks_what_it_is_given():
 def test_loaders_without_a_torch_batch_sampler_are_not_positioned():
     dataset = list(range(SAMPLES))
     assert positioned_sampler(DataLoader(dataset, batch_size=None)) is None
+    # Fabric's `data_state` asks for a position it cannot resume: refused, naming the loader and the fix.
+    with pytest.raises(ValueError, match=r"do not come from a torch `BatchSampler`.*Give the DataLoader"):
+        DataState.of(DataLoader(dataset, batch_size=None), world_size=1, rank=0)
+    assert DataState.of(DataLoader(dataset, batch_size=BATCH), world_size=1, rank=0).epoch == 0
 
     class Custom(BatchSampler):
         pass

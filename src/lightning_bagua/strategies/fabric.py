@@ -29,22 +29,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bagua._lightning_compat import (
-    SCHEDULER_NOT_PASSED,
-    fabric_load_checkpoint_keywords,
-    fabric_setup_result,
-)
+from lightning_bagua._lightning_compat import SCHEDULER_NOT_PASSED, fabric_load_checkpoint_keywords, fabric_setup_result
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
 from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
 from lightning_bagua.strategies._core import fabric_checkpoint
-from lightning_bagua.strategies._core.arguments import (
-    reduce_over_all_processes,
-    telemetry_metrics,
-)
+from lightning_bagua.strategies._core.arguments import reduce_over_all_processes, telemetry_metrics
 from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
-from lightning_bagua.strategies._core.data_resume import DataState, positioned_sampler
+from lightning_bagua.strategies._core.data_resume import DataState
 from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
 from lightning_bagua.strategies._core.fabric_engines import WrappedEngines, updates
 from lightning_bagua.strategies._core.faults import fail_at_exit, install_failure_hook
@@ -154,14 +147,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         Raises:
             ValueError: the dataloader's batches do not come from a torch ``BatchSampler`` over a map-style dataset.
         """
-        positioned = positioned_sampler(dataloader)
-        if positioned is None:
-            raise ValueError(
-                f"The batches of {dataloader!r} do not come from a torch `BatchSampler` over a map-style dataset (it"
-                " has a custom batch sampler, `batch_size=None` or an `IterableDataset`), so their position cannot be"
-                " resumed. Give the DataLoader a `batch_size` and a dataset with `__getitem__` and `__len__`."
-            )
-        return DataState(positioned, self.world_size, self.global_rank, len(dataloader))
+        return DataState.of(dataloader, self.world_size, self.global_rank)
 
     @override
     def setup_environment(self) -> None:

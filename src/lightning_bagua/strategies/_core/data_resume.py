@@ -311,6 +311,22 @@ class DataState:
         self.batches = 0
         """Batches of the current epoch trained on: set it before saving; after loading, those skipped."""
 
+    @classmethod
+    def of(cls, dataloader: Any, world_size: int, rank: int) -> "DataState":
+        """Position ``dataloader``'s sampler (see :func:`positioned_sampler`) and return the state of its position.
+
+        Raises:
+            ValueError: the dataloader's batches do not come from a torch ``BatchSampler`` over a map-style dataset.
+        """
+        positioned = positioned_sampler(dataloader)
+        if positioned is None:
+            raise ValueError(
+                f"The batches of {dataloader!r} do not come from a torch `BatchSampler` over a map-style dataset (it"
+                " has a custom batch sampler, `batch_size=None` or an `IterableDataset`), so their position cannot be"
+                " resumed. Give the DataLoader a `batch_size` and a dataset with `__getitem__` and `__len__`."
+            )
+        return cls(positioned, world_size, rank, len(dataloader))
+
     @property
     def epoch(self) -> int:
         """The sampler's epoch: after loading, the epoch the next iteration of the dataloader belongs to."""
