@@ -372,8 +372,9 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
     def close(self) -> None:
         """Stop the engine's threads and destroy its communicators; the wrapped module stays usable.
 
-        Call it when training with this wrapper is over (the Lightning strategy does so in ``teardown``).
-        Calling it twice does nothing.
+        Call it when training with this wrapper is over (the Lightning strategy does so in ``teardown``), and before
+        ``dist.destroy_process_group()``: a CUDA graph that captured NCCL collectives, which this drops, keeps its
+        communicator from being destroyed. Calling it twice does nothing.
         """
         if self._bagua_closed:
             return
