@@ -74,9 +74,11 @@ class OrderedExecutor:
         if not self.runs_inline:
             yield
             return
-        stream = self._side_stream()
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
+        if self._stream is None:
+            # High priority: a job's kernels gate its collectives, and the last bucket's gate the step.
+            self._stream = torch.cuda.Stream(self._device, priority=-1)
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
             yield
 
     def submit(self, job: Callable[[], Tensor], last: bool = False) -> torch.futures.Future:
@@ -165,24 +167,16 @@ class OrderedExecutor:
         while self._in_flight and self._in_flight[0][0].query():
             self._in_flight.popleft()
         submitting = torch.cuda.current_stream(self._device)
-        stream = self._side_stream()
-        stream.wait_stream(submitting)
         future: torch.futures.Future = torch.futures.Future(devices=[self._device])
-        with torch.cuda.stream(stream):
+        with self.side_stream():
             result = job()
             # A result made on the side stream may be read, and freed, on the waiter's stream.
             result.record_stream(submitting)
             done = torch.cuda.Event()
-            done.record(stream)
+            done.record()
             future.set_result(result)
         self._in_flight.append((done, job))
         return future
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            # High priority: a job's kernels gate its collectives, and the last bucket's gate the step.
-            self._stream = torch.cuda.Stream(self._device, priority=-1)
-        return self._stream
 
     def _ensure_worker(self) -> None:
         with self._lock:

@@ -119,7 +119,7 @@ def bytegrad_hook(state: ByteGradState, bucket: dist.GradBucket) -> torch.future
     """
     buffer = bucket.buffer()
     # Looked up at call time, so that a test can observe every bucket's input and output.
-    if state.groups.is_hierarchical:
+    if not state.exchanges_flat:
         return state.executor.submit(lambda: reduce_bucket(state, buffer), last=bucket.is_last())
     # Flat, a bucket's job is the same kernels and collectives on one communicator at every step: on CUDA it is
     # replayed as one graph.
