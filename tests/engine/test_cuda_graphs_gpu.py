@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_bagua.engine import BaguaDistributedDataParallel
+from lightning_bagua.engine import BaguaDistributedDataParallel, LowRankAlgorithm
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm
 from lightning_bagua.engine.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer
 from lightning_bagua.engine.communication import CommunicationCounter
@@ -147,9 +147,24 @@ def test_qadam_momenta_exchanged_from_cuda_graphs_match_the_eager_run_bit_for_bi
 PEER_TIMEOUT_S = 10
 
 
-def lose_the_peer_once_graphed(rank: int, world_size: int) -> dict:
+def wrap_to_lose_a_peer(algorithm: str, rank: int) -> tuple[BaguaDistributedDataParallel, Optimizer, Callable[[], int]]:
+    """``algorithm`` on GPU ``rank`` with a short collective timeout, and a count of the graphs it has captured."""
+    timeout = timedelta(seconds=PEER_TIMEOUT_S)
+    if algorithm == "bytegrad":
+        ddp, _, optimizer = wrap_flat_bytegrad(rank, timeout=timeout)
+        return ddp, optimizer, lambda: ddp._bagua_executor.graphs.captured
+    model = make_model().to(torch.device("cuda", rank))
+    optimizer = make_optimizer(model)
+    low_rank = LowRankAlgorithm(rank=2, warmup_steps=0, hierarchical=False, whole_step=True)
+    ddp = BaguaDistributedDataParallel(
+        model, [optimizer], low_rank, device_ids=[rank], bucket_cap_mb=0.004, timeout=timeout
+    )
+    return ddp, optimizer, lambda: ddp._bagua_impl.state._step_plan.graphs.captured
+
+
+def lose_the_peer_once_graphed(rank: int, world_size: int, algorithm: str) -> dict:
     device = torch.device("cuda", rank)
-    ddp, _, optimizer = wrap_flat_bytegrad(rank, timeout=timedelta(seconds=PEER_TIMEOUT_S))
+    ddp, optimizer, captured = wrap_to_lose_a_peer(algorithm, rank)
 
     def step(index: int) -> None:
         inputs, targets = (t.to(device) for t in batch_for(rank, index))
@@ -160,21 +175,25 @@ def lose_the_peer_once_graphed(rank: int, world_size: int) -> dict:
 
     for index in range(4):
         step(index)
-    assert ddp._bagua_executor.graphs.captured > 0
+    assert captured() > 0
     if rank == 1:
         time.sleep(240)  # gone, as far as rank 0 can tell; the test kills it
         return {}
-    step(4)  # the replays wait for rank 1 for good: the eager last bucket must end this
+    step(4)  # the replays wait for rank 1 for good: the eager collective between or after them must end this
     return {"finished": True}
 
 
-def test_a_peer_lost_during_graph_replays_ends_the_job_within_the_timeout():
-    """Replayed collectives escape NCCL's watchdog; the eager last bucket lets it end the job instead of a hang."""
+# bytegrad: the step's last bucket stays eager; low_rank: the second all-gather, between the step's two graphs.
+@pytest.mark.parametrize("algorithm", ["bytegrad", "low_rank"])
+def test_a_peer_lost_during_graph_replays_ends_the_job_within_the_timeout(algorithm):
+    """Replayed collectives escape NCCL's watchdog; an eager collective in every step lets it end the job."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_child, args=(lose_the_peer_once_graphed, rank, 2, port, "nccl", {}, (), results))
+        context.Process(
+            target=_child, args=(lose_the_peer_once_graphed, rank, 2, port, "nccl", {}, (algorithm,), results)
+        )
         for rank in range(2)
     ]
     for process in processes:
