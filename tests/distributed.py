@@ -21,10 +21,30 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Ports are taken below Linux's ephemeral range (32768-60999), where the kernel hands out the ports that NCCL's and
+# Gloo's own sockets bind: a port the OS just picked as free could be taken by them before the store listens on it.
+# Processes that run tests side by side (``tests/run_gpu_tests.py``'s shards) each get a block of their own through
+# ``BAGUA_TEST_PORT_BLOCK``; one process walks its block, so it never hands out a port twice.
+PORT_BLOCK_SIZE = 2000
+PORTS_FROM = 12000
+_next_port = [PORTS_FROM + PORT_BLOCK_SIZE * int(os.environ.get("BAGUA_TEST_PORT_BLOCK", "0")) + os.getpid() % 500]
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port no other socket of this machine has bound, from this process's block (see above)."""
+    block_start = PORTS_FROM + PORT_BLOCK_SIZE * int(os.environ.get("BAGUA_TEST_PORT_BLOCK", "0"))
+    for _ in range(PORT_BLOCK_SIZE):
+        port = _next_port[0]
+        _next_port[0] = block_start + (port + 1 - block_start) % PORT_BLOCK_SIZE
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(
+        f"No free port in {block_start}-{block_start + PORT_BLOCK_SIZE - 1}: is an earlier test hanging?"
+    )
 
 
 def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> None:

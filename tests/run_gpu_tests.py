@@ -14,6 +14,7 @@ Usage (on a machine with two GPUs, the project installed)::
 """
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -54,11 +55,24 @@ def main() -> int:
     start = time.monotonic()
     hands = deal(gpu_test_ids(), args.shards)
     running = []
+    env = dict(os.environ)
     for index, hand in enumerate(hands):
         command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "--durations=5", *args.pytest_args, *hand]
         log = (logs / f"shard{index}.log").open("w")
         running.append(
-            (index, len(hand), subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log)
+            # A block of ports for each shard: two shards picking the same free port at once would collide.
+            (
+                index,
+                len(hand),
+                subprocess.Popen(
+                    command,
+                    cwd=ROOT,
+                    env=env | {"BAGUA_TEST_PORT_BLOCK": str(index)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log,
+            )
         )
     failed = []
     for index, count, process, log in running:
