@@ -2,7 +2,12 @@
 
 The model is a GPT-style byte-level decoder (16 layers, width 768, 12 heads, 512-token context: 114M parameters)
 trained in bf16 autocast with AdamW (QAdam for ``qadam``) on the Python standard library's source, the text every
-machine has offline (as the CPU lab's ``charlm`` task). Each GPU takes 16 sequences of 512 tokens a step.
+machine has offline (as the CPU lab's ``charlm`` task). Each GPU takes 16 sequences of 512 tokens a step. The
+learning rate follows the usual GPT schedule (``--schedule cosine``): a linear warm-up over ``--lr-warmup`` steps,
+then a cosine decay to a tenth of ``--lr`` at ``--train-steps``. Without the warm-up, runs of this model at this
+rate stall on a plateau near step 75 or not, seed by seed and method by method: the lab files of 2026-11-27 and
+earlier (``--schedule constant``) show it, DDP's and ``gradient_allreduce``'s final losses 4% apart where the math
+is the same, which hid any 1% difference between methods.
 
 Two regimes, one ``torchrun`` job each, every method trained in that one job (one process group, no Lightning
 start-up per method: the engine is used from plain PyTorch, as the strategy uses it):
@@ -55,6 +60,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -85,6 +91,7 @@ FULL_PRECISION = ("gradient_allreduce", "decentralized")
 WARMUP_STEPS = 12  # untimed, unshaped: low_rank's 10 full-precision steps, PowerSGD's 10, qadam's warm-up
 TIMED_STEPS = {"fast": 8, "slow": 3}  # per rate; "slow" at rates under 5 Gbit/s
 EVAL_BATCHES = 8  # held-out batches per evaluation
+LR_FLOOR = 0.1  # the cosine schedule's last learning rate, as a fraction of the peak
 
 
 # ------------------------------------------------------------------------------------------------ data and model
@@ -160,6 +167,7 @@ class Wrapped:
             )
         else:
             self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=args.lr, weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(args))
         self.bagua: Any = None
         device_ids = [device.index] if device.type == "cuda" else None
         if method in PEERS:
@@ -193,11 +201,31 @@ class Wrapped:
         self.optimizer.zero_grad(set_to_none=True)
         loss_of(self.model, tokens, device).backward()
         self.optimizer.step()
+        self.scheduler.step()
 
     def close(self) -> None:
         if self.bagua is not None:
             self.bagua.bagua_algorithm_impl.stop()
             self.bagua.close()
+
+
+def lr_factor(args: argparse.Namespace) -> Callable[[int], float]:
+    """The learning rate at each step, as a fraction of ``args.lr``: ``--schedule``'s warm-up and cosine decay.
+
+    ``step_breakdown.py`` builds the lab's methods to time their steps only, with no schedule of its own: constant.
+    """
+    schedule, warmup = getattr(args, "schedule", "constant"), getattr(args, "lr_warmup", 0)
+    total = max(getattr(args, "train_steps", 1), warmup + 1)
+
+    def factor(step: int) -> float:
+        if schedule == "constant":
+            return 1.0
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
 
 
 # What the rows of files written before the rows recorded their keywords ran, where it differs from algorithm_of.
@@ -375,9 +403,19 @@ def worker(args: argparse.Namespace) -> None:
                 steps = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row["step_s"].items())
                 took = time.perf_counter() - started
                 print(f"round {round_index} {method:>28}: {steps} ({took:.0f} s)", flush=True)
-        if rank == 0:
-            write_regime(out, args, rows, round_index + 1)
+                # After every method: a job cut short (a device call's time limit) keeps what it measured.
+                write_regime(out, args, rows, round_index + 1)
     dist.destroy_process_group()
+
+
+def schedule_of(settings: dict[str, Any]) -> str:
+    """The learning-rate schedule an NVLink run trained with, in words (runs before ``--schedule``: constant)."""
+    if settings.get("schedule", "constant") == "constant":
+        return f"{settings['lr']:g}, constant"
+    return (
+        f"{settings['lr']:g} after a linear warm-up of {settings['lr_warmup']} steps, then a cosine decay to"
+        f" {LR_FLOOR:g} of it at step {settings['train_steps']}"
+    )
 
 
 def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], rounds: int) -> None:
@@ -460,7 +498,17 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
 
 
 # What must agree between NVLink runs for their rounds and curves to pool (the seed may differ).
-POOLED_SETTINGS = ("batch", "context", "lr", "train_steps", "eval_every", "timing_steps", "cpu")
+POOLED_SETTINGS = (
+    "batch",
+    "context",
+    "lr",
+    "schedule",
+    "lr_warmup",
+    "train_steps",
+    "eval_every",
+    "timing_steps",
+    "cpu",
+)
 
 
 def pool_nvlink_run(main: dict[str, Any], extra: dict[str, Any], stem: str) -> None:
@@ -619,6 +667,7 @@ def report(results_dir: Path, cpu: bool) -> str:
             "under it, times the method's median step at each link, in seconds; and each method's final validation",
             f"loss against DDP's ({final_ddp:.4f}) at the same steps and seed. `async` averages beside the steps at",
             "the link's pace, so its NVLink curve says nothing of a shaped link (n/a).",
+            f"Learning rate: {schedule_of(loaded['nvlink']['settings'])}.",
             "",
             *_markdown(*time_to_target_table(loaded)),
         ]
@@ -676,7 +725,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rates", nargs="+", type=float, default=[25.0, 10.0, 1.0], help="Gbit/s, fastest first")
     parser.add_argument("--batch", type=int, default=16, help="sequences per GPU per step")
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=3e-4, help="the peak learning rate")
+    parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
+    parser.add_argument("--lr-warmup", type=int, default=30, help="cosine: steps of linear warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=300, help="nvlink: steps each method trains")
     parser.add_argument("--eval-every", type=int, default=25)

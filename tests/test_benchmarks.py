@@ -1,5 +1,6 @@
 """The benchmark suite's own plumbing: tiny convergence, time-to-accuracy and lab runs, and the targets check."""
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -311,11 +312,31 @@ def test_gpu_network_lab_pools_further_nvlink_runs_and_refuses_unlike_ones(tmp_p
     (tmp_path / "gpu_network_lab_nvlink_seed1.json").write_text(json.dumps(faster))
     with pytest.raises(SystemExit, match="settings differ in lr"):
         lab.load_results(tmp_path)
+    # A run of the constant rate (the files before ``--schedule`` recorded none) does not pool with a cosine one.
+    cosine = {**second, "settings": {**second["settings"], "schedule": "cosine", "lr_warmup": 4}}
+    (tmp_path / "gpu_network_lab_nvlink_seed1.json").write_text(json.dumps(cosine))
+    with pytest.raises(SystemExit, match="settings differ in schedule"):
+        lab.load_results(tmp_path)
     other = lab_run(1, {"bytegrad": [0.05]}, {"bytegrad": 2.6})
     other["methods"]["bytegrad"]["rounds"][0]["algorithm_keywords"] = {"hierarchical": True}
     (tmp_path / "gpu_network_lab_nvlink_seed1.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="pool only runs of the same keywords"):
         lab.load_results(tmp_path)
+
+
+def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floor() -> None:
+    lab = benchmark_module("gpu_network_lab")
+    args = argparse.Namespace(schedule="cosine", lr_warmup=10, train_steps=110)
+    factor = lab.lr_factor(args)
+    assert [factor(step) for step in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert factor(10) == pytest.approx(1.0)
+    assert factor(60) == pytest.approx(lab.LR_FLOOR + (1 - lab.LR_FLOOR) / 2)
+    assert factor(110) == pytest.approx(lab.LR_FLOOR)
+    assert factor(500) == pytest.approx(lab.LR_FLOOR)  # timing rounds may step past the schedule
+    # step_breakdown.py's arguments name no schedule: its steps run at the peak rate.
+    assert lab.lr_factor(argparse.Namespace(lr=3e-4))(0) == 1.0
+    described = lab.schedule_of({"lr": 3e-4, "schedule": "cosine", "lr_warmup": 30, "train_steps": 300})
+    assert described == "0.0003 after a linear warm-up of 30 steps, then a cosine decay to 0.1 of it at step 300"
 
 
 def test_step_breakdown_runs_variants_and_reads_its_traces_back(tmp_path: Path) -> None:
