@@ -84,6 +84,8 @@ OURS = (
     "async",
     "low_rank_r4",
     "low_rank_r8",
+    "low_rank_r16",
+    "low_rank_r32",
 )
 METHODS = PEERS + OURS
 # Methods whose step waits on every gradient at full precision, as DDP's: not run at the slowest rate (seconds a step).
@@ -395,7 +397,8 @@ def worker(args: argparse.Namespace) -> None:
     out = Path(args.results_dir) / f"{stem}.json"
     rows: dict[str, list[dict[str, Any]]] = {}
     for round_index in range(args.rounds):
-        for method in rotated(methods, round_index):
+        # Rotated by the seed too: runs of one round each (one per seed) then pool in interleaved orders.
+        for method in rotated(methods, round_index + args.seed):
             started = time.perf_counter()
             row = run_method(method, args, batches, device, first_round=round_index == 0)
             rows.setdefault(method, []).append(row)

@@ -132,6 +132,9 @@ def _target(
             "measured": figure, "status": status, "detail": detail, **extra}  # fmt: skip
 
 
+LOW_RANKS = (4, 8, 16, 32)  # the lab's low_rank_rK methods
+
+
 def gpu_targets(results: Path) -> list[dict[str, Any]]:
     """The two-GPU targets, from the GPU network lab (``gpu_network_lab_*.json``, merged as its report merges them).
 
@@ -199,7 +202,7 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
             found.append(_target(target, "gpu_network_lab_sockets.json", "< 1x", ours / theirs, ours < theirs,
                                  f"{ours:.0f} vs {theirs:.0f}", command=command))  # fmt: skip
     nvlink = loaded.get("nvlink", {}).get("methods", {})
-    for rank in (4, 8):
+    for rank in LOW_RANKS:
         method = f"low_rank_r{rank}"
         target = f"Final validation loss: {method} vs DDP (same steps and seeds)"
         curve = nvlink.get(method, {}).get("curve")
