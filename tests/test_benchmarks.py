@@ -339,6 +339,46 @@ def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floo
     assert described == "0.0003 after a linear warm-up of 30 steps, then a cosine decay to 0.1 of it at step 300"
 
 
+def test_suite_times_only_low_rank_ranks_that_keep_ddps_final_loss() -> None:
+    benchmark_module("gpu_network_lab")  # puts benchmarks/ on the path, as the suite's own run does
+    suite = benchmark_module("suite")
+
+    def curve(*losses: float) -> list[dict[str, float]]:
+        return [{"step": 10 * (i + 1), "val_loss": loss} for i, loss in enumerate(losses)]
+
+    nvlink = {
+        "ddp": {"curve": curve(3.0, 2.5, 2.0), "step_s": {"nvlink": {"median": 0.05}}},
+        "ddp_powersgd_r8": {"curve": curve(3.0, 2.5, 2.1), "step_s": {}},
+        "low_rank_r8": {"curve": curve(3.0, 2.4, 2.1), "step_s": {}},  # fastest, but 5% above DDP's final loss
+        "low_rank_r32": {"curve": curve(3.0, 2.5, 2.01), "step_s": {}},
+    }
+    sockets = {
+        "ddp": {"step_s": {"10gbit": {"median": 1.0}}},
+        "ddp_powersgd_r8": {"step_s": {"10gbit": {"median": 0.2}}},
+        "low_rank_r8": {"step_s": {"10gbit": {"median": 0.05}}},
+    }
+    loaded = {"nvlink": {"methods": nvlink}, "sockets": {"methods": sockets}}
+    found: list[dict[str, Any]] = []
+    suite._final_loss_and_time_targets(loaded, nvlink, found, "cmd")
+    by_rate = {t["target"].split(":")[0]: t for t in found}
+    # low_rank_r32 keeps the loss but was never timed at 10 Gbit/s; low_rank_r8's lead does not count.
+    assert by_rate["10gbit"]["status"] == "not run"
+    assert "low_rank_r32" in by_rate["10gbit"]["detail"]
+
+    sockets["low_rank_r32"] = {"step_s": {"10gbit": {"median": 0.1}}}
+    found.clear()
+    suite._final_loss_and_time_targets(loaded, nvlink, found, "cmd")
+    target = next(t for t in found if t["target"].startswith("10gbit"))
+    # r32 reaches the target (2.5) at step 20 at 0.1 s a step, PowerSGD at step 20 at 0.2 s.
+    assert target["status"] == "pass"
+    assert target["measured"] == pytest.approx(0.5)
+
+    nvlink["low_rank_r32"]["curve"] = curve(3.0, 2.5, 2.05)
+    found.clear()
+    suite._final_loss_and_time_targets(loaded, nvlink, found, "cmd")
+    assert {t["status"] for t in found} == {"miss"}
+
+
 def test_step_breakdown_runs_variants_and_reads_its_traces_back(tmp_path: Path) -> None:
     # Two Gloo processes, a tiny model: a bucket-size variant and a bucket-wise low_rank, traced, then analysed.
     out = tmp_path / "results"
