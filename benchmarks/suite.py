@@ -84,6 +84,25 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
     rounds = ["--rounds", "1" if quick else "3"]
     return [
         ("gpu_network_lab_nvlink", ["gpu_network_lab.py", "--regime", "nvlink", *rounds], reason),
+        # Two more seeds, one round each, pooled with the first by the report: the final losses' spread over seeds.
+        *(
+            (
+                f"gpu_network_lab_nvlink_seed{seed}",
+                [
+                    "gpu_network_lab.py",
+                    "--regime",
+                    "nvlink",
+                    "--rounds",
+                    "1",
+                    "--seed",
+                    str(seed),
+                    "--out",
+                    f"gpu_network_lab_nvlink_seed{seed}",
+                ],
+                reason,
+            )
+            for seed in ((1, 2) if not quick else ())
+        ),
         ("gpu_network_lab_sockets", ["gpu_network_lab.py", "--regime", "sockets", *rounds], reason),
         ("gpu_network_lab_report", ["gpu_network_lab.py", "--report"], reason),
         ("codec_throughput", ["codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
