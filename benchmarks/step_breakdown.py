@@ -12,6 +12,13 @@ processes. For every method, in rounds whose order rotates:
   kernels of the longest summed duration. ``--profiled 0`` profiles nothing: a profiled method may leave the methods
   after it slower, so timings meant for comparison run without.
 
+``--interleave steps`` builds every method at once and takes their steps in turn (each step index runs every method
+once, the order rotated from index to index), instead of one method after the other: a host-bound step follows the
+CPU's pace, which drifts over a job, and timed one after the other, methods meet different stretches of it. Each
+round then has ``--steps`` steps of every method. It needs the memory of every method's model and state together
+(a few GB each for the lab's model), and cannot time ``async``, whose averaging thread would send while the others
+are timed.
+
 A method name may carry ``@<MiB>`` to build its wrapper with that bucket size (``ddp@10``,
 ``gradient_allreduce@25``), ``low_rank_rK`` may end in ``_bucketwise`` (``whole_step=False``), and ``bytegrad``,
 ``qadam`` and ``low_rank_rK`` in ``_onenode``: their own default ``hierarchical=True``, which on one node leaves only
@@ -130,33 +137,94 @@ def profile_steps(
     }
 
 
-def run_method(
-    method: str, args: argparse.Namespace, batches: Batches, device: torch.device, trace: Path | None = None
-) -> dict[str, Any]:
+def build(method: str, args: argparse.Namespace, device: torch.device) -> Wrapped:
+    """``method``'s model, optimizer and wrapper, its variant's bucket size, keywords and environment applied."""
     name, bucket_cap_mb, keywords, environment = split_variant(method)
     with mock.patch.dict(os.environ, environment):
-        wrapped = Wrapped(name, args, device, bucket_cap_mb=bucket_cap_mb, keywords=keywords)
-    walls, hosts = [], []
-    for step in range(WARMUP_STEPS + args.steps):
-        tokens = batches.for_step(args.seed, step)
-        synchronize(device)
-        start = time.perf_counter()
-        wrapped.step(tokens, device)
-        returned = time.perf_counter()
-        synchronize(device)
-        if step >= WARMUP_STEPS:
-            walls.append(time.perf_counter() - start)
-            hosts.append(returned - start)
-    row = {"step_ms": statistics.median(walls) * 1e3, "host_ms": statistics.median(hosts) * 1e3}
-    if args.profiled:
-        row.update(profile_steps(wrapped, batches, args, WARMUP_STEPS + args.steps, device, trace))
-    else:
-        row.update({"kernel_ms": math.nan, "nccl_ms": math.nan, "launches": math.nan, "top_kernels_ms": {}})
+        return Wrapped(name, args, device, bucket_cap_mb=bucket_cap_mb, keywords=keywords)
+
+
+def timed_step(wrapped: Wrapped, tokens: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """One step between two device synchronisations: its wall time and the time until the call returned (s)."""
+    synchronize(device)
+    start = time.perf_counter()
+    wrapped.step(tokens, device)
+    returned = time.perf_counter()
+    synchronize(device)
+    return time.perf_counter() - start, returned - start
+
+
+def row_of(walls: list[float], hosts: list[float]) -> dict[str, Any]:
+    """A round's row from its timed steps, with no profile (``profile_steps`` fills those keys in)."""
+    return {
+        "step_ms": statistics.median(walls) * 1e3,
+        "host_ms": statistics.median(hosts) * 1e3,
+        "kernel_ms": math.nan,
+        "nccl_ms": math.nan,
+        "launches": math.nan,
+        "top_kernels_ms": {},
+    }
+
+
+def release(wrapped: Wrapped, device: torch.device) -> None:
     wrapped.close()
     del wrapped
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def run_method(
+    method: str, args: argparse.Namespace, batches: Batches, device: torch.device, trace: Path | None = None
+) -> dict[str, Any]:
+    wrapped = build(method, args, device)
+    walls, hosts = [], []
+    for step in range(WARMUP_STEPS + args.steps):
+        wall, host = timed_step(wrapped, batches.for_step(args.seed, step), device)
+        if step >= WARMUP_STEPS:
+            walls.append(wall)
+            hosts.append(host)
+    row = row_of(walls, hosts)
+    if args.profiled:
+        row.update(profile_steps(wrapped, batches, args, WARMUP_STEPS + args.steps, device, trace))
+    release(wrapped, device)
     return row
+
+
+def run_interleaved(
+    args: argparse.Namespace, batches: Batches, device: torch.device, rank: int
+) -> dict[str, list[dict[str, Any]]]:
+    """``--interleave steps``: every method built at once, their steps taken in turn; one row per method and round.
+
+    Each timed step index runs every method once, in an order rotated from index to index, so that a slow stretch
+    of the machine (a host-bound step follows the CPU's pace) falls on every method alike instead of on the methods
+    timed during it. The warm-up steps run in turn too. Profiles, when asked for, follow the last round.
+    """
+    wrappers = {method: build(method, args, device) for method in args.methods}
+    for step in range(WARMUP_STEPS):
+        for method in rotated(args.methods, step):
+            wrappers[method].step(batches.for_step(args.seed, step), device)
+    synchronize(device)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    step = WARMUP_STEPS
+    for round_index in range(args.rounds):
+        times: dict[str, tuple[list[float], list[float]]] = {method: ([], []) for method in args.methods}
+        for _ in range(args.steps):
+            for method in rotated(args.methods, step):
+                wall, host = timed_step(wrappers[method], batches.for_step(args.seed, step), device)
+                times[method][0].append(wall)
+                times[method][1].append(host)
+            step += 1
+        for method, (walls, hosts) in times.items():
+            rows.setdefault(method, []).append(row_of(walls, hosts))
+        if rank == 0:
+            steps = ", ".join(f"{method} {rows[method][-1]['step_ms']:.1f}" for method in args.methods)
+            print(f"round {round_index} (ms): {steps}", flush=True)
+            write(args, rows, round_index + 1)
+    for method in args.methods:
+        if args.profiled:
+            rows[method][-1].update(profile_steps(wrappers[method], batches, args, step, device))
+        release(wrappers.pop(method), device)
+    return rows
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -165,6 +233,12 @@ def worker(args: argparse.Namespace) -> None:
     device, rank = join_job(args.cpu)
     text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
     batches = Batches(text, rank, 4 if args.cpu else args.batch, args.context, device)
+    if args.interleave == "steps":
+        rows = run_interleaved(args, batches, device, rank)
+        if rank == 0:
+            write(args, rows, args.rounds)
+        dist.destroy_process_group()
+        return
     rows: dict[str, list[dict[str, Any]]] = {}
     for round_index in range(args.rounds):
         for method in rotated(args.methods, round_index):
@@ -189,7 +263,8 @@ def write(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], round
     for method, method_rows in rows.items():
         entry: dict[str, Any] = {}
         for key in ("step_ms", "host_ms", "kernel_ms", "nccl_ms", "launches"):
-            values = [row[key] for row in method_rows]
+            # Over the rounds that have the figure (``--interleave steps`` profiles after its last round only).
+            values = [row[key] for row in method_rows if not math.isnan(row[key])] or [math.nan]
             entry[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
         entry["top_kernels_ms"] = method_rows[-1]["top_kernels_ms"]
         summary[method] = entry
@@ -198,6 +273,7 @@ def write(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], round
     command += f" --steps {args.steps}" if args.steps != 20 else ""
     command += f" --profiled {args.profiled}" if args.profiled != 3 else ""
     command += " --sockets" if args.sockets else ""
+    command += " --interleave steps" if args.interleave == "steps" else ""
     command += f" --src {args.src}" if args.src else ""
     command += f" --out {args.out}" if args.out else ""
     report = {
@@ -229,18 +305,26 @@ def markdown(report: dict[str, Any]) -> str:
     for method, entry in methods.items():
         step = entry["step_ms"]
         ratio = f" ({step['median'] / base:.2f}x)" if base else ""
+        profiled = [_figure(entry[key]["median"], digits) for key, digits in (("kernel_ms", 1), ("nccl_ms", 1),
+                                                                               ("launches", 0))]  # fmt: skip
         lines.append(
             f"| {method} | {step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]"
-            f" | {entry['host_ms']['median']:.1f} | {entry['kernel_ms']['median']:.1f}"
-            f" | {entry['nccl_ms']['median']:.1f} | {entry['launches']['median']:.0f} |"
+            f" | {entry['host_ms']['median']:.1f} | {' | '.join(profiled)} |"
         )
     if report.get("caveat"):
         lines += ["", report["caveat"]]
+    if not any(entry["top_kernels_ms"] for entry in methods.values()):
+        return "\n".join([*lines, "", "No kernel figures: not profiled (`--profiled 0`), or no CUDA device."]) + "\n"
     lines += ["", "The longest kernels per step (ms), last round:", ""]
     for method, entry in methods.items():
         kernels = "; ".join(f"`{name}` {ms:.2f}" for name, ms in entry["top_kernels_ms"].items())
         lines.append(f"- {method}: {kernels}")
     return "\n".join(lines) + "\n"
+
+
+def _figure(value: float, digits: int) -> str:
+    """A table cell: ``value`` to ``digits`` places, or "-" where nothing was profiled (NaN)."""
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
 def analyze_trace(path: Path, steps: int) -> dict[str, float]:
@@ -313,6 +397,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method and round")
     parser.add_argument("--profiled", type=int, default=3, help="profiled steps per method and round")
     parser.add_argument("--sockets", action="store_true", help="NCCL over TCP on lo (unshaped)")
+    parser.add_argument(
+        "--interleave",
+        choices=["methods", "steps"],
+        default="methods",
+        help="methods: one method at a time, rounds rotated; steps: every method built at once, steps in turn",
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-4)
@@ -327,6 +417,12 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     for method in args.methods:
         split_variant(method)
+    if args.interleave == "steps" and any(split_variant(method)[0] == "async" for method in args.methods):
+        # async averages on a thread of its own between the steps: built beside the others, it would send while they
+        # are timed.
+        parser.error("--interleave steps cannot time async: time it with --interleave methods (the default)")
+    if args.interleave == "steps" and args.trace:
+        parser.error("--trace writes the traces of round 0, one method at a time: use --interleave methods")
     return args
 
 

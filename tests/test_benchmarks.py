@@ -415,6 +415,28 @@ def test_step_breakdown_runs_variants_and_reads_its_traces_back(tmp_path: Path) 
     assert "Unknown method 'nonesuch@10'" in bad.stderr
 
 
+def test_step_breakdown_interleaves_steps_of_methods_built_together(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    methods = ["--methods", "ddp", "qadam", "--rounds", "2", "--steps", "2", "--profiled", "1", "--out", "s"]
+    completed = run(str(BENCHMARKS / "step_breakdown.py"), *methods, "--interleave", "steps", "--cpu",
+                    "--results-dir", str(out))  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "s.json").read_text())
+    assert report["command"].endswith("--profiled 1 --interleave steps --out s")
+    assert report["rounds"] == 2
+    for method in ("ddp", "qadam"):
+        assert report["methods"][method]["step_ms"]["median"] > 0
+        # Profiled once, after the last round: the figure is that round's, not NaN mixed into a median.
+        assert report["methods"][method]["launches"]["median"] == 0
+    # Each round printed every method's step, both methods built before the first.
+    rounds = [line for line in completed.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2
+    assert all("ddp" in line and "qadam" in line for line in rounds)
+    refused = run(str(BENCHMARKS / "step_breakdown.py"), "--methods", "ddp", "async", "--interleave", "steps", "--cpu")
+    assert refused.returncode != 0
+    assert "--interleave steps cannot time async" in refused.stderr
+
+
 def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path) -> None:
     # One algorithm on two processes, one kill inside a training step: the undisturbed job, then the killed job,
     # which torchrun restarts and which resumes from last.ckpt to the undisturbed weights, bit for bit.
