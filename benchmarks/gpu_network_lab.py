@@ -645,7 +645,11 @@ def report(results_dir: Path, cpu: bool) -> str:
     loaded = load_results(results_dir, cpu)
     commands = " and ".join(f"`{data['command']}`" for data in loaded.values())
     machines = ", ".join(
-        f"{name}: {data['machine']['device']}, {data['rounds']} rounds" for name, data in loaded.items()
+        # Pooled runs may time some methods only: the most rounds any method's figures pool.
+        f"{name}: {data['machine']['device']}, up to"
+        f" {max((len(entry.get('rounds', [])) for entry in data['methods'].values()), default=data['rounds'])}"
+        " rounds a method"
+        for name, data in loaded.items()
     )
     lines = [
         f"Written by `python benchmarks/gpu_network_lab.py --report` from the runs of {commands} ({machines}).",
