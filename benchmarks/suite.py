@@ -250,11 +250,7 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
         if not ours or not others:
             found.append(_target(target, "gpu_network_lab_nvlink.json", "<= 1x", None, None, "no curves or steps"))
             continue
-        best, rival = min(ours, key=ours.__getitem__), min(others, key=others.__getitem__)
-        ratio = ours[best] / others[rival]
-        detail = f"{best} {ours[best]:.1f} s vs {rival} {others[rival]:.1f} s (steps to target x median step)"
-        found.append(_target(target, "gpu_network_lab_nvlink.json", "<= 1x", ratio, ratio <= 1, detail,
-                             command=command))  # fmt: skip
+        found.append(_fastest_to_target(target, ours, others, command))
     return found
 
 
@@ -295,11 +291,15 @@ def _final_loss_and_time_targets(
             )
             found.append(_target(target, "gpu_network_lab_sockets.json", "<= 1x", None, None, detail))
             continue
-        best, rival = min(ours, key=ours.__getitem__), min(others, key=others.__getitem__)
-        ratio = ours[best] / others[rival]
-        detail = f"{best} {ours[best]:.1f} s vs {rival} {others[rival]:.1f} s (steps to target x median step)"
-        found.append(_target(target, "gpu_network_lab_nvlink.json", "<= 1x", ratio, ratio <= 1, detail,
-                             command=command))  # fmt: skip
+        found.append(_fastest_to_target(target, ours, others, command))
+
+
+def _fastest_to_target(target: str, ours: dict[str, float], others: dict[str, float], command: str) -> dict[str, Any]:
+    """The target comparing the fastest of ``ours`` to the target loss with the fastest of ``others`` (seconds)."""
+    best, rival = min(ours, key=ours.__getitem__), min(others, key=others.__getitem__)
+    ratio = ours[best] / others[rival]
+    detail = f"{best} {ours[best]:.1f} s vs {rival} {others[rival]:.1f} s (steps to target x median step)"
+    return _target(target, "gpu_network_lab_nvlink.json", "<= 1x", ratio, ratio <= 1, detail, command=command)
 
 
 def newer_nvlink_jobs(results: Path, lab: dict[str, Any] | None) -> list[dict[str, Any]]:
