@@ -440,7 +440,9 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
         "command": f"python benchmarks/gpu_network_lab.py --regime {args.regime} --rounds {args.rounds}"
         + (f" --methods {' '.join(args.methods)}" if args.methods else "")
         + (f" --rates {' '.join(f'{r:g}' for r in args.rates)}" if args.regime == "sockets" else "")
-        + (f" --seed {args.seed}" if args.seed else ""),
+        + (f" --seed {args.seed}" if args.seed else "")
+        + (f" --schedule {args.schedule}" if args.schedule != "cosine" else "")
+        + (f" --lr-warmup {args.lr_warmup}" if args.schedule == "cosine" and args.lr_warmup != 30 else ""),
         "settings": {
             k: v
             for k, v in vars(args).items()
