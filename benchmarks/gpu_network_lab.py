@@ -94,6 +94,7 @@ WARMUP_STEPS = 12  # untimed, unshaped: low_rank's 10 full-precision steps, Powe
 TIMED_STEPS = {"fast": 8, "slow": 3}  # per rate; "slow" at rates under 5 Gbit/s
 EVAL_BATCHES = 8  # held-out batches per evaluation
 LR_FLOOR = 0.1  # the cosine schedule's last learning rate, as a fraction of the peak
+LR_WARMUP = 30  # the cosine schedule's steps of linear warm-up, by default
 
 
 # ------------------------------------------------------------------------------------------------ data and model
@@ -442,7 +443,7 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
         + (f" --rates {' '.join(f'{r:g}' for r in args.rates)}" if args.regime == "sockets" else "")
         + (f" --seed {args.seed}" if args.seed else "")
         + (f" --schedule {args.schedule}" if args.schedule != "cosine" else "")
-        + (f" --lr-warmup {args.lr_warmup}" if args.schedule == "cosine" and args.lr_warmup != 30 else ""),
+        + (f" --lr-warmup {args.lr_warmup}" if args.schedule == "cosine" and args.lr_warmup != LR_WARMUP else ""),
         "settings": {
             k: v
             for k, v in vars(args).items()
@@ -736,7 +737,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-4, help="the peak learning rate")
     parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
-    parser.add_argument("--lr-warmup", type=int, default=30, help="cosine: steps of linear warm-up")
+    parser.add_argument("--lr-warmup", type=int, default=LR_WARMUP, help="cosine: steps of linear warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=300, help="nvlink: steps each method trains")
     parser.add_argument("--eval-every", type=int, default=25)
