@@ -496,8 +496,10 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
         for _, methods in list(loaded["sockets"]["sources"].values())[:-1]:
             methods[:] = [method for method in methods if method not in extra["methods"]]
     # Further NVLink runs (``--out gpu_network_lab_nvlink_NAME``: other seeds, more rounds) pool with the first.
+    if "nvlink" in loaded:
+        tag_rounds(loaded["nvlink"], f"gpu_network_lab_nvlink{suffix}")
     for path in sorted(results_dir.glob(f"gpu_network_lab_nvlink{suffix}_*.json")) if "nvlink" in loaded else []:
-        pool_nvlink_run(loaded["nvlink"], json.loads(path.read_text()), path.stem)
+        pool_nvlink_run(loaded["nvlink"], tag_rounds(json.loads(path.read_text()), path.stem), path.stem)
     if not loaded:
         raise SystemExit(f"No results in {results_dir}: run the regimes first.")
     return loaded
@@ -515,6 +517,35 @@ POOLED_SETTINGS = (
     "timing_steps",
     "cpu",
 )
+
+
+def tag_rounds(run: dict[str, Any], stem: str) -> dict[str, Any]:
+    """Mark each round row of an NVLink run with the run it came from (``"run"``: its file's stem); return ``run``."""
+    for entry in run["methods"].values():
+        for row in entry.get("rounds", []):
+            row.setdefault("run", stem)
+    return run
+
+
+def nvlink_beside(loaded: dict[str, Any], method: str, base: str = "ddp") -> tuple[dict[str, float], ...] | None:
+    """``method``'s and ``base``'s NVLink steps over the runs that timed both, side by side; ``None`` if none did.
+
+    Pooled runs may time some methods alone (``--methods``): a ratio to DDP then reads only the runs that timed
+    DDP too, so that both sides met the same machine in the same job.
+
+    Returns:
+        The two methods' ``{"median", "min", "max"}`` over their rounds of those runs, and ``{"runs": count}``.
+    """
+    methods = loaded.get("nvlink", {}).get("methods", {})
+    rows = {name: methods.get(name, {}).get("rounds", []) for name in (method, base)}
+    shared = {row.get("run") for row in rows[method]} & {row.get("run") for row in rows[base]}
+    if not shared:
+        return None
+    figures = []
+    for name in (method, base):
+        values = [row["step_s"]["nvlink"] for row in rows[name] if row.get("run") in shared]
+        figures.append({"median": statistics.median(values), "min": min(values), "max": max(values)})
+    return figures[0], figures[1], {"runs": len(shared)}
 
 
 def pool_nvlink_run(main: dict[str, Any], extra: dict[str, Any], stem: str) -> None:
@@ -584,6 +615,15 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 cells.append("")
                 continue
             ratio = f" ({value['median'] / ddp['median']:.2f}x)" if ddp else ""
+            if label == "nvlink" and method != "ddp":
+                # Side by side: over the pooled runs that timed DDP too (the same as the pooled medians' ratio when
+                # every run timed both).
+                beside = nvlink_beside(loaded, method)
+                ratio = (
+                    " (no DDP in its runs)"
+                    if beside is None
+                    else f" ({beside[0]['median'] / beside[1]['median']:.2f}x)"
+                )
             cells.append(f"{value['median'] * 1e3:.1f}{ratio} [{value['min'] * 1e3:.1f}, {value['max'] * 1e3:.1f}]")
         launches = loaded.get("sockets", {}).get("methods", {}).get(method, {}).get("launches_per_step")
         cells.append("" if launches is None else f"{launches:.0f}")
@@ -657,7 +697,8 @@ def report(results_dir: Path, cpu: bool) -> str:
     lines = [
         f"Written by `python benchmarks/gpu_network_lab.py --report` from the runs of {commands} ({machines}).",
         "",
-        "Median step in ms over the rounds (ratio to DDP's median at the same link) [min, max over rounds]:",
+        "Median step in ms over the rounds (ratio to DDP's median at the same link; over NVLink, both medians over the"
+        " pooled runs that timed DDP too) [min, max over rounds]:",
         "",
         *_markdown(*step_table(loaded)),
     ]

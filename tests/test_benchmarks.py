@@ -277,7 +277,7 @@ def lab_run(seed: int, steps: dict[str, list[float]], finals: dict[str, float], 
     for method, rounds in steps.items():
         curve = [{"step": 8, "val_loss": 3.0}, {"step": 16, "val_loss": finals[method]}]
         methods[method] = {
-            "step_s": {"nvlink": {"median": sorted(rounds)[len(rounds) // 2]}},
+            "step_s": {"nvlink": {"median": sorted(rounds)[len(rounds) // 2], "min": min(rounds), "max": max(rounds)}},
             "rounds": [{"method": method, "step_s": {"nvlink": value}} for value in rounds],
             "curve": curve,
         }
@@ -322,6 +322,25 @@ def test_gpu_network_lab_pools_further_nvlink_runs_and_refuses_unlike_ones(tmp_p
     (tmp_path / "gpu_network_lab_nvlink_seed1.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="pool only runs of the same keywords"):
         lab.load_results(tmp_path)
+
+
+def test_gpu_network_lab_compares_with_ddp_only_over_the_runs_that_timed_both(tmp_path: Path) -> None:
+    lab = benchmark_module("gpu_network_lab")
+    first = lab_run(0, {"ddp": [0.050], "bytegrad": [0.060]}, {"ddp": 2.5, "bytegrad": 2.4})
+    # A run of some methods alone: bytegrad again (much faster, on a quieter machine), and low_rank_r16 only there.
+    alone = lab_run(0, {"bytegrad": [0.030], "low_rank_r16": [0.055]}, {"bytegrad": 2.4, "low_rank_r16": 2.45})
+    (tmp_path / "gpu_network_lab_nvlink.json").write_text(json.dumps(first))
+    (tmp_path / "gpu_network_lab_nvlink_alone.json").write_text(json.dumps(alone))
+    loaded = lab.load_results(tmp_path)
+    # The pooled column takes every round; the ratio to DDP only the run that timed both.
+    assert loaded["nvlink"]["methods"]["bytegrad"]["step_s"]["nvlink"]["median"] == pytest.approx(0.045)
+    bytegrad, ddp, runs = lab.nvlink_beside(loaded, "bytegrad")
+    assert (bytegrad["median"], ddp["median"], runs["runs"]) == (0.060, 0.050, 1)
+    assert lab.nvlink_beside(loaded, "low_rank_r16") is None
+    rows = {row[0]: row for row in lab.step_table(loaded)[1]}
+    assert "(no DDP in its runs)" in rows["low_rank_r16"][1]
+    # The table's ratio is the side-by-side one too, not the pooled medians' (0.045 / 0.050).
+    assert rows["bytegrad"][1].startswith("45.0 (1.20x)")
 
 
 def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floor() -> None:
