@@ -51,6 +51,13 @@ import traffic  # noqa: E402  (the traffic model lives with the documentation th
 TOLERANCE = 0.10  # bytes per step: measured within 10 % of the count the algorithm implies
 
 
+LOW_RANKS = (4, 8, 16, 32)  # the lab's low_rank_rK methods
+# What the suite's step_breakdown job times beside DDP over NVLink: ours but async (whose thread would send while the
+# others are timed), each named by its lab method.
+INTERLEAVED = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam",
+               *(f"low_rank_r{rank}" for rank in LOW_RANKS))  # fmt: skip
+
+
 def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
     """(name, command, reason it cannot run here or None) of every CPU benchmark."""
     lab_ok = os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
@@ -82,6 +89,8 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         gpus = 0
     reason = None if gpus >= 2 else f"needs two GPUs, found {gpus}"
     rounds = ["--rounds", "1" if quick else "3"]
+    interleaved = ["step_breakdown.py", "--interleave", "steps", "--methods", "ddp", *INTERLEAVED, *rounds]
+    interleaved += ["--profiled", "0", "--out", "step_breakdown_nvlink_interleaved"]
     return [
         ("gpu_network_lab_nvlink", ["gpu_network_lab.py", "--regime", "nvlink", *rounds], reason),
         # Two more seeds, one round each, pooled with the first by the report: the final losses' spread over seeds.
@@ -105,6 +114,8 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         ),
         ("gpu_network_lab_sockets", ["gpu_network_lab.py", "--regime", "sockets", *rounds], reason),
         ("gpu_network_lab_report", ["gpu_network_lab.py", "--report"], reason),
+        # After the lab: the NVLink step targets read this job, every method (but async) timed step by step in turn.
+        ("step_breakdown_interleaved", interleaved, reason),
         ("codec_throughput", ["codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
         ("autotune_sockets", ["autotune_sockets.py"], reason),
         ("engine_overhead", ["engine_overhead.py", "--devices", "2"], reason),
@@ -149,9 +160,6 @@ def _target(
     # command: what wrote the source file (None when the file or the measurement is missing).
     return {"target": target, "source": source, "command": extra.pop("command", None), "bar": bar,
             "measured": figure, "status": status, "detail": detail, **extra}  # fmt: skip
-
-
-LOW_RANKS = (4, 8, 16, 32)  # the lab's low_rank_rK methods
 
 
 def gpu_targets(results: Path) -> list[dict[str, Any]]:
