@@ -190,10 +190,8 @@ def run_method(
     return row
 
 
-def run_interleaved(
-    args: argparse.Namespace, batches: Batches, device: torch.device, rank: int
-) -> dict[str, list[dict[str, Any]]]:
-    """``--interleave steps``: every method built at once, their steps taken in turn; one row per method and round.
+def run_interleaved(args: argparse.Namespace, batches: Batches, device: torch.device, rank: int) -> None:
+    """``--interleave steps``: every method built at once, their steps taken in turn; written after every round.
 
     Each timed step index runs every method once, in an order rotated from index to index, so that a slow stretch
     of the machine (a host-bound step follows the CPU's pace) falls on every method alike instead of on the methods
@@ -224,7 +222,8 @@ def run_interleaved(
         if args.profiled:
             rows[method][-1].update(profile_steps(wrappers[method], batches, args, step, device))
         release(wrappers.pop(method), device)
-    return rows
+    if rank == 0 and args.profiled:
+        write(args, rows, args.rounds)  # the last round's rows again, now with their profiles
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -234,9 +233,7 @@ def worker(args: argparse.Namespace) -> None:
     text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
     batches = Batches(text, rank, 4 if args.cpu else args.batch, args.context, device)
     if args.interleave == "steps":
-        rows = run_interleaved(args, batches, device, rank)
-        if rank == 0:
-            write(args, rows, args.rounds)
+        run_interleaved(args, batches, device, rank)
         dist.destroy_process_group()
         return
     rows: dict[str, list[dict[str, Any]]] = {}

@@ -27,15 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # ``BAGUA_TEST_PORT_BLOCK``; one process walks its block, so it never hands out a port twice.
 PORT_BLOCK_SIZE = 2000
 PORTS_FROM = 12000
-_next_port = [PORTS_FROM + PORT_BLOCK_SIZE * int(os.environ.get("BAGUA_TEST_PORT_BLOCK", "0")) + os.getpid() % 500]
+_BLOCK_START = PORTS_FROM + PORT_BLOCK_SIZE * int(os.environ.get("BAGUA_TEST_PORT_BLOCK", "0"))
+_next_offset = [os.getpid() % 500]  # where in the block this process looks next
 
 
 def free_port() -> int:
     """A port no other socket of this machine has bound, from this process's block (see above)."""
-    block_start = PORTS_FROM + PORT_BLOCK_SIZE * int(os.environ.get("BAGUA_TEST_PORT_BLOCK", "0"))
     for _ in range(PORT_BLOCK_SIZE):
-        port = _next_port[0]
-        _next_port[0] = block_start + (port + 1 - block_start) % PORT_BLOCK_SIZE
+        port = _BLOCK_START + _next_offset[0]
+        _next_offset[0] = (_next_offset[0] + 1) % PORT_BLOCK_SIZE
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))
@@ -43,7 +43,7 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(
-        f"No free port in {block_start}-{block_start + PORT_BLOCK_SIZE - 1}: is an earlier test hanging?"
+        f"No free port in {_BLOCK_START}-{_BLOCK_START + PORT_BLOCK_SIZE - 1}: is an earlier test hanging?"
     )
 
 
