@@ -134,6 +134,90 @@ def test_phase_follows_each_group_and_a_loaded_state():
         optimizer.is_compressed_step(nn.Parameter(torch.ones(1)))
 
 
+def stepped_optimizer(params, groups=None):
+    """A QAdamOptimizer past one step over ``params`` (so every parameter has its moments), and a bucket of them."""
+    optimizer = QAdamOptimizer(groups or params, warmup_steps=1, **HYPER)
+    generator = torch.Generator().manual_seed(0)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(memory_format=torch.preserve_format)
+    optimizer.step()
+    buffer = torch.randn(sum(param.numel() for param in params), generator=generator)
+    gradients = [
+        piece.view_as(param) for piece, param in zip(buffer.split([p.numel() for p in params]), params, strict=True)
+    ]
+    return optimizer, buffer, gradients
+
+
+def test_bucket_momenta_read_the_flat_buffer_as_the_per_parameter_path_does():
+    params = list(make_model().parameters())
+    optimizer, buffer, gradients = stepped_optimizer(params)
+    momenta = optimizer.bucket_momenta(0, params, buffer, lambda: gradients)
+    assert momenta.reads_buffer
+    before = [optimizer.state[param]["exp_avg"].clone() for param in params]
+    got = momenta.local(buffer, None)
+    torch.testing.assert_close(got, optimizer.local_momentum(params, gradients), rtol=1e-6, atol=1e-7)
+    for param, momentum in zip(params, before, strict=True):  # m is written by store() only
+        assert torch.equal(optimizer.state[param]["exp_avg"], momentum)
+    averaged = got * 3
+    momenta.store(averaged)
+    offset = 0
+    for param in params:
+        torch.testing.assert_close(
+            optimizer.state[param]["exp_avg"].view(-1), averaged[offset : offset + param.numel()]
+        )
+        offset += param.numel()
+    assert optimizer._synchronized == {id(param) for param in params}
+    assert optimizer.bucket_momenta(0, params, buffer, lambda: pytest.fail("built again")) is momenta  # kept
+
+
+def channels_last_bucket():
+    conv, linear = nn.Conv2d(2, 3, 3), nn.Linear(4, 2)
+    conv.to(memory_format=torch.channels_last)
+    return [conv.weight, conv.bias, linear.weight], None
+
+
+def two_groups_bucket():
+    first, second = nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(4))
+    return [first, second], [{"params": [first]}, {"params": [second], "betas": (0.5, 0.9)}]
+
+
+@pytest.mark.parametrize("make", [channels_last_bucket, two_groups_bucket], ids=["channels_last", "two_groups"])
+def test_bucket_momenta_fall_back_per_parameter_where_the_buffer_does_not_line_up(make):
+    params, groups = make()
+    optimizer, buffer, gradients = stepped_optimizer(params, groups)
+    momenta = optimizer.bucket_momenta(0, params, buffer, lambda: gradients)
+    assert not momenta.reads_buffer
+    got = momenta.local(buffer, gradients)
+    torch.testing.assert_close(got, optimizer.local_momentum(params, gradients), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="pass the gradients"):
+        momenta.local(buffer, None)
+    momenta.store(got)
+    offset = 0
+    for param in params:
+        want = got[offset : offset + param.numel()].view_as(param)
+        torch.testing.assert_close(optimizer.state[param]["exp_avg"], want, rtol=0, atol=0)
+        offset += param.numel()
+
+
+def test_bucket_momenta_follow_state_moved_or_loaded():
+    params = list(make_model().parameters())
+    optimizer, buffer, gradients = stepped_optimizer(params)
+    first = optimizer.bucket_momenta(0, params, buffer, lambda: gradients)
+    # Lightning moves an optimizer's state between devices by replacing each parameter's dict and tensors.
+    for param in params:
+        optimizer.state[param] = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[param].items()
+        }
+    moved = optimizer.bucket_momenta(0, params, buffer, lambda: gradients)
+    assert moved is not first
+    flat = moved.local(buffer, None)
+    moved.store(flat + 1)
+    assert torch.equal(optimizer.state[params[0]]["exp_avg"].view(-1), (flat + 1)[: params[0].numel()])
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert optimizer.bucket_momenta(0, params, buffer, lambda: gradients) is not moved
+    assert optimizer.bucket_momenta(0, params[::-1], buffer, lambda: gradients[::-1]) is not moved  # a new layout
+
+
 # ----------------------------------------------------------------------------------- algorithm: keywords, binding
 
 

@@ -34,7 +34,7 @@ then takes the single :class:`QAdamOptimizer` among the bound optimizers. Bindin
 """
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +120,8 @@ class QAdamOptimizer(Optimizer):
         # Parameters whose momentum the algorithm averaged during this step's backward; not checkpointed, since a
         # checkpoint is taken between steps, when the set is empty.
         self._synchronized: set[int] = set()
+        # Per gradient bucket, what the hook needs from the parameter groups and state (see bucket_momenta).
+        self._bucket_momenta: dict[Hashable, BucketMomenta] = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the state :meth:`state_dict` returned, also from a release that did not store every setting.
@@ -131,6 +133,7 @@ class QAdamOptimizer(Optimizer):
             state_dict: an optimizer state dict.
         """
         super().load_state_dict(state_dict)
+        self._bucket_momenta.clear()  # they hold the replaced groups and moments
         # Only QAdam's own settings: torch adds keys of its own to ``defaults`` (``differentiable``) that a group
         # saved without them must not gain, or a state_dict would not round-trip.
         for group in self.param_groups:
@@ -197,6 +200,41 @@ class QAdamOptimizer(Optimizer):
             torch._foreach_mul_(outs, beta1)
             torch._foreach_add_(outs, gradients, alpha=1 - beta1)
         return flat
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group, as :meth:`torch.optim.Optimizer.add_param_group` does.
+
+        Args:
+            param_group: the group's parameters and settings.
+        """
+        super().add_param_group(param_group)
+        # Absent while the constructor adds the first groups.
+        getattr(self, "_bucket_momenta", {}).clear()
+
+    def bucket_momenta(
+        self, key: Hashable, params: Sequence[Tensor], buffer: Tensor, gradients: Callable[[], Sequence[Tensor]]
+    ) -> "BucketMomenta":
+        """Return the gradient bucket ``key``'s :class:`BucketMomenta`, built on first use and kept between steps.
+
+        The hook runs once per bucket at every step; what it needs from the parameter groups and the state (the
+        group, the ``exp_avg`` tensors, where each parameter's momentum lies in the flat tensor) is looked up
+        once, not per parameter at every step. It is built again when the bucket's parameters or their ``m``
+        tensors change (DDP rebuilds its buckets; Lightning moves the state between devices), and after
+        :meth:`load_state_dict` or :meth:`add_param_group`.
+
+        Args:
+            key: what identifies the bucket from step to step (its index).
+            params: the bucket's parameters, in bucket order.
+            buffer: the bucket's flat gradients (DDP's bucket buffer).
+            gradients: returns the bucket's gradients, one per parameter; called only to build.
+
+        Returns:
+            The bucket's momenta.
+        """
+        momenta = self._bucket_momenta.get(key)
+        if momenta is None or not momenta.holds(params):
+            momenta = self._bucket_momenta[key] = BucketMomenta(self, params, buffer, gradients())
+        return momenta
 
     @torch.no_grad()
     def set_synchronized_momentum(self, params: Sequence[Tensor], flat: Tensor) -> None:
@@ -270,6 +308,104 @@ class QAdamOptimizer(Optimizer):
             torch._foreach_div_(denominators, math.sqrt(1 - beta2**step))
             torch._foreach_add_(denominators, group["eps"])
             torch._foreach_addcdiv_(params, momenta, denominators, value=-group["lr"] / (1 - beta1**step))
+
+
+class BucketMomenta:
+    """One gradient bucket's parameters and momenta, looked up once for :func:`qadam_hook`'s every step.
+
+    When the parameters share a group and DDP's bucket buffer lays their gradients out as their momenta are laid
+    out in :meth:`local`'s flat tensor (contiguous, in bucket order, end to end), :meth:`local` computes on the
+    whole buffer at once: a few kernels and no per-parameter Python, which is what a step over a fast link waits
+    for. Otherwise it falls back on :meth:`QAdamOptimizer.local_momentum`.
+
+    Args:
+        optimizer: the optimizer whose state the momenta are.
+        params: the bucket's parameters, in bucket order.
+        buffer: the bucket's flat gradients (DDP's bucket buffer).
+        gradients: the bucket's gradients, one per parameter, as views into ``buffer``.
+    """
+
+    def __init__(
+        self, optimizer: QAdamOptimizer, params: Sequence[Tensor], buffer: Tensor, gradients: Sequence[Tensor]
+    ) -> None:
+        self._optimizer = optimizer
+        self.params = list(params)
+        self._ids = tuple(id(param) for param in self.params)
+        self._sizes = [param.numel() for param in self.params]
+        groups = {id(group): group for group in map(optimizer._group_of, self.params)}
+        self._group = next(iter(groups.values())) if len(groups) == 1 else None
+        self._momenta = [optimizer._state_of(param)["exp_avg"] for param in self.params]
+        self.reads_buffer = self._group is not None and self._lines_up(buffer, gradients)
+        # Flat views, for the multi-tensor kernels against the flat tensor's pieces (all contiguous when reads_buffer).
+        self._flat_momenta = [momentum.view(-1) for momentum in self._momenta] if self.reads_buffer else []
+        self._flat_params = [param.detach().view(-1) for param in self.params] if self.reads_buffer else []
+
+    def holds(self, params: Sequence[Tensor]) -> bool:
+        """Whether ``params`` are the parameters these momenta were built for, in order, with the same ``m``.
+
+        Lightning moves an optimizer's state between devices by replacing its tensors: momenta kept from before
+        would no longer be the optimizer's.
+        """
+        if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params, strict=True)):
+            return False
+        state = self._optimizer.state
+        return all(
+            (entry := state.get(param)) is not None and entry.get("exp_avg") is momentum
+            for param, momentum in zip(self.params, self._momenta, strict=True)
+        )
+
+    @torch.no_grad()
+    def local(self, buffer: Tensor, gradients: Sequence[Tensor] | None) -> Tensor:
+        """Return the new local momenta ``b1 * m + (1 - b1) * (grad + weight_decay * x)``, flat in bucket order.
+
+        The optimizer's ``m`` is left unchanged: :meth:`store` writes the average back.
+
+        Args:
+            buffer: the bucket's flat gradients (DDP's bucket buffer).
+            gradients: the bucket's gradients per parameter; read only when not :attr:`reads_buffer`.
+
+        Returns:
+            A new flat tensor.
+        """
+        if not self.reads_buffer:
+            if gradients is None:
+                raise ValueError("These momenta cannot read the bucket buffer whole: pass the gradients too.")
+            return self._optimizer.local_momentum(self.params, gradients)
+        assert self._group is not None  # reads_buffer says so
+        beta1, weight_decay = self._group["betas"][0], self._group["weight_decay"]
+        flat = torch.empty_like(buffer)
+        pieces = flat.split(self._sizes)
+        torch._foreach_copy_(pieces, self._flat_momenta)
+        flat.mul_(beta1).add_(buffer, alpha=1 - beta1)
+        if weight_decay:
+            torch._foreach_add_(pieces, self._flat_params, alpha=(1 - beta1) * weight_decay)
+        return flat
+
+    @torch.no_grad()
+    def store(self, flat: Tensor) -> None:
+        """Write the averaged momenta ``flat`` (laid out as :meth:`local`'s) into the optimizer's ``m``.
+
+        Args:
+            flat: the averaged momenta.
+        """
+        if not self.reads_buffer:
+            self._optimizer.set_synchronized_momentum(self.params, flat)
+            return
+        torch._foreach_copy_(self._flat_momenta, flat.split(self._sizes))
+        self._optimizer._synchronized.update(self._ids)
+
+    def _lines_up(self, buffer: Tensor, gradients: Sequence[Tensor]) -> bool:
+        # DDP's reducer places a gradient with its parameter's strides: only contiguous gradients, end to end in
+        # bucket order, line up element for element with the momenta's pieces of the flat tensor.
+        tensors = (*self.params, *self._momenta)
+        if buffer.dim() != 1 or sum(self._sizes) != buffer.numel() or not all(t.is_contiguous() for t in tensors):
+            return False
+        address, element = buffer.data_ptr(), buffer.element_size()
+        for gradient, size in zip(gradients, self._sizes, strict=True):
+            if not gradient.is_contiguous() or gradient.data_ptr() != address or gradient.numel() != size:
+                return False
+            address += size * element
+        return all(momentum.dtype == buffer.dtype for momentum in self._momenta)
 
 
 @dataclass
@@ -426,9 +562,10 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
     state.last_compressed = compressed
     if not compressed:
         return gradient_allreduce_hook(state.full_precision, bucket)
-    gradients = bucket.gradients()
     buffer = bucket.buffer()
     index, last = bucket.index(), bucket.is_last()
+    momenta = optimizer.bucket_momenta(index, params, buffer, bucket.gradients)
+    gradients = None if momenta.reads_buffer else bucket.gradients()
     compressed_state = state.compressed
     # Flat, the momenta's exchange is the same kernels and collectives on one communicator at every step: on CUDA
     # it is replayed as one graph. The momenta themselves are computed eagerly: they read the optimizer's
@@ -441,13 +578,13 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
     def job() -> Tensor:
         # The local gradients stay in the bucket until the returned future completes; computed in the job, the
         # momentum is made on the executor's stream (on CUDA), off the stream backward runs on.
-        momentum = optimizer.local_momentum(params, gradients)
+        momentum = momenta.local(buffer, gradients)
         if graphable:
             key = ("qadam", index, momentum.numel(), momentum.dtype)
             state.executor.run_part(key, momentum, exchange, compressed_state.counter, last=last)
         else:
             exchange(momentum)
-        optimizer.set_synchronized_momentum(params, momentum)
+        momenta.store(momentum)
         return buffer
 
     return state.executor.submit(job, last=last)
