@@ -48,6 +48,15 @@ rounds), pools with the first instead: each method's step is the median over bot
 mean of the seeds' curves, and its final loss is shown with the seeds' range; runs of other settings or keywords
 are refused. ``--cpu`` runs a tiny model on two Gloo processes, unshaped
 (a smoke test of the script; its figures mean nothing).
+
+A method may be named with a bucket size, ``METHOD@MiB`` (``bytegrad@100``): it runs with DDP's reducer capped at
+that size instead of its wrapper's default, side by side with the others. Such a run compares bucket sizes: it
+must be written under a name of its own (``--out gpu_bucket_cap_NAME``), never pooled into the report, and writes
+``NAME.md`` with each variant's steps against the same method at its default bucket size (``--compare STEM``
+writes it again from the JSON)::
+
+    python benchmarks/gpu_network_lab.py --regime sockets --rounds 2 --rates 10 1 \
+        --methods ddp bytegrad bytegrad@100 --out gpu_bucket_cap_sockets
 """
 
 import argparse
@@ -90,6 +99,7 @@ OURS = (
 METHODS = PEERS + OURS
 # Methods whose step waits on every gradient at full precision, as DDP's: not run at the slowest rate (seconds a step).
 FULL_PRECISION = ("gradient_allreduce", "decentralized")
+BUCKET_RUNS = "gpu_bucket_cap_"  # the stems of runs that compare bucket sizes (METHOD@MiB), kept out of the report
 WARMUP_STEPS = 12  # untimed, unshaped: low_rank's 10 full-precision steps, PowerSGD's 10, qadam's warm-up
 TIMED_STEPS = {"fast": 8, "slow": 3}  # per rate; "slow" at rates under 5 Gbit/s
 EVAL_BATCHES = 8  # held-out batches per evaluation
@@ -243,6 +253,27 @@ def recorded_keywords(method: str, entry: dict[str, Any]) -> dict[str, Any]:
     return UNRECORDED_KEYWORDS.get(method, algorithm_of(method)[1])
 
 
+def split_bucket(method: str) -> tuple[str, float | None]:
+    """``"bytegrad@100"`` -> ``("bytegrad", 100.0)``; ``"bytegrad"`` -> ``("bytegrad", None)`` (the default size)."""
+    name, _, bucket = method.partition("@")
+    return name, float(bucket) if bucket else None
+
+
+def method_choice(method: str) -> str:
+    """``--methods``' type: one of :data:`METHODS`, optionally with ``@MiB``."""
+    name, _, bucket = method.partition("@")
+    if name not in METHODS:
+        raise argparse.ArgumentTypeError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if bucket:
+        try:
+            size = float(bucket)
+        except ValueError:
+            size = 0.0
+        if not size > 0:
+            raise argparse.ArgumentTypeError(f"{method!r}: the bucket size after '@' must be a positive number of MiB")
+    return method
+
+
 def algorithm_of(method: str) -> tuple[str, dict[str, Any]]:
     """The algorithm name and keywords a method of ours runs."""
     if method.startswith("low_rank_r"):
@@ -304,8 +335,11 @@ def run_method(
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    wrapped = Wrapped(method, args, device)
+    method, bucket_cap_mb = split_bucket(method)
+    wrapped = Wrapped(method, args, device, bucket_cap_mb=bucket_cap_mb)
     row: dict[str, Any] = {"method": method, "parameters": wrapped.parameters}
+    if bucket_cap_mb is not None:
+        row["bucket_cap_mb"] = bucket_cap_mb
     if method in OURS:
         row["algorithm_keywords"] = algorithm_of(method)[1]
     step = 0
@@ -456,6 +490,41 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def write_bucket_comparison(path: Path) -> str:
+    """Write ``path``'s run of bucket sizes as a table beside it (``.md``); return the table.
+
+    Each ``METHOD@MiB`` row shows its median step per link, and its ratio to ``METHOD`` at its default bucket size
+    in the same run, with the rounds' range.
+    """
+    run = json.loads(path.read_text())
+    methods = run["methods"]
+    links = list(dict.fromkeys(label for entry in methods.values() for label in entry["step_s"]))
+    lines = [
+        f"Written by `{run['command']} --out {path.stem}` ({run['machine']['device']}, {run['rounds']} rounds,"
+        f" {run['date'][:16]}). Median step per link in ms [rounds' min, max], and in brackets the ratio to the"
+        " same method at its wrapper's default bucket size (DDP's 25 MiB on CUDA) in this run.",
+        "",
+        "| method | " + " | ".join(links) + " |",
+        "|---|" + "---|" * len(links),
+    ]
+    for method, entry in methods.items():
+        base = methods.get(split_bucket(method)[0]) if "@" in method else None
+        cells = []
+        for label in links:
+            figure = entry["step_s"].get(label)
+            if figure is None:
+                cells.append("")
+                continue
+            cell = f"{figure['median'] * 1e3:.1f} [{figure['min'] * 1e3:.1f}, {figure['max'] * 1e3:.1f}]"
+            if base is not None and label in base["step_s"]:
+                cell += f" ({figure['median'] / base['step_s'][label]['median']:.2f}x)"
+            cells.append(cell)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    path.with_suffix(".md").write_text(text)
+    return text
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
@@ -771,7 +840,9 @@ def chart(loaded: dict[str, Any], path: Path) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regime", choices=["nvlink", "sockets"], default="nvlink")
-    parser.add_argument("--methods", nargs="+", default=None, choices=METHODS, help="default: all")
+    parser.add_argument(
+        "--methods", nargs="+", default=None, type=method_choice, help="default: all; METHOD@MiB: another bucket size"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rates", nargs="+", type=float, default=[25.0, 10.0, 1.0], help="Gbit/s, fastest first")
     parser.add_argument("--batch", type=int, default=16, help="sequences per GPU per step")
@@ -787,8 +858,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--out", default=None, help="results file name without suffix (default: by regime)")
     parser.add_argument("--report", action="store_true", help="write the table and chart from the regimes' files")
+    parser.add_argument("--compare", default=None, metavar="STEM", help="write STEM.md from a bucket-size run's JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if any("@" in method for method in args.methods or ()) and not (args.out or "").startswith(BUCKET_RUNS):
+        raise SystemExit(
+            f"--methods {' '.join(args.methods)}: a run with bucket sizes (METHOD@MiB) compares them and must not pool"
+            f" into the lab's report: give it --out {BUCKET_RUNS}NAME."
+        )
+    return args
 
 
 def launch(args: argparse.Namespace) -> None:
@@ -799,12 +877,17 @@ def launch(args: argparse.Namespace) -> None:
     command += [__file__, "--worker"]
     command += [arg for arg in sys.argv[1:] if arg != "--worker"]
     subprocess.run(command, env=env, check=True, cwd=ROOT)
-    print(report(Path(args.results_dir), args.cpu))
+    if (args.out or "").startswith(BUCKET_RUNS):
+        print(write_bucket_comparison(Path(args.results_dir) / f"{args.out}.json"))
+    else:
+        print(report(Path(args.results_dir), args.cpu))
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.report:
+    if arguments.compare:
+        print(write_bucket_comparison(Path(arguments.results_dir) / f"{arguments.compare}.json"))
+    elif arguments.report:
         print(report(Path(arguments.results_dir), arguments.cpu))
     elif arguments.worker:
         worker(arguments)

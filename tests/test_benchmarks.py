@@ -271,6 +271,40 @@ def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
     assert "steps to target" in table
 
 
+def test_gpu_network_lab_compares_bucket_sizes_side_by_side_and_keeps_them_out_of_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    methods = ["--methods", "ddp", "bytegrad", "bytegrad@0.01", "--rounds", "1", "--results-dir", str(out), "--cpu"]
+    refused = run(str(BENCHMARKS / "gpu_network_lab.py"), "--regime", "sockets", *methods, "--rates", "1")
+    assert refused.returncode != 0
+    assert "--out gpu_bucket_cap_NAME" in refused.stderr
+    assert not out.exists()
+    unknown = run(str(BENCHMARKS / "gpu_network_lab.py"), "--methods", "bytegrad@none", "--out", "gpu_bucket_cap_x")
+    assert unknown.returncode != 0
+    assert "'bytegrad@none'" in unknown.stderr
+    assert "positive number of MiB" in unknown.stderr
+
+    stem = "gpu_bucket_cap_smoke"
+    completed = run(
+        str(BENCHMARKS / "gpu_network_lab.py"), "--regime", "sockets", *methods, "--rates", "1", "--out", stem
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    run_file = json.loads((out / f"{stem}.json").read_text())
+    assert set(run_file["methods"]) == {"ddp", "bytegrad", "bytegrad@0.01"}
+    assert run_file["methods"]["bytegrad@0.01"]["rounds"][0]["bucket_cap_mb"] == 0.01
+    assert "bucket_cap_mb" not in run_file["methods"]["bytegrad"]["rounds"][0]
+    assert not (out / "gpu_network_lab_cpu.md").exists()  # not the lab's report
+    table = (out / f"{stem}.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| bytegrad@0.01 |"))
+    variant = run_file["methods"]["bytegrad@0.01"]["step_s"]["1gbit"]["median"]
+    base = run_file["methods"]["bytegrad"]["step_s"]["1gbit"]["median"]
+    assert f"({variant / base:.2f}x)" in row
+    assert "--out gpu_bucket_cap_smoke" in table
+    (out / f"{stem}.md").unlink()
+    again = run(str(BENCHMARKS / "gpu_network_lab.py"), "--compare", stem, "--results-dir", str(out))
+    assert again.returncode == 0
+    assert (out / f"{stem}.md").read_text() == table
+
+
 def lab_run(seed: int, steps: dict[str, list[float]], finals: dict[str, float], **settings: Any) -> dict[str, Any]:
     """A GPU lab NVLink results file in miniature: per method, each round's step and one curve of two points."""
     methods = {}
