@@ -492,23 +492,12 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
     path.write_text(json.dumps(report, indent=1) + "\n")
 
 
-def write_bucket_comparison(path: Path) -> str:
-    """Write ``path``'s run of bucket sizes as a table beside it (``.md``); return the table.
-
-    Each ``METHOD@MiB`` row shows its median step per link, and its ratio to ``METHOD`` at its default bucket size
-    in the same run, with the rounds' range.
-    """
-    run = json.loads(path.read_text())
+def bucket_comparison(run: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of a run of bucket sizes: each method's median step per link in ms, with the rounds'
+    range, and for a ``METHOD@MiB`` its ratio to ``METHOD`` at its default bucket size in the same run."""
     methods = run["methods"]
     links = list(dict.fromkeys(label for entry in methods.values() for label in entry["step_s"]))
-    lines = [
-        f"Written by `{run['command']} --out {path.stem}` ({run['machine']['device']}, {run['rounds']} rounds,"
-        f" {run['date'][:16]}). Median step per link in ms [rounds' min, max], and in brackets the ratio to the"
-        " same method at its wrapper's default bucket size (DDP's 25 MiB on CUDA) in this run.",
-        "",
-        "| method | " + " | ".join(links) + " |",
-        "|---|" + "---|" * len(links),
-    ]
+    rows = []
     for method, entry in methods.items():
         base = methods.get(split_bucket(method)[0]) if "@" in method else None
         cells = []
@@ -521,7 +510,23 @@ def write_bucket_comparison(path: Path) -> str:
             if base is not None and label in base["step_s"]:
                 cell += f" ({figure['median'] / base['step_s'][label]['median']:.2f}x)"
             cells.append(cell)
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        rows.append([method, *cells])
+    return ["method", *(f"{link} ms" for link in links)], rows
+
+
+def write_bucket_comparison(path: Path) -> str:
+    """Write ``path``'s run of bucket sizes as a table beside it (``.md``, see :func:`bucket_comparison`)."""
+    run = json.loads(path.read_text())
+    header, rows = bucket_comparison(run)
+    lines = [
+        f"Written by `{run['command']} --out {path.stem}` ({run['machine']['device']}, {run['rounds']} rounds,"
+        f" {run['date'][:16]}). Median step per link in ms [rounds' min, max], and in brackets the ratio to the"
+        " same method at its wrapper's default bucket size in this run.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---|" + "---|" * (len(header) - 1),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
     text = "\n".join(lines) + "\n"
     path.with_suffix(".md").write_text(text)
     return text

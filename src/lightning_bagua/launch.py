@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--default_bucket_size",
         type=int,
         default=None,
-        help="gradient bucket size in bytes (default: the engine's, 25 MiB on CUDA and 10 MiB elsewhere)",
+        help="gradient bucket size in bytes (default: the engine's, 100 MiB on CUDA and 10 MiB elsewhere)",
     )
     add("--enable_bagua_net", action="store_true", help="several sockets and threads per NCCL connection")
     add("--autotune_level", type=int, default=0, help="1: tune the bucket size in the first steps (BAGUA_AUTOTUNE=1)")

@@ -220,12 +220,12 @@ def test_bagua_attributes_users_relied_on():
     [
         (torch.device("cpu"), None, 10.0),
         (None, None, 10.0),
-        (torch.device("cuda", 0), None, 25.0),  # only the device's type is read: no GPU needed
+        (torch.device("cuda", 0), None, 100.0),  # only the device's type is read: no GPU needed
         (torch.device("cuda", 0), "4194304", 4.0),
         (torch.device("cpu"), "4194304", 4.0),
     ],
 )
-def test_default_bucket_size_is_ddps_on_cuda_and_baguas_elsewhere_unless_the_launcher_sets_it(
+def test_default_bucket_size_is_100_mib_on_cuda_and_baguas_elsewhere_unless_the_launcher_sets_it(
     monkeypatch, device, variable, expected
 ):
     if variable is None:

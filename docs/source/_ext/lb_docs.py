@@ -14,8 +14,9 @@ Directives:
     The measured codec throughput and the link speed below which ``bytegrad`` pays off, from
     ``codec_throughput_*.json``.
 ``benchmark-table``
-    A summary of one results file (argument: its name without ``.json``). ``network_lab`` and ``lm_step_time``
-    read the file named by ``:results:``; ``convergence``, ``targets`` and ``time_to_accuracy`` read
+    A summary of one results file (argument: its name without ``.json``). ``network_lab``, ``lm_step_time``,
+    ``chaos``, ``step_breakdown`` and ``bucket_cap`` (the GPU lab's runs of bucket sizes) read the file named by
+    ``:results:``; ``convergence``, ``targets`` and ``time_to_accuracy`` read
     ``convergence_cpu.json``, ``targets.json`` and ``time_to_accuracy_cpu.json``. ``time_to_accuracy`` also
     shows its chart, and, while its results file is missing, the command that writes it.
 
@@ -314,6 +315,13 @@ def _step_breakdown(results: str) -> tuple[list[str], list[list[str]], list[str]
     return header, rows, [data["command"]]
 
 
+def _bucket_cap(results: str) -> tuple[list[str], list[list[str]], list[str]]:
+    # The GPU lab's run of bucket sizes (METHOD@MiB), each variant against its method at the default size.
+    data = _load(results)
+    header, rows = _benchmark_module("gpu_network_lab").bucket_comparison(data)
+    return header, rows, [data["command"] + f" --out {results}"]
+
+
 def _chaos(results: str) -> tuple[list[str], list[list[str]], list[str]]:
     # The harness's counts per algorithm and layout, and a total row where there are several.
     data = _load(results)
@@ -489,13 +497,14 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "gpu_time_to_target": _gpu_time_to_target,
     "chaos": _chaos,
     "step_breakdown": _step_breakdown,
+    "bucket_cap": _bucket_cap,
 }
 # Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
 NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}
 # Kinds whose results files are named after another kind's.
 RESULT_STEMS = {"gpu_time_to_target": "gpu_network_lab"}
 # Kinds whose function reads the results file named by the ``:results:`` option (a stem in benchmarks/results/).
-TAKES_RESULTS_FILE = {"network_lab", "lm_step_time", "chaos", "step_breakdown"}
+TAKES_RESULTS_FILE = {"network_lab", "lm_step_time", "chaos", "step_breakdown", "bucket_cap"}
 
 
 class BenchmarkTable(SphinxDirective):

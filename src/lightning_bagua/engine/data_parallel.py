@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 10.0
 """The default bucket size off CUDA, in MiB: Bagua's."""
-DEFAULT_CUDA_BUCKET_CAP_MB = 25.0
-"""The default bucket size on CUDA, in MiB: torch's DDP's."""
+DEFAULT_CUDA_BUCKET_CAP_MB = 100.0
+"""The default bucket size on CUDA, in MiB: four times torch's DDP's, for fewer hook calls on the host."""
 
 
 # Messages already logged by this process: rewrapping a model (autotuning) must not repeat them.
@@ -92,10 +92,12 @@ def default_bucket_cap_mb(device: torch.device | None = None) -> float:
     """Return the bucket size to use when none is given, in MiB.
 
     ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes) when set: ``lightning_bagua.launch --default_bucket_size`` sets it for its
-    children, as Bagua's launcher did. Otherwise :data:`DEFAULT_CUDA_BUCKET_CAP_MB` (DDP's 25 MiB) for a CUDA
-    ``device`` and :data:`DEFAULT_BUCKET_CAP_MB` (Bagua's 10 MiB) for any other. On GPUs over a fast link the step
-    waits on the host, and every bucket costs a communication hook call on it: with fewer buckets the
-    full-precision algorithms cost what DDP costs there (``benchmarks/step_breakdown.py``).
+    children, as Bagua's launcher did. Otherwise :data:`DEFAULT_CUDA_BUCKET_CAP_MB` (100 MiB) for a CUDA ``device``
+    and :data:`DEFAULT_BUCKET_CAP_MB` (Bagua's 10 MiB) for any other. On GPUs over a fast link the step waits on the
+    host, and every bucket costs a communication hook call on it (torch's own Python hooks pay it too). On two
+    H200s, 100 MiB buckets shortened the NVLink step of every algorithm measured against DDP's 25 MiB, and changed
+    the step over shaped sockets by a few percent either way (``benchmarks/results/gpu_bucket_cap_sockets.md`` and
+    ``step_breakdown_bucket_cap_interleaved.md``).
 
     Args:
         device: the device the gradients live on; the CPU default when ``None``.
@@ -130,7 +132,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
         gradient_as_bucket_view: let gradients be views into the flat bucket buffers, so no copy is made
             before or after communication (Bagua's ``flatten``).
         find_unused_parameters: as in DDP.
-        bucket_cap_mb: bucket size in MiB; :func:`default_bucket_cap_mb` when ``None`` (DDP's 25 MiB on CUDA,
+        bucket_cap_mb: bucket size in MiB; :func:`default_bucket_cap_mb` when ``None`` (100 MiB on CUDA,
             Bagua's 10 MiB elsewhere).
         ranks_per_node: processes per node, for hierarchical algorithms; read from ``LOCAL_WORLD_SIZE`` when
             ``None``, and derived from the hosts the ranks run on (gathered once, here) if that is unset too.

@@ -478,7 +478,7 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
             checkpoint. A killed peer is noticed within seconds (its sockets close, and the launchers end the
             job); only a hung peer, or an unreachable master address, takes the whole timeout.
         bucket_cap_mb: gradient bucket size in MiB; ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes, set by the launcher's
-            ``--default_bucket_size``) when ``None``, or else DDP's 25 MiB on CUDA and Bagua's 10 MiB elsewhere.
+            ``--default_bucket_size``) when ``None``, or else 100 MiB on CUDA and Bagua's 10 MiB elsewhere.
         find_unused_parameters: as in DDP, for models whose forward skips parameters.
         telemetry: measure each step's communication (bytes sent and received, compression ratio, time waiting
             on communication, the algorithm's phase) and log it through the trainer's loggers from rank zero,

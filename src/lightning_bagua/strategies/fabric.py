@@ -425,7 +425,7 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
         timeout: how long a collective may wait before the job fails.
         bucket_cap_mb: gradient bucket size in MiB; ``BAGUA_DEFAULT_BUCKET_SIZE`` (bytes) when ``None``, or else
-            DDP's 25 MiB on CUDA and Bagua's 10 MiB elsewhere.
+            100 MiB on CUDA and Bagua's 10 MiB elsewhere.
         find_unused_parameters: as in DDP, for models whose forward skips parameters.
         telemetry: measure each step's communication (bytes sent and received, compression ratio, time waiting
             on communication, the algorithm's phase); a step's record closes when an optimizer over the module

@@ -158,7 +158,7 @@ class BaguaStrategyCore(_CoreBase):
     def bucket_cap_mb(self) -> float:
         """The bucket size in MiB.
 
-        As given, else ``BAGUA_DEFAULT_BUCKET_SIZE``, else DDP's 25 MiB on CUDA and Bagua's 10 MiB elsewhere (see
+        As given, else ``BAGUA_DEFAULT_BUCKET_SIZE``, else 100 MiB on CUDA and Bagua's 10 MiB elsewhere (see
         :func:`~lightning_bagua.engine.data_parallel.default_bucket_cap_mb`).
         """
         if self._bucket_cap_mb is not None:
