@@ -57,6 +57,10 @@ FINAL_LOSS_BAR = 1.01  # a method's mean final validation loss against DDP's, at
 # others are timed), each named by its lab method.
 INTERLEAVED = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam",
                *(f"low_rank_r{rank}" for rank in LOW_RANKS))  # fmt: skip
+# The bucket-size comparison: these methods beside themselves at DDP's 25 MiB, the engine's CUDA default before it
+# became 100 MiB (each @25 row's ratio is to the same method at today's default), and DDP at 100 MiB beside its own.
+BUCKET_CAP = ("gradient_allreduce", "bytegrad", "qadam", "low_precision_decentralized", "low_rank_r16")
+BUCKET_CAP_METHODS = ("ddp", "ddp@100", *(name for method in BUCKET_CAP for name in (method, f"{method}@25")))
 
 
 def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
@@ -92,6 +96,10 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
     rounds = ["--rounds", "1" if quick else "3"]
     interleaved = ["step_breakdown.py", "--interleave", "steps", "--methods", "ddp", *INTERLEAVED, *rounds]
     interleaved += ["--profiled", "0", "--out", "step_breakdown_nvlink_interleaved"]
+    bucket_cap_nvlink = ["step_breakdown.py", "--interleave", "steps", "--methods", *BUCKET_CAP_METHODS, *rounds]
+    bucket_cap_nvlink += ["--profiled", "0", "--out", "step_breakdown_bucket_cap_interleaved"]
+    bucket_cap_sockets = ["gpu_network_lab.py", "--regime", "sockets", "--rates", "10", "1", "--methods"]
+    bucket_cap_sockets += [*BUCKET_CAP_METHODS, *rounds, "--out", "gpu_bucket_cap_sockets"]
     nvlink = ["gpu_network_lab.py", "--regime", "nvlink"]
     seeds = []
     for seed in () if quick else (1, 2):
@@ -105,6 +113,8 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         ("gpu_network_lab_report", ["gpu_network_lab.py", "--report"], reason),
         # After the lab: the NVLink step targets read this job, every method (but async) timed step by step in turn.
         ("step_breakdown_interleaved", interleaved, reason),
+        ("step_breakdown_bucket_cap", bucket_cap_nvlink, reason),
+        ("gpu_bucket_cap_sockets", bucket_cap_sockets, reason),
         ("codec_throughput", ["codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
         ("autotune_sockets", ["autotune_sockets.py"], reason),
         ("engine_overhead", ["engine_overhead.py", "--devices", "2"], reason),

@@ -577,3 +577,25 @@ def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
     table = (tmp_path / "out" / "chaos_cuda.md").read_text()
     assert "| **all** | | **2** | **2** | **2** |" in table
     assert "low_rank 2 run 0 (mid_step)" in table
+
+
+def test_suite_gpu_jobs_are_accepted_by_their_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A job the suite would start on the GPUs, hours into its run, must not fail on its own arguments.
+    benchmark_module("gpu_network_lab")
+    suite = benchmark_module("suite")
+    checked = set()
+    for name, command, _ in suite.gpu_steps(quick=False):
+        if command[0] not in ("gpu_network_lab.py", "step_breakdown.py"):
+            continue
+        module = benchmark_module(command[0].removesuffix(".py"))
+        monkeypatch.setattr(sys, "argv", command)
+        args = module.parse_args()
+        if command[0] == "step_breakdown.py":
+            assert all(module.split_variant(method) for method in args.methods)
+        checked.add(name)
+    assert {"step_breakdown_bucket_cap", "gpu_bucket_cap_sockets", "step_breakdown_interleaved"} <= checked
+    # The sockets comparison: each @25 row has its method at today's default beside it, and DDP both ways.
+    sockets = {name: command for name, command, _ in suite.gpu_steps(quick=False)}["gpu_bucket_cap_sockets"]
+    methods = sockets[sockets.index("--methods") + 1 : sockets.index("--rounds")]
+    assert {"ddp", "ddp@100"} <= set(methods)
+    assert all(method.removesuffix("@25") in methods for method in methods)
