@@ -170,6 +170,17 @@ def test_bucket_momenta_read_the_flat_buffer_as_the_per_parameter_path_does():
     assert optimizer.bucket_momenta(0, params, buffer, lambda: pytest.fail("built again")) is momenta  # kept
 
 
+def test_bucket_momenta_read_the_weights_where_they_live_now():
+    params = list(make_model().parameters())
+    optimizer, buffer, gradients = stepped_optimizer(params)
+    momenta = optimizer.bucket_momenta(0, params, buffer, lambda: gradients)
+    for param in params:
+        param.data = param.data * 2  # what moving a module does: the same parameters, new storage
+    assert optimizer.bucket_momenta(0, params, buffer, lambda: gradients) is momenta
+    want = optimizer.local_momentum(params, gradients)  # weight decay reads the new weights
+    torch.testing.assert_close(momenta.local(buffer, None), want, rtol=1e-6, atol=1e-7)
+
+
 def channels_last_bucket():
     conv, linear = nn.Conv2d(2, 3, 3), nn.Linear(4, 2)
     conv.to(memory_format=torch.channels_last)

@@ -338,7 +338,6 @@ class BucketMomenta:
         self.reads_buffer = self._group is not None and self._lines_up(buffer, gradients)
         # Flat views, for the multi-tensor kernels against the flat tensor's pieces (all contiguous when reads_buffer).
         self._flat_momenta = [momentum.view(-1) for momentum in self._momenta] if self.reads_buffer else []
-        self._flat_params = [param.detach().view(-1) for param in self.params] if self.reads_buffer else []
 
     def holds(self, params: Sequence[Tensor]) -> bool:
         """Whether ``params`` are the parameters these momenta were built for, in order, with the same ``m``.
@@ -378,7 +377,10 @@ class BucketMomenta:
         torch._foreach_copy_(pieces, self._flat_momenta)
         flat.mul_(beta1).add_(buffer, alpha=1 - beta1)
         if weight_decay:
-            torch._foreach_add_(pieces, self._flat_params, alpha=(1 - beta1) * weight_decay)
+            # The parameters' views are taken anew: moving a module (`param.data = ...`) keeps the parameter but
+            # replaces its storage.
+            weights = [param.view(-1) for param in self.params]
+            torch._foreach_add_(pieces, weights, alpha=(1 - beta1) * weight_decay)
         return flat
 
     @torch.no_grad()
