@@ -261,16 +261,14 @@ def split_bucket(method: str) -> tuple[str, float | None]:
 
 def method_choice(method: str) -> str:
     """``--methods``' type: one of :data:`METHODS`, optionally with ``@MiB``."""
-    name, _, bucket = method.partition("@")
+    try:
+        name, size = split_bucket(method)
+    except ValueError:
+        name, size = method.partition("@")[0], 0.0
     if name not in METHODS:
         raise argparse.ArgumentTypeError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
-    if bucket:
-        try:
-            size = float(bucket)
-        except ValueError:
-            size = 0.0
-        if not size > 0:
-            raise argparse.ArgumentTypeError(f"{method!r}: the bucket size after '@' must be a positive number of MiB")
+    if size is not None and not size > 0:
+        raise argparse.ArgumentTypeError(f"{method!r}: the bucket size after '@' must be a positive number of MiB")
     return method
 
 
@@ -506,10 +504,10 @@ def bucket_comparison(run: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             if figure is None:
                 cells.append("")
                 continue
-            cell = f"{figure['median'] * 1e3:.1f} [{figure['min'] * 1e3:.1f}, {figure['max'] * 1e3:.1f}]"
+            ratio = ""
             if base is not None and label in base["step_s"]:
-                cell += f" ({figure['median'] / base['step_s'][label]['median']:.2f}x)"
-            cells.append(cell)
+                ratio = f" ({figure['median'] / base['step_s'][label]['median']:.2f}x)"
+            cells.append(_step_cell(figure, ratio))
         rows.append([method, *cells])
     return ["method", *(f"{link} ms" for link in links)], rows
 
@@ -520,12 +518,10 @@ def write_bucket_comparison(path: Path) -> str:
     header, rows = bucket_comparison(run)
     lines = [
         f"Written by `{run['command']} --out {path.stem}` ({run['machine']['device']}, {run['rounds']} rounds,"
-        f" {run['date'][:16]}). Median step per link in ms [rounds' min, max], and in brackets the ratio to the"
-        " same method at its wrapper's default bucket size in this run.",
+        f" {run['date'][:16]}). Median step per link in ms (ratio to the same method at its wrapper's default"
+        " bucket size in this run) [rounds' min, max].",
         "",
-        "| " + " | ".join(header) + " |",
-        "|---|" + "---|" * (len(header) - 1),
-        *("| " + " | ".join(row) + " |" for row in rows),
+        *_markdown(header, rows),
     ]
     text = "\n".join(lines) + "\n"
     path.with_suffix(".md").write_text(text)
@@ -698,7 +694,7 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                     if beside is None
                     else f" ({beside[0]['median'] / beside[1]['median']:.2f}x)"
                 )
-            cells.append(f"{value['median'] * 1e3:.1f}{ratio} [{value['min'] * 1e3:.1f}, {value['max'] * 1e3:.1f}]")
+            cells.append(_step_cell(value, ratio))
         launches = loaded.get("sockets", {}).get("methods", {}).get(method, {}).get("launches_per_step")
         cells.append("" if launches is None else f"{launches:.0f}")
         rows.append(cells)
@@ -801,6 +797,11 @@ def report(results_dir: Path, cpu: bool) -> str:
     (results_dir / f"gpu_network_lab{suffix}.md").write_text(text)
     chart(loaded, results_dir / f"gpu_network_lab{suffix}.png")
     return text
+
+
+def _step_cell(figure: dict[str, float], ratio: str = "") -> str:
+    """A step figure in ms: ``"median (ratio) [min, max]"`` (``ratio`` as given, with its leading space)."""
+    return f"{figure['median'] * 1e3:.1f}{ratio} [{figure['min'] * 1e3:.1f}, {figure['max'] * 1e3:.1f}]"
 
 
 def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:

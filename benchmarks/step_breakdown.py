@@ -67,6 +67,7 @@ from gpu_network_lab import (
     is_launch,
     join_job,
     machine,
+    split_bucket,
     synchronize,
 )
 from harness import SOCKETS_ENV, rotated
@@ -82,7 +83,7 @@ def split_variant(method: str) -> tuple[str, float | None, dict[str, Any], dict[
 
     The last element holds the environment variables the method's wrapper is built under (``_eager``: no graphs).
     """
-    name, _, bucket = method.partition("@")
+    name, bucket_cap_mb = split_bucket(method)
     environment: dict[str, str] = {}
     if name.endswith("_eager"):
         name = name.removesuffix("_eager")
@@ -96,7 +97,7 @@ def split_variant(method: str) -> tuple[str, float | None, dict[str, Any], dict[
         keywords["hierarchical"] = True
     if name not in METHODS:
         raise SystemExit(f"Unknown method {method!r}: use one of {', '.join(METHODS)}, optionally with @<MiB>.")
-    return name, float(bucket) if bucket else None, keywords, environment
+    return name, bucket_cap_mb, keywords, environment
 
 
 def profile_steps(
