@@ -53,14 +53,16 @@ TOLERANCE = 0.10  # bytes per step: measured within 10 % of the count the algori
 
 LOW_RANKS = (4, 8, 16, 32)  # the lab's low_rank_rK methods
 FINAL_LOSS_BAR = 1.01  # a method's mean final validation loss against DDP's, at the same steps and seeds
-# What the suite's step_breakdown job times beside DDP over NVLink: ours but async (whose thread would send while the
-# others are timed), each named by its lab method.
+# What the suite's step_breakdown job times beside the peers over NVLink: ours but async (whose thread would send
+# while the others are timed), each named by its lab method.
 INTERLEAVED = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam",
                *(f"low_rank_r{rank}" for rank in LOW_RANKS))  # fmt: skip
+# The peers a user would pick instead, at their fastest settings, timed in the same jobs as ours.
+PEER_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd_r8")
 # The bucket-size comparison: these methods beside themselves at DDP's 25 MiB, the engine's CUDA default before it
 # became 100 MiB (each @25 row's ratio is to the same method at today's default), and DDP at 100 MiB beside its own.
 BUCKET_CAP = ("gradient_allreduce", "bytegrad", "qadam", "low_precision_decentralized", "low_rank_r16")
-BUCKET_CAP_METHODS = ("ddp", "ddp@100", *(name for method in BUCKET_CAP for name in (method, f"{method}@25")))
+BUCKET_CAP_METHODS = (*PEER_METHODS, "ddp@100", *(name for method in BUCKET_CAP for name in (method, f"{method}@25")))
 
 
 def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
@@ -94,7 +96,7 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         gpus = 0
     reason = None if gpus >= 2 else f"needs two GPUs, found {gpus}"
     rounds = ["--rounds", "1" if quick else "3"]
-    interleaved = ["step_breakdown.py", "--interleave", "steps", "--methods", "ddp", *INTERLEAVED, *rounds]
+    interleaved = ["step_breakdown.py", "--interleave", "steps", "--methods", *PEER_METHODS, *INTERLEAVED, *rounds]
     interleaved += ["--profiled", "0", "--out", "step_breakdown_nvlink_interleaved"]
     bucket_cap_nvlink = ["step_breakdown.py", "--interleave", "steps", "--methods", *BUCKET_CAP_METHODS, *rounds]
     bucket_cap_nvlink += ["--profiled", "0", "--out", "step_breakdown_bucket_cap_interleaved"]

@@ -597,5 +597,8 @@ def test_suite_gpu_jobs_are_accepted_by_their_scripts(monkeypatch: pytest.Monkey
     # The sockets comparison: each @25 row has its method at today's default beside it, and DDP both ways.
     sockets = {name: command for name, command, _ in suite.gpu_steps(quick=False)}["gpu_bucket_cap_sockets"]
     methods = sockets[sockets.index("--methods") + 1 : sockets.index("--rounds")]
-    assert {"ddp", "ddp@100"} <= set(methods)
+    assert {"ddp", "ddp@100", "ddp_fp16", "ddp_powersgd_r8"} <= set(methods)
+    steps = {name: command for name, command, _ in suite.gpu_steps(quick=False)}
+    for job in ("step_breakdown_interleaved", "step_breakdown_bucket_cap"):  # the peers beside ours, same job
+        assert set(suite.PEER_METHODS) <= set(steps[job])
     assert all(method.removesuffix("@25") in methods for method in methods)
