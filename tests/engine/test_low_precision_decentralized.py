@@ -16,10 +16,13 @@ import torch
 from torch import nn
 
 from lightning_bagua.engine import BaguaDistributedDataParallel
+from lightning_bagua.engine.algorithms import low_precision_decentralized
 from lightning_bagua.engine.algorithms.base import Algorithm
 from lightning_bagua.engine.algorithms.low_precision_decentralized import (
     LowPrecisionDecentralizedAlgorithm,
+    _difference_into,
     _ring_copies,
+    _RingCopies,
 )
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from tests.distributed import run_processes
@@ -348,6 +351,29 @@ def test_nccl_ring_of_two_keeps_the_invariant_and_follows_the_simulation():
     reference = simulate(2)
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["states"][-1], reference[-1][rank], rtol=0, atol=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ring_size", [1, 2, 3])
+@pytest.mark.parametrize("numel", [1, 4097, 3_000_017])
+def test_cuda_difference_kernel_writes_the_bits_of_torchs_ops(dtype, ring_size, numel, monkeypatch):
+    pytest.importorskip("triton", reason="the fused difference needs triton")
+    assert low_precision_decentralized._difference_kernels() is not None, "Triton imports, so the kernel must run"
+    generator = torch.Generator(device="cuda").manual_seed(numel + ring_size)
+    start = torch.randn(numel, generator=generator, device="cuda").to(dtype)
+    copies = _RingCopies(start, num_chunks=1, ring_size=ring_size)
+    for tensor in copies.distinct():  # distinct values where the copies are distinct tensors
+        tensor.add_(torch.randn(numel, generator=generator, device="cuda").to(dtype))
+    x = start * 1.5 + 0.25
+    fused = _difference_into(x.clone(), copies)
+    monkeypatch.setattr(low_precision_decentralized, "_difference_kernels", lambda: None)
+    by_torch_ops = _difference_into(x.clone(), copies)
+    assert torch.equal(fused, by_torch_ops), f"{int((fused != by_torch_ops).sum())} of {numel} elements differ"
+    # And the ops are the spec's: x + L/3 + R/3 - 5w/3, up to rounding each of seven ops to the dtype (the operands
+    # are sums of two normal samples, so every intermediate, 5w included, stays under 64 in magnitude here).
+    spec = x.double() + copies.left.double() / 3 + copies.right.double() / 3 - 5 * copies.w.double() / 3
+    torch.testing.assert_close(fused.double(), spec, rtol=0, atol=7 * torch.finfo(dtype).eps * 64 / 2)
 
 
 @pytest.mark.parametrize(("world_size", "held"), [(1, 1), (2, 2), (4, 3)])

@@ -1,10 +1,12 @@
 """``low_precision_decentralized``: DCD-PSGD, a ring exchanging 8-bit compressed weight differences."""
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -292,7 +294,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
                 all_reduce_hierarchically(x, state.groups, state.counter, partial(_leader_round, state, copies))
             else:
                 assert copies is not None
-                _ring_round(x, copies, state, state.groups.flat, state.groups.rank, state.groups.global_ranks)
+                # Straight from w into the parameters: x held the round's difference.
+                x = _ring_round(x, copies, state, state.groups.flat, state.groups.rank, state.groups.global_ranks)
             weights.scatter(x)
 
     def _remove_hooks(self) -> None:
@@ -356,7 +359,8 @@ def _leader_round(state: LowPrecisionDecentralizedState, copies: _RingCopies | N
     layout = state.groups.layout
     node_sum.div_(layout.ranks_per_node)  # the node's average weight is the ring member's x
     leaders = [state.groups.global_ranks[leader] for leader in layout.leaders()]
-    _ring_round(node_sum, copies, state, state.groups.inter_node, layout.node_of(state.groups.rank), leaders)
+    w = _ring_round(node_sum, copies, state, state.groups.inter_node, layout.node_of(state.groups.rank), leaders)
+    node_sum.copy_(w)  # what the leader broadcasts to its node
 
 
 def _ring_copies(weights: Tensor, state: LowPrecisionDecentralizedState) -> _RingCopies:
@@ -376,21 +380,14 @@ def _ring_round(
     group: dist.ProcessGroup | None,
     position: int,
     members: list[int],
-) -> None:
-    """Run one DCD-PSGD round for ring member ``position`` of ``members`` (global ranks); ``x`` ends as ``w``."""
+) -> Tensor:
+    """Run one DCD-PSGD round for ring member ``position`` of ``members`` (global ranks) and return ``w``.
+
+    ``x`` is overwritten with the round's difference. The returned tensor is the ring copy ``w`` itself, the new
+    weights: read it, never change it.
+    """
     codec, numel = state.codec, x.numel()
-    # d = x + L/3 + R/3 - 5w/3, evaluated in that order, block by block, into x: x is replaced by w at the end.
-    difference = x
-    block_size = _ROUND_BLOCK.get(x.device.type, 1 << 24)
-    scratch = torch.empty(min(numel, block_size), dtype=x.dtype, device=x.device)
-    for start in range(0, numel, block_size):
-        end = min(start + block_size, numel)
-        term = scratch[: end - start]
-        block = difference[start:end]
-        block.add_(torch.div(copies.left[start:end], 3, out=term))
-        block.add_(torch.div(copies.right[start:end], 3, out=term))
-        block.sub_(torch.mul(copies.w[start:end], 5, out=term).div_(3))
-    del scratch
+    difference = _difference_into(x, copies)
     code = codec.compress(difference, num_chunks=copies.num_chunks)
     size = len(members)
     assert copies.ring_size == size, "the copies were laid out for another ring"
@@ -436,4 +433,39 @@ def _ring_round(
     if copies.right is not copies.left:
         codec.decompress_add(from_right, copies.right)
     codec.decompress_add(code, copies.w)
-    x.copy_(copies.w)
+    return copies.w
+
+
+def _difference_into(x: Tensor, copies: _RingCopies) -> Tensor:
+    """Overwrite ``x`` with the change to communicate, ``d = x + L/3 + R/3 - 5w/3``, and return it.
+
+    On CUDA with Triton, one kernel reads each operand once (:mod:`._dcd_triton`) and writes the bits torch's
+    ops below write there. Elsewhere torch's ops run in that order, block by block, through a block-sized scratch
+    instead of weight-sized temporaries.
+    """
+    kernels = _difference_kernels() if x.device.type == "cuda" else None
+    if kernels is not None:
+        kernels.difference_into(x, copies.left, copies.right, copies.w)
+        return x
+    numel = x.numel()
+    block_size = _ROUND_BLOCK.get(x.device.type, 1 << 24)
+    scratch = torch.empty(min(numel, block_size), dtype=x.dtype, device=x.device)
+    for start in range(0, numel, block_size):
+        end = min(start + block_size, numel)
+        term = scratch[: end - start]
+        block = x[start:end]
+        block.add_(torch.div(copies.left[start:end], 3, out=term))
+        block.add_(torch.div(copies.right[start:end], 3, out=term))
+        block.sub_(torch.mul(copies.w[start:end], 5, out=term).div_(3))
+    return x
+
+
+@functools.cache
+def _difference_kernels() -> ModuleType | None:
+    """The fused difference kernel's module, or ``None`` when Triton cannot be imported (torch's ops run)."""
+    try:
+        from lightning_bagua.engine.algorithms import _dcd_triton
+    except ImportError as error:
+        log.debug("Triton is unavailable (%s); the ring's difference runs on torch ops.", error)
+        return None
+    return _dcd_triton
