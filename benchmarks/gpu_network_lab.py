@@ -553,13 +553,16 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
         path = results_dir / f"gpu_network_lab_{regime}{suffix}.json"
         if path.exists():
             loaded[regime] = json.loads(path.read_text())
-    # A later run of some methods alone adds them, or replaces their rows; its command is listed.
-    supplements = sorted(results_dir.glob(f"gpu_network_lab_sockets{suffix}_*.json")) if "sockets" in loaded else []
+    # A later run of some methods alone adds them, or replaces their rows; its command is listed. Later by date,
+    # whatever the run's name.
+    paths = results_dir.glob(f"gpu_network_lab_sockets{suffix}_*.json") if "sockets" in loaded else ()
+    runs = {path: json.loads(path.read_text()) for path in paths}
+    supplements = sorted(runs, key=lambda path: (runs[path]["date"], path.name))
     if supplements:
         main = loaded["sockets"]
         main["sources"] = {f"gpu_network_lab_sockets{suffix}": (main["date"], list(main["methods"]))}
     for path in supplements:
-        extra = json.loads(path.read_text())
+        extra = runs[path]
         loaded["sockets"]["methods"].update(extra["methods"])
         loaded["sockets"]["command"] += f"`, then `{extra['command']} --out {path.stem}"
         loaded["sockets"]["sources"][path.stem] = (extra["date"], list(extra["methods"]))

@@ -377,6 +377,35 @@ def test_gpu_network_lab_compares_with_ddp_only_over_the_runs_that_timed_both(tm
     assert rows["bytegrad"][1].startswith("45.0 (1.20x)")
 
 
+def test_gpu_network_lab_sockets_rows_come_from_the_latest_run_by_date_not_by_name(tmp_path: Path) -> None:
+    lab = benchmark_module("gpu_network_lab")
+
+    def sockets_run(date: str, steps: dict[str, float]) -> dict[str, Any]:
+        methods = {
+            method: {"step_s": {"unshaped": {"median": value, "min": value, "max": value}}}
+            for method, value in steps.items()
+        }
+        return {"command": "python benchmarks/gpu_network_lab.py --regime sockets", "date": date, "methods": methods}
+
+    (tmp_path / "gpu_network_lab_sockets.json").write_text(json.dumps(sockets_run("2026-11-27T00:00", {"ddp": 0.2})))
+    # "a_newer" sorts first by name but ran last: its bytegrad row is the one the report shows.
+    newer = sockets_run("2026-11-28T12:00", {"bytegrad": 0.08, "ddp": 0.19})
+    older = sockets_run("2026-11-28T06:00", {"bytegrad": 0.1, "low_rank_r8": 0.07})
+    (tmp_path / "gpu_network_lab_sockets_a_newer.json").write_text(json.dumps(newer))
+    (tmp_path / "gpu_network_lab_sockets_z_older.json").write_text(json.dumps(older))
+    sockets = lab.load_results(tmp_path)["sockets"]
+    medians = {method: entry["step_s"]["unshaped"]["median"] for method, entry in sockets["methods"].items()}
+    assert medians == {"ddp": 0.19, "bytegrad": 0.08, "low_rank_r8": 0.07}
+    sources = sockets["sources"]
+    assert list(sources) == [
+        "gpu_network_lab_sockets",
+        "gpu_network_lab_sockets_z_older",
+        "gpu_network_lab_sockets_a_newer",
+    ]
+    assert sources["gpu_network_lab_sockets_z_older"][1] == ["low_rank_r8"]
+    assert sources["gpu_network_lab_sockets"][1] == []
+
+
 def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floor() -> None:
     lab = benchmark_module("gpu_network_lab")
     args = argparse.Namespace(schedule="cosine", lr_warmup=10, train_steps=110)
