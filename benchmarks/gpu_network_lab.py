@@ -558,11 +558,15 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
     paths = results_dir.glob(f"gpu_network_lab_sockets{suffix}_*.json") if "sockets" in loaded else ()
     runs = {path: json.loads(path.read_text()) for path in paths}
     supplements = sorted(runs, key=lambda path: (runs[path]["date"], path.name))
-    if supplements:
+    if "sockets" in loaded:
         main = loaded["sockets"]
+        # Each run's own rows, so that a ratio can read the peer timed in the same run (sockets_beside).
+        main["runs"] = {f"gpu_network_lab_sockets{suffix}": dict(main["methods"])}
+    if supplements:
         main["sources"] = {f"gpu_network_lab_sockets{suffix}": (main["date"], list(main["methods"]))}
     for path in supplements:
         extra = runs[path]
+        loaded["sockets"]["runs"][path.stem] = dict(extra["methods"])
         loaded["sockets"]["methods"].update(extra["methods"])
         loaded["sockets"]["command"] += f"`, then `{extra['command']} --out {path.stem}"
         loaded["sockets"]["sources"][path.stem] = (extra["date"], list(extra["methods"]))
@@ -619,6 +623,20 @@ def nvlink_beside(loaded: dict[str, Any], method: str, base: str = "ddp") -> tup
         values = [row["step_s"]["nvlink"] for row in rows[name] if row.get("run") in shared]
         figures.append({"median": statistics.median(values), "min": min(values), "max": max(values)})
     return figures[0], figures[1], {"runs": len(shared)}
+
+
+def sockets_beside(loaded: dict[str, Any], method: str, label: str, base: str = "ddp") -> dict[str, float] | None:
+    """``base``'s step at a sockets link in the run that ``method``'s row comes from; ``None`` if it did not time it.
+
+    The sockets rows come from several runs (each row from the latest run of its method): a ratio reads the peer
+    timed beside the method in that run, not the peer's own latest row, so that both met the same machine.
+    """
+    sockets = loaded.get("sockets", {})
+    entry = sockets.get("methods", {}).get(method)
+    for run in reversed(sockets.get("runs", {}).values()):  # the latest run that holds the method's row
+        if entry is not None and run.get(method) is entry:
+            return run.get(base, {}).get("step_s", {}).get(label)
+    return None
 
 
 def pool_nvlink_run(main: dict[str, Any], extra: dict[str, Any], stem: str) -> None:
@@ -688,6 +706,13 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 cells.append("")
                 continue
             ratio = f" ({value['median'] / ddp['median']:.2f}x)" if ddp else ""
+            if label != "nvlink" and method != "ddp":
+                beside_ddp = sockets_beside(loaded, method, label)
+                ratio = (
+                    " (no DDP in its run)"
+                    if beside_ddp is None
+                    else f" ({value['median'] / beside_ddp['median']:.2f}x)"
+                )
             if label == "nvlink" and method != "ddp":
                 # Side by side: over the pooled runs that timed DDP too (the same as the pooled medians' ratio when
                 # every run timed both).

@@ -102,6 +102,20 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     assert low_rank_nvlink["source"] == "step_breakdown_timed.json"
     assert low_rank_nvlink["measured"] == pytest.approx(0.9)
     assert low_rank_nvlink["status"] == "pass"
+    # Two repeats of the timed job (same settings and methods, other names): the target is the median ratio of three.
+    timed = json.loads((out / "step_breakdown_timed.json").read_text())
+    for name, ratio in (("step_breakdown_timed_2", 1.2), ("step_breakdown_timed_3", 1.15)):
+        repeat = {**timed, "command": f"python benchmarks/step_breakdown.py --out {name}"}
+        repeat["methods"] = {**timed["methods"], "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}}
+        (out / f"{name}.json").write_text(json.dumps(repeat))
+    completed = run(str(BENCHMARKS / "suite.py"), "--report-only", "--results", str(out), "--out", str(out))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    by_name = {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
+    low_rank_nvlink = by_name["NVLink: low_rank_r8 step vs DDP"]
+    assert low_rank_nvlink["measured"] == pytest.approx(1.15)
+    assert low_rank_nvlink["status"] == "miss"
+    assert "the median ratio of 3 runs of this job" in low_rank_nvlink["detail"]
+    assert "`step_breakdown_timed_2` 1.200x" in low_rank_nvlink["detail"]
     assert by_name["NVLink: gradient_allreduce step vs DDP"]["measured"] == pytest.approx(expected)
 
 
@@ -404,6 +418,13 @@ def test_gpu_network_lab_sockets_rows_come_from_the_latest_run_by_date_not_by_na
     ]
     assert sources["gpu_network_lab_sockets_z_older"][1] == ["low_rank_r8"]
     assert sources["gpu_network_lab_sockets"][1] == []
+    # A ratio reads DDP as timed in the method's own run: bytegrad's beside 0.19, none for low_rank_r8's run.
+    loaded = lab.load_results(tmp_path)
+    assert lab.sockets_beside(loaded, "bytegrad", "unshaped")["median"] == 0.19
+    assert lab.sockets_beside(loaded, "low_rank_r8", "unshaped") is None
+    rows = {row[0]: row for row in lab.step_table(loaded)[1]}
+    assert rows["bytegrad"][1].startswith("80.0 (0.42x)")
+    assert "(no DDP in its run)" in rows["low_rank_r8"][1]
 
 
 def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floor() -> None:

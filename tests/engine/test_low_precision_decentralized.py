@@ -26,6 +26,7 @@ from lightning_bagua.engine.algorithms.low_precision_decentralized import (
 )
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from tests.distributed import run_processes
+from tests.engine.test_codec import loads_module
 from tests.engine.test_decentralized import batch_for, fake_context, make_model, snapshot
 
 STEPS = 4
@@ -374,6 +375,18 @@ def test_cuda_difference_kernel_writes_the_bits_of_torchs_ops(dtype, ring_size, 
     # are sums of two normal samples, so every intermediate, 5w included, stays under 64 in magnitude here).
     spec = x.double() + copies.left.double() / 3 + copies.right.double() / 3 - 5 * copies.w.double() / 3
     torch.testing.assert_close(fused.double(), spec, rtol=0, atol=7 * torch.finfo(dtype).eps * 64 / 2)
+
+
+def test_a_round_on_cpu_does_not_import_the_triton_kernel():
+    # The kernel's module imports Triton: only a round on CUDA may load it.
+    code = (
+        "import torch\n"
+        "from lightning_bagua.engine.algorithms.low_precision_decentralized import _difference_into, _RingCopies\n"
+        "copies = _RingCopies(torch.ones(5), num_chunks=1, ring_size=2)\n"
+        "d = _difference_into(torch.full((5,), 2.0), copies)\n"
+        "assert torch.allclose(d, torch.full((5,), 2.0 + 2 / 3 - 5 / 3)), d\n"
+    )
+    assert not loads_module(code, "lightning_bagua.engine.algorithms._dcd_triton")
 
 
 @pytest.mark.parametrize(("world_size", "held"), [(1, 1), (2, 2), (4, 3)])
