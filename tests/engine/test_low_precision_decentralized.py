@@ -169,6 +169,12 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
         states.append(snapshot(model))
     calls_before_close = ddp.communication_counter.calls
     copies = ddp.bagua_algorithm_impl.state.copies
+    pending = None if copies is None or copies[0].pending is None else copies[0].pending
+    in_flight = None if pending is None else {"sent": pending.sent.dtype, "works": len(pending.works)}
+    saved = None
+    if options.get("checkpoint"):  # a checkpoint taken with the last round's exchange in flight
+        saved = ddp.bagua_algorithm_impl.state_dict()["copies"]
+        saved = None if saved is None else {key: tensor.cpu() for key, tensor in saved[0].items()}
     ddp.close()  # runs the round a skipped last step still owes
     if (rank, steps - 1) in skipped:
         states[-1] = snapshot(model)
@@ -178,6 +184,8 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
         "calls_before_close": calls_before_close,
         "hierarchical": ddp.communication_groups.is_hierarchical,
         "copies": None if copies is None else {k: getattr(copies[0], k).cpu() for k in ("w", "left", "right")},
+        "in_flight": in_flight,
+        "saved": saved,
     }
 
 
@@ -234,6 +242,19 @@ def assert_ring_consistent(results: list[dict]) -> None:
         assert torch.equal(copies["left"], results[(rank - 1) % n]["copies"]["w"]), f"rank {rank}: L"
         assert torch.equal(copies["right"], results[(rank + 1) % n]["copies"]["w"]), f"rank {rank}: R"
         assert torch.equal(torch.cat([p.reshape(-1) for p in result["states"][-1].values()]), copies["w"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_round_leaves_its_exchange_in_flight_and_a_checkpoint_settles_it(world_size):
+    # The new weights need only this rank's code: the neighbours' codes reach L and R when next needed. A checkpoint
+    # taken between rounds must hold them already, so that a resumed ring continues exactly.
+    results = run_processes(train, world_size, {"hierarchical": False}, {"checkpoint": True})
+    assert_matches(results, simulate(world_size))
+    for result in results:
+        sends = 1 if world_size == 2 else 2
+        assert result["in_flight"] == {"sent": torch.uint8, "works": 2 * sends}  # each send with its receive
+    saved = [{"states": result["states"], "copies": result["saved"]} for result in results]
+    assert_ring_consistent(saved)
 
 
 def test_hierarchical_two_nodes_of_two_runs_the_ring_among_leaders():

@@ -46,11 +46,16 @@ _TOWARDS_RIGHT = 1
 
 
 class _RingCopies:
-    """One dtype group's ``w``, ``L`` and ``R``: the only buffers the ring keeps between rounds.
+    """One dtype group's ``w``, ``L`` and ``R``, and the neighbours' codes of the last round until they are decoded.
 
     On a ring of two, both neighbours are the one peer and ``L`` and ``R`` receive the same codes from the same
     start, so they are one tensor; alone on the ring, ``w`` is its own neighbour and all three are one tensor.
-    The difference and the received codes live for the round only.
+
+    A round needs ``L`` and ``R`` only to form the next round's difference, so it leaves its exchange in flight and
+    the neighbours' codes undecoded (:attr:`pending`): the new weights depend on this rank's own code alone. The
+    next round, :meth:`settle` or a checkpoint first waits for them and adds them to ``L`` and ``R``. Between rounds
+    the ring thus holds the codes of one round too: one byte per weight from each distinct neighbour, and the byte
+    it sent, which an unfinished send still reads.
 
     Args:
         weights: the group's current (starting) weights, flat.
@@ -64,14 +69,37 @@ class _RingCopies:
         self.w = weights.clone()
         self.left = self.w if ring_size == 1 else weights.clone()
         self.right = self.left if ring_size <= 2 else weights.clone()
+        self.pending: _NeighbourCodes | None = None
 
     def distinct(self) -> list[Tensor]:
-        """Return the distinct tensors among ``w``, ``L`` and ``R`` (the buffers held between rounds)."""
+        """Return the distinct tensors among ``w``, ``L`` and ``R`` (the copies held between rounds)."""
         distinct: list[Tensor] = []
         for tensor in (self.w, self.left, self.right):
             if all(tensor is not other for other in distinct):
                 distinct.append(tensor)
         return distinct
+
+    def settle(self, codec: MinMaxUInt8Codec) -> None:
+        """Wait for the last round's exchange, if still pending, and add the neighbours' codes to ``L`` and ``R``."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        for work in pending.works:
+            work.wait()
+        # Decoded straight into the copies; a copy shared by two roles is updated once.
+        codec.decompress_add(pending.from_left, self.left)
+        if self.right is not self.left:
+            codec.decompress_add(pending.from_right, self.right)
+
+
+@dataclass
+class _NeighbourCodes:
+    """A round's exchange in flight: its works, the codes sent and received, and which neighbour sent which."""
+
+    works: list[dist.Work]
+    sent: Tensor
+    from_left: Tensor
+    from_right: Tensor
 
 
 # Elements per block of the round's elementwise work: the terms of ``d`` are formed in a scratch of this size,
@@ -193,6 +221,15 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             optimizer.register_step_post_hook(weakly_bound(self._after_step)) for optimizer in optimizers
         ]
 
+    def settle(self) -> None:
+        """Finish the last round's exchange, if still in flight, and add the neighbours' codes to ``L`` and ``R``.
+
+        Idempotent, and free when nothing is in flight. Rounds call it themselves; :meth:`state_dict`,
+        :meth:`load_state_dict` and :meth:`close` too.
+        """
+        for copies in self.state.copies or ():
+            copies.settle(self.state.codec)
+
     def state_dict(self) -> dict[str, Any]:
         """Return this rank's ring copies and counters: what it needs beyond its weights to continue the ring.
 
@@ -202,6 +239,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             pass and off the ring (non-leaders when two-level), else one ``{"w", "left", "right"}`` dict of
             flat tensors (clones) per dtype group.
         """
+        self.settle()
         state = self.state
         copies = None
         if state.copies is not None:
@@ -221,6 +259,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         """
         name = LowPrecisionDecentralizedAlgorithm.name
         check_state_keys(name, state, {"forward_passes": int, "due": bool, "armed": bool, "copies": (list, type(None))})
+        self.settle()  # the peer's exchange in flight still writes into the copies about to be replaced
         saved = state["copies"]
         own = self.state
         if saved is not None and not own.on_ring:
@@ -255,13 +294,17 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         own.armed = state["armed"]
 
     def close(self) -> None:
-        """Remove the optimizer hooks, first running a round the last step still owes (its peers ran theirs)."""
+        """Remove the optimizer hooks, run a round the last step still owes, and finish the last round's exchange.
+
+        The peers ran the owed round too, and their exchange with this rank is in flight until it finishes.
+        """
         self._remove_hooks()
-        if self.state.armed:
-            try:
+        try:
+            if self.state.armed:
                 self._run_round()
-            except RuntimeError as error:  # a peer that is gone must not turn shutdown into a crash
-                log.warning("Dropping an unfinished ring round on close: %s", error)
+            self.settle()
+        except RuntimeError as error:  # a peer that is gone must not turn shutdown into a crash
+            log.warning("Dropping an unfinished ring round on close: %s", error)
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped.add(id(optimizer))
@@ -273,7 +316,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
 
     def _run_round(self) -> None:
         if self.telemetry is not None:
-            # The round blocks the training loop after the step, so all of it is communication nothing overlaps.
+            # The round runs after the step, where nothing overlaps it; the wait for the last round's exchange,
+            # when still in flight, comes at its start.
             with self.telemetry.blocking():
                 self._run_round_now()
         else:
@@ -326,6 +370,10 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     4. Update the copies with what every side decodes, so that ``L`` and ``R`` stay exactly equal to the
        neighbours' own ``w``: ``L += decompress(cL)``, ``R += decompress(cR)``, ``w += decompress(c)``.
     5. Continue from the communicated weight: ``x = w``.
+
+    Step 5 needs only this rank's own code, so the round adds ``decompress(cL)`` and ``decompress(cR)`` to ``L`` and
+    ``R`` when they are next needed (the next round, a checkpoint, closing), leaving the exchange in flight over the
+    next step; the weights and copies are those of the steps above, in that order.
 
     Args:
         hierarchical: first average the weights inside each node (full precision, on the node's leader); the
@@ -387,16 +435,18 @@ def _ring_round(
     weights: read it, never change it.
     """
     codec, numel = state.codec, x.numel()
+    copies.settle(codec)  # L and R must hold the last round's codes before they enter the difference
     difference = _difference_into(x, copies)
     code = codec.compress(difference, num_chunks=copies.num_chunks)
     size = len(members)
     assert copies.ring_size == size, "the copies were laid out for another ring"
-    # One code from each distinct neighbour, for this round only.
-    received = torch.empty((min(size - 1, 2), *code.shape), dtype=code.dtype, device=code.device)
     if size == 1:
-        # Alone on the ring, this rank is its own neighbour on both sides.
-        from_left = from_right = code
-    elif size == 2:
+        # Alone on the ring, this rank is its own neighbour on both sides: L and R are w.
+        codec.decompress_add(code, copies.w)
+        return copies.w
+    # One code from each distinct neighbour, kept until the next round adds it to L or R.
+    received = torch.empty((min(size - 1, 2), *code.shape), dtype=code.dtype, device=code.device)
+    if size == 2:
         # Both neighbours are the one peer, and both would be sent the same code: one exchange carries it.
         peer = members[1 - position]
         state.counter.record("send", code, uncompressed=numel * x.element_size())
@@ -406,8 +456,6 @@ def _ring_round(
                 dist.P2POp(dist.irecv, received[0], peer, group, _TOWARDS_RIGHT),
             ]
         )
-        for work in works:
-            work.wait()
         from_left = from_right = received[0]
     else:
         left, right = members[(position - 1) % size], members[(position + 1) % size]
@@ -424,15 +472,11 @@ def _ring_round(
                 dist.P2POp(dist.irecv, received[0], left, group, _TOWARDS_RIGHT),
             ]
         )
-        for work in works:
-            work.wait()
         from_left, from_right = received[0], received[1]
-    # Decoded straight into the copies; a copy shared by two roles (see _RingCopies) is updated once.
-    if copies.left is not copies.w:
-        codec.decompress_add(from_left, copies.left)
-    if copies.right is not copies.left:
-        codec.decompress_add(from_right, copies.right)
+    # The new weights need only this rank's own code; the neighbours' codes are added to L and R when they are next
+    # needed (_RingCopies.settle), so that their exchange overlaps the next step instead of ending this one.
     codec.decompress_add(code, copies.w)
+    copies.pending = _NeighbourCodes(works, code, from_left, from_right)
     return copies.w
 
 
