@@ -562,8 +562,8 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
         main = loaded["sockets"]
         # Each run's own rows, so that a ratio can read the peer timed in the same run (sockets_beside).
         main["runs"] = {f"gpu_network_lab_sockets{suffix}": dict(main["methods"])}
-    if supplements:
-        main["sources"] = {f"gpu_network_lab_sockets{suffix}": (main["date"], list(main["methods"]))}
+        if supplements:
+            main["sources"] = {f"gpu_network_lab_sockets{suffix}": (main["date"], list(main["methods"]))}
     for path in supplements:
         extra = runs[path]
         loaded["sockets"]["runs"][path.stem] = dict(extra["methods"])
@@ -633,8 +633,10 @@ def sockets_beside(loaded: dict[str, Any], method: str, label: str, base: str = 
     """
     sockets = loaded.get("sockets", {})
     entry = sockets.get("methods", {}).get(method)
+    if entry is None:
+        return None
     for run in reversed(sockets.get("runs", {}).values()):  # the latest run that holds the method's row
-        if entry is not None and run.get(method) is entry:
+        if run.get(method) is entry:
             return run.get(base, {}).get("step_s", {}).get(label)
     return None
 
@@ -701,19 +703,13 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     for method in (m for m in METHODS if any(m in data["methods"] for data in loaded.values())):
         cells = [method]
         for label in labels:
-            value, ddp = step_of(loaded, method, label), step_of(loaded, "ddp", label)
+            value = step_of(loaded, method, label)
             if value is None:
                 cells.append("")
                 continue
-            ratio = f" ({value['median'] / ddp['median']:.2f}x)" if ddp else ""
-            if label != "nvlink" and method != "ddp":
-                beside_ddp = sockets_beside(loaded, method, label)
-                ratio = (
-                    " (no DDP in its run)"
-                    if beside_ddp is None
-                    else f" ({value['median'] / beside_ddp['median']:.2f}x)"
-                )
-            if label == "nvlink" and method != "ddp":
+            if method == "ddp":
+                ratio = " (1.00x)"
+            elif label == "nvlink":
                 # Side by side: over the pooled runs that timed DDP too (the same as the pooled medians' ratio when
                 # every run timed both).
                 beside = nvlink_beside(loaded, method)
@@ -721,6 +717,13 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                     " (no DDP in its runs)"
                     if beside is None
                     else f" ({beside[0]['median'] / beside[1]['median']:.2f}x)"
+                )
+            else:
+                beside_ddp = sockets_beside(loaded, method, label)
+                ratio = (
+                    " (no DDP in its run)"
+                    if beside_ddp is None
+                    else f" ({value['median'] / beside_ddp['median']:.2f}x)"
                 )
             cells.append(_step_cell(value, ratio))
         launches = loaded.get("sockets", {}).get("methods", {}).get(method, {}).get("launches_per_step")

@@ -407,7 +407,8 @@ def test_gpu_network_lab_sockets_rows_come_from_the_latest_run_by_date_not_by_na
     older = sockets_run("2026-11-28T06:00", {"bytegrad": 0.1, "low_rank_r8": 0.07})
     (tmp_path / "gpu_network_lab_sockets_a_newer.json").write_text(json.dumps(newer))
     (tmp_path / "gpu_network_lab_sockets_z_older.json").write_text(json.dumps(older))
-    sockets = lab.load_results(tmp_path)["sockets"]
+    loaded = lab.load_results(tmp_path)
+    sockets = loaded["sockets"]
     medians = {method: entry["step_s"]["unshaped"]["median"] for method, entry in sockets["methods"].items()}
     assert medians == {"ddp": 0.19, "bytegrad": 0.08, "low_rank_r8": 0.07}
     sources = sockets["sources"]
@@ -419,7 +420,6 @@ def test_gpu_network_lab_sockets_rows_come_from_the_latest_run_by_date_not_by_na
     assert sources["gpu_network_lab_sockets_z_older"][1] == ["low_rank_r8"]
     assert sources["gpu_network_lab_sockets"][1] == []
     # A ratio reads DDP as timed in the method's own run: bytegrad's beside 0.19, none for low_rank_r8's run.
-    loaded = lab.load_results(tmp_path)
     assert lab.sockets_beside(loaded, "bytegrad", "unshaped")["median"] == 0.19
     assert lab.sockets_beside(loaded, "low_rank_r8", "unshaped") is None
     rows = {row[0]: row for row in lab.step_table(loaded)[1]}
@@ -634,7 +634,8 @@ def test_suite_gpu_jobs_are_accepted_by_their_scripts(monkeypatch: pytest.Monkey
     benchmark_module("gpu_network_lab")
     suite = benchmark_module("suite")
     checked = set()
-    for name, command, _ in suite.gpu_steps(quick=False):
+    steps = {name: command for name, command, _ in suite.gpu_steps(quick=False)}
+    for name, command in steps.items():
         if command[0] not in ("gpu_network_lab.py", "step_breakdown.py"):
             continue
         module = benchmark_module(command[0].removesuffix(".py"))
@@ -645,10 +646,9 @@ def test_suite_gpu_jobs_are_accepted_by_their_scripts(monkeypatch: pytest.Monkey
         checked.add(name)
     assert {"step_breakdown_bucket_cap", "gpu_bucket_cap_sockets", "step_breakdown_interleaved"} <= checked
     # The sockets comparison: each @25 row has its method at today's default beside it, and DDP both ways.
-    sockets = {name: command for name, command, _ in suite.gpu_steps(quick=False)}["gpu_bucket_cap_sockets"]
+    sockets = steps["gpu_bucket_cap_sockets"]
     methods = sockets[sockets.index("--methods") + 1 : sockets.index("--rounds")]
     assert {"ddp", "ddp@100", "ddp_fp16", "ddp_powersgd_r8"} <= set(methods)
-    steps = {name: command for name, command, _ in suite.gpu_steps(quick=False)}
     for job in ("step_breakdown_interleaved", "step_breakdown_bucket_cap"):  # the peers beside ours, same job
         assert set(suite.PEER_METHODS) <= set(steps[job])
     assert all(method.removesuffix("@25") in methods for method in methods)

@@ -169,7 +169,7 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
         states.append(snapshot(model))
     calls_before_close = ddp.communication_counter.calls
     copies = ddp.bagua_algorithm_impl.state.copies
-    pending = None if copies is None or copies[0].pending is None else copies[0].pending
+    pending = None if copies is None else copies[0].pending
     in_flight = None if pending is None else {"sent": pending.sent.dtype, "works": len(pending.works)}
     saved = None
     if options.get("checkpoint"):  # a checkpoint taken with the last round's exchange in flight
