@@ -4,7 +4,10 @@ The GPU network lab's model, data and methods (``benchmarks/gpu_network_lab.py``
 processes. For every method, in rounds whose order rotates:
 
 - ``step_ms``: the median wall time of ``--steps`` steps after the lab's warm-up, each between two device
-  synchronisations (as the lab times them);
+  synchronisations (as the lab times them). ``--window K`` takes them ``K`` at a time back to back between two
+  synchronisations, a step's time the window's over ``K``: a method that leaves work in flight into the next step
+  (``low_precision_decentralized``'s exchange) overlaps it there, as it does in training, where nothing
+  synchronises the whole device between steps; with one step per window, the step pays for that work's end;
 - ``host_ms``: the median time until the step's Python call returns, before the synchronisation: a step whose
   host time nears its wall time waits on the host, not on the device;
 - from ``torch.profiler`` over ``--profiled`` further steps, per step: ``kernel_ms`` (the summed duration of every
@@ -145,14 +148,16 @@ def build(method: str, args: argparse.Namespace, device: torch.device) -> Wrappe
         return Wrapped(name, args, device, bucket_cap_mb=bucket_cap_mb, keywords=keywords)
 
 
-def timed_step(wrapped: Wrapped, tokens: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    """One step between two device synchronisations: its wall time and the time until the call returned (s)."""
+def timed_window(wrapped: Wrapped, window: list[torch.Tensor], device: torch.device) -> tuple[float, float]:
+    """Steps back to back between two device synchronisations, one per batch of ``window``: the wall time and the
+    time until the last call returned, each over the number of steps (s)."""
     synchronize(device)
     start = time.perf_counter()
-    wrapped.step(tokens, device)
+    for tokens in window:
+        wrapped.step(tokens, device)
     returned = time.perf_counter()
     synchronize(device)
-    return time.perf_counter() - start, returned - start
+    return (time.perf_counter() - start) / len(window), (returned - start) / len(window)
 
 
 def row_of(walls: list[float], hosts: list[float]) -> dict[str, Any]:
@@ -178,12 +183,14 @@ def run_method(
     method: str, args: argparse.Namespace, batches: Batches, device: torch.device, trace: Path | None = None
 ) -> dict[str, Any]:
     wrapped = build(method, args, device)
+    for step in range(WARMUP_STEPS):
+        timed_window(wrapped, [batches.for_step(args.seed, step)], device)
     walls, hosts = [], []
-    for step in range(WARMUP_STEPS + args.steps):
-        wall, host = timed_step(wrapped, batches.for_step(args.seed, step), device)
-        if step >= WARMUP_STEPS:
-            walls.append(wall)
-            hosts.append(host)
+    for first in range(WARMUP_STEPS, WARMUP_STEPS + args.steps, args.window):
+        window = [batches.for_step(args.seed, step) for step in range(first, first + args.window)]
+        wall, host = timed_window(wrapped, window, device)
+        walls.append(wall)
+        hosts.append(host)
     row = row_of(walls, hosts)
     if args.profiled:
         row.update(profile_steps(wrapped, batches, args, WARMUP_STEPS + args.steps, device, trace))
@@ -194,9 +201,10 @@ def run_method(
 def run_interleaved(args: argparse.Namespace, batches: Batches, device: torch.device, rank: int) -> None:
     """``--interleave steps``: every method built at once, their steps taken in turn; written after every round.
 
-    Each timed step index runs every method once, in an order rotated from index to index, so that a slow stretch
-    of the machine (a host-bound step follows the CPU's pace) falls on every method alike instead of on the methods
-    timed during it. The warm-up steps run in turn too. Profiles, when asked for, follow the last round.
+    Each timed window of steps (``--window``, one step by default) runs every method once, in an order rotated from
+    window to window, so that a slow stretch of the machine (a host-bound step follows the CPU's pace) falls on every
+    method alike instead of on the methods timed during it. The warm-up steps run in turn too. Profiles, when asked
+    for, follow the last round.
     """
     wrappers = {method: build(method, args, device) for method in args.methods}
     for step in range(WARMUP_STEPS):
@@ -207,12 +215,13 @@ def run_interleaved(args: argparse.Namespace, batches: Batches, device: torch.de
     step = WARMUP_STEPS
     for round_index in range(args.rounds):
         times: dict[str, tuple[list[float], list[float]]] = {method: ([], []) for method in args.methods}
-        for _ in range(args.steps):
-            for method in rotated(args.methods, step):
-                wall, host = timed_step(wrappers[method], batches.for_step(args.seed, step), device)
+        for _ in range(args.steps // args.window):
+            window = [batches.for_step(args.seed, index) for index in range(step, step + args.window)]
+            for method in rotated(args.methods, step // args.window):
+                wall, host = timed_window(wrappers[method], window, device)
                 times[method][0].append(wall)
                 times[method][1].append(host)
-            step += 1
+            step += args.window
         for method, (walls, hosts) in times.items():
             rows.setdefault(method, []).append(row_of(walls, hosts))
         if rank == 0:
@@ -270,6 +279,7 @@ def write(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], round
     command = f"python benchmarks/step_breakdown.py --methods {' '.join(args.methods)} --rounds {args.rounds}"
     command += f" --steps {args.steps}" if args.steps != 20 else ""
     command += f" --profiled {args.profiled}" if args.profiled != 3 else ""
+    command += f" --window {args.window}" if args.window != 1 else ""
     command += " --sockets" if args.sockets else ""
     command += " --interleave steps" if args.interleave == "steps" else ""
     command += f" --src {args.src}" if args.src else ""
@@ -394,6 +404,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method and round")
     parser.add_argument("--profiled", type=int, default=3, help="profiled steps per method and round")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        help="timed steps taken back to back between two device synchronisations; a step's time is the window's"
+        " over this (divides --steps)",
+    )
     parser.add_argument("--sockets", action="store_true", help="NCCL over TCP on lo (unshaped)")
     parser.add_argument(
         "--interleave",
@@ -415,6 +432,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     for method in args.methods:
         split_variant(method)
+    if args.window < 1 or args.steps % args.window:
+        parser.error(f"--window {args.window} must be a positive divisor of --steps {args.steps}")
     if args.interleave == "steps" and any(split_variant(method)[0] == "async" for method in args.methods):
         # async averages on a thread of its own between the steps: built beside the others, it would send while they
         # are timed.

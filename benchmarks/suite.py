@@ -198,6 +198,8 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
                 f"{value['median']:.1f} ms vs {ref['median']:.1f} ms (medians over {job['rounds']} rounds; this job"
                 f" ran after the lab's NVLink runs)"
             )
+            if (window := job["settings"].get("window", 1)) > 1:
+                detail += f"; steps timed {window} at a time, back to back between two device synchronisations"
             # Repeats of the job (the same settings and methods, under other names) count alike: the median ratio.
             repeats = [other for other in jobs if other["settings"] == job["settings"]]
             ratios = [_job_ratio(other, method, base) for other in repeats]

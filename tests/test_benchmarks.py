@@ -116,6 +116,18 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     assert low_rank_nvlink["status"] == "miss"
     assert "the median ratio of 3 runs of this job" in low_rank_nvlink["detail"]
     assert "`step_breakdown_timed_2` 1.200x" in low_rank_nvlink["detail"]
+    # A newer job timing steps four at a time is another setting: it is the source, alone, and says so.
+    windowed = {**timed, "date": "2999-01-02T00:00:00+00:00", "settings": {**timed["settings"], "window": 4}}
+    windowed["methods"] = {**timed["methods"], "low_rank_r8": {"step_ms": {"median": 50.0 * 0.95}}}
+    (out / "step_breakdown_windowed.json").write_text(json.dumps(windowed))
+    completed = run(str(BENCHMARKS / "suite.py"), "--report-only", "--results", str(out), "--out", str(out))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    by_name = {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
+    low_rank_nvlink = by_name["NVLink: low_rank_r8 step vs DDP"]
+    assert low_rank_nvlink["source"] == "step_breakdown_windowed.json"
+    assert low_rank_nvlink["measured"] == pytest.approx(0.95)
+    assert "the median ratio" not in low_rank_nvlink["detail"]
+    assert "steps timed 4 at a time" in low_rank_nvlink["detail"]
     assert by_name["NVLink: gradient_allreduce step vs DDP"]["measured"] == pytest.approx(expected)
 
 
@@ -538,6 +550,18 @@ def test_step_breakdown_interleaves_steps_of_methods_built_together(tmp_path: Pa
     refused = run(str(BENCHMARKS / "step_breakdown.py"), "--methods", "ddp", "async", "--interleave", "steps", "--cpu")
     assert refused.returncode != 0
     assert "--interleave steps cannot time async" in refused.stderr
+    # Two steps back to back per window, with low_precision_decentralized's exchange left in flight between them.
+    methods = ["--methods", "ddp", "low_precision_decentralized", "--rounds", "1", "--steps", "2", "--window", "2"]
+    completed = run(str(BENCHMARKS / "step_breakdown.py"), *methods, "--profiled", "0", "--interleave", "steps",
+                    "--cpu", "--results-dir", str(out), "--out", "w")  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    windowed = json.loads((out / "w.json").read_text())
+    assert "--window 2" in windowed["command"]
+    assert windowed["settings"]["window"] == 2
+    assert windowed["methods"]["low_precision_decentralized"]["step_ms"]["median"] > 0
+    uneven = run(str(BENCHMARKS / "step_breakdown.py"), "--methods", "ddp", "--steps", "5", "--window", "2", "--cpu")
+    assert uneven.returncode != 0
+    assert "--window 2 must be a positive divisor of --steps 5" in uneven.stderr
 
 
 def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path) -> None:
