@@ -22,6 +22,9 @@ start-up per method: the engine is used from plain PyTorch, as the strategy uses
   barriers; the first step after a change is not timed). ``tbf`` on ``lo`` shapes both directions together, so
   a rate is the two GPUs' total, as on a half-duplex link. The full-precision methods that cost what DDP costs
   (``gradient_allreduce``, ``decentralized``) skip the slowest rate, where a step takes seconds.
+  ``--window K`` takes a phase's timed steps ``K`` at a time, back to back between two device synchronisations (as
+  training runs them), a step's time the window's over ``K``: work a method leaves in flight into the next step
+  overlaps it there. The report marks such a run.
   The first steps of each method (its own warm-up, and PowerSGD's ``start_powerSGD_iter``) run unshaped and
   untimed. Two steps of each method are profiled after the unshaped phase: CUDA kernel launches per step.
 
@@ -342,17 +345,20 @@ def run_method(
         row["algorithm_keywords"] = algorithm_of(method)[1]
     step = 0
 
-    def timed(count: int) -> list[float]:
+    def timed(count: int, window: int = 1) -> list[float]:
+        """Time ``count`` steps, ``window`` at a time back to back between two device synchronisations; return each
+        window's time per step."""
         nonlocal step
         times = []
-        for _ in range(count):
-            tokens = batches.for_step(args.seed, step)
+        for first in range(0, count, window):
+            batch = [batches.for_step(args.seed, step + offset) for offset in range(min(window, count - first))]
             synchronize(device)
             start = time.perf_counter()
-            wrapped.step(tokens, device)
+            for tokens in batch:
+                wrapped.step(tokens, device)
             synchronize(device)
-            times.append(time.perf_counter() - start)
-            step += 1
+            times.append((time.perf_counter() - start) / len(batch))
+            step += len(batch)
         return times
 
     if args.regime == "nvlink" and not first_round:
@@ -378,7 +384,8 @@ def run_method(
                     shape_link(rate)
                 dist.barrier()
             timed(1)  # the first step after a change fills queues and windows
-            row["step_s"][label] = statistics.median(timed(TIMED_STEPS["slow" if rate and rate < 5 else "fast"]))
+            count = TIMED_STEPS["slow" if rate and rate < 5 else "fast"]
+            row["step_s"][label] = statistics.median(timed(count, args.window))
             if label == "unshaped" and first_round:
                 row.update(count_launches(wrapped, batches, args.seed, step, device))
                 step += 2
@@ -474,6 +481,7 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
         + (f" --methods {' '.join(args.methods)}" if args.methods else "")
         + (f" --rates {' '.join(f'{r:g}' for r in args.rates)}" if args.regime == "sockets" else "")
         + (f" --seed {args.seed}" if args.seed else "")
+        + (f" --window {args.window}" if args.window != 1 else "")
         + (f" --schedule {args.schedule}" if args.schedule != "cosine" else "")
         + (f" --lr-warmup {args.lr_warmup}" if args.schedule == "cosine" and args.lr_warmup != LR_WARMUP else ""),
         "settings": {
@@ -570,6 +578,7 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
         loaded["sockets"]["methods"].update(extra["methods"])
         loaded["sockets"]["command"] += f"`, then `{extra['command']} --out {path.stem}"
         loaded["sockets"]["sources"][path.stem] = (extra["date"], list(extra["methods"]))
+        loaded["sockets"].setdefault("windows", {})[path.stem] = extra.get("settings", {}).get("window", 1)
         for _, methods in list(loaded["sockets"]["sources"].values())[:-1]:
             methods[:] = [method for method in methods if method not in extra["methods"]]
     # Further NVLink runs (``--out gpu_network_lab_nvlink_NAME``: other seeds, more rounds) pool with the first.
@@ -784,6 +793,17 @@ def time_to_target_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[s
     return ["method", "steps to target", *(f"{label} s" for label in labels), "final loss (x DDP)"], rows
 
 
+def source_lines(sockets: dict[str, Any]) -> list[str]:
+    """The report's list of the sockets runs: each run's date, its timing where it took its steps more than one at a
+    time between synchronisations, and the rows it gives."""
+    lines = []
+    for stem, (date, methods) in sockets["sources"].items():
+        window = sockets.get("windows", {}).get(stem, 1)
+        timing = f"; steps timed {window} at a time, back to back" if window > 1 else ""
+        lines.append(f"- `{stem}` ({date[:16]}{timing}): {', '.join(methods)}")
+    return lines
+
+
 def report(results_dir: Path, cpu: bool) -> str:
     """Write ``gpu_network_lab.md`` and its chart from the regimes' results; return the markdown."""
     loaded = load_results(results_dir, cpu)
@@ -810,7 +830,7 @@ def report(results_dir: Path, cpu: bool) -> str:
             "The sockets columns (unshaped and shaped) come from these runs, each row from the last run of it:",
             "",
         ]
-        lines += [f"- `{stem}` ({date[:16]}): {', '.join(methods)}" for stem, (date, methods) in sources.items()]
+        lines += source_lines(loaded["sockets"])
     if "nvlink" in loaded and "ddp" in loaded["nvlink"]["methods"]:
         target, at_step, final_ddp = target_of(loaded)
         lines += [
@@ -891,6 +911,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=300, help="nvlink: steps each method trains")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--timing-steps", type=int, default=40, help="nvlink: timed steps of later rounds")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        help="sockets: timed steps taken this many at a time, back to back between two device synchronisations",
+    )
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--out", default=None, help="results file name without suffix (default: by regime)")
@@ -898,6 +924,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compare", default=None, metavar="STEM", help="write STEM.md from a bucket-size run's JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.window < 1 or (args.window > 1 and args.regime != "sockets"):
+        parser.error(
+            f"--window {args.window}: give a positive number of steps, and only with --regime sockets (the NVLink"
+            " runs time their steps one by one, and pool across runs)"
+        )
     if any("@" in method for method in args.methods or ()) and not (args.out or "").startswith(BUCKET_RUNS):
         raise SystemExit(
             f"--methods {' '.join(args.methods)}: a run with bucket sizes (METHOD@MiB) compares them and must not pool"

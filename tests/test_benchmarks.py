@@ -280,9 +280,13 @@ def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
     # The lab's plumbing on two Gloo processes (a tiny model, no shaping): both regimes, then the report.
     out = tmp_path / "results"
     methods = ["--methods", "ddp", "low_rank_r4", "--rounds", "1", "--results-dir", str(out), "--cpu"]
-    for regime in (["--regime", "nvlink", "--train-steps", "16", "--eval-every", "8"], ["--regime", "sockets"]):
+    nvlink = ["--regime", "nvlink", "--train-steps", "16", "--eval-every", "8"]
+    for regime in (nvlink, ["--regime", "sockets", "--window", "2"]):
         completed = run(str(BENCHMARKS / "gpu_network_lab.py"), *regime, *methods, "--rates", "1")
         assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    refused = run(str(BENCHMARKS / "gpu_network_lab.py"), *nvlink, *methods, "--window", "2")
+    assert refused.returncode != 0
+    assert "--window 2: give a positive number of steps, and only with --regime sockets" in refused.stderr
     nvlink = json.loads((out / "gpu_network_lab_nvlink_cpu.json").read_text())
     assert set(nvlink["methods"]) == {"ddp", "low_rank_r4"}
     assert [point["step"] for point in nvlink["methods"]["ddp"]["curve"]] == [8, 16]
@@ -293,6 +297,7 @@ def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
     assert sockets["methods"]["low_rank_r4"]["rounds"][0]["algorithm_keywords"] == {"rank": 4, "hierarchical": False}
     table = (out / "gpu_network_lab_cpu.md").read_text()
     assert "python benchmarks/gpu_network_lab.py --regime sockets --rounds 1 --methods ddp low_rank_r4" in table
+    assert sockets["command"].endswith("--rates 1 --window 2")
     assert "| low_rank_r4 |" in table
     assert "steps to target" in table
 
@@ -434,6 +439,11 @@ def test_gpu_network_lab_sockets_rows_come_from_the_latest_run_by_date_not_by_na
     # A ratio reads DDP as timed in the method's own run: bytegrad's beside 0.19, none for low_rank_r8's run.
     assert lab.sockets_beside(loaded, "bytegrad", "unshaped")["median"] == 0.19
     assert lab.sockets_beside(loaded, "low_rank_r8", "unshaped") is None
+    assert lab.source_lines(sockets)[2] == "- `gpu_network_lab_sockets_a_newer` (2026-11-28T12:00): bytegrad, ddp"
+    # A run that timed its steps in windows says so.
+    (tmp_path / "gpu_network_lab_sockets_a_newer.json").write_text(json.dumps({**newer, "settings": {"window": 4}}))
+    windowed = lab.source_lines(lab.load_results(tmp_path)["sockets"])[2]
+    assert windowed.endswith("(2026-11-28T12:00; steps timed 4 at a time, back to back): bytegrad, ddp")
     rows = {row[0]: row for row in lab.step_table(loaded)[1]}
     assert rows["bytegrad"][1].startswith("80.0 (0.42x)")
     assert "(no DDP in its run)" in rows["low_rank_r8"][1]
