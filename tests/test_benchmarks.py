@@ -81,6 +81,11 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
         assert time_to_target["status"] == "miss"
         assert "no low_rank curve" in time_to_target["detail"]
 
+    def targets_now() -> dict[str, dict[str, Any]]:
+        completed = run(str(BENCHMARKS / "suite.py"), "--report-only", "--results", str(out), "--out", str(out))
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        return {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
+
     # A step_breakdown job run after the lab's NVLink runs, unprofiled on the lab's model, times the engine as it is:
     # its ratio counts for the methods it timed beside DDP. A profiled one does not.
     settings = merged["nvlink"]["settings"]
@@ -95,9 +100,7 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
             "methods": {"ddp": {"step_ms": {"median": 50.0}}, "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}},
         }
         (out / f"{name}.json").write_text(json.dumps(job))
-    completed = run(str(BENCHMARKS / "suite.py"), "--report-only", "--results", str(out), "--out", str(out))
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    by_name = {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
+    by_name = targets_now()
     low_rank_nvlink = by_name["NVLink: low_rank_r8 step vs DDP"]
     assert low_rank_nvlink["source"] == "step_breakdown_timed.json"
     assert low_rank_nvlink["measured"] == pytest.approx(0.9)
@@ -108,9 +111,7 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
         repeat = {**timed, "command": f"python benchmarks/step_breakdown.py --out {name}"}
         repeat["methods"] = {**timed["methods"], "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}}
         (out / f"{name}.json").write_text(json.dumps(repeat))
-    completed = run(str(BENCHMARKS / "suite.py"), "--report-only", "--results", str(out), "--out", str(out))
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    by_name = {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
+    by_name = targets_now()
     low_rank_nvlink = by_name["NVLink: low_rank_r8 step vs DDP"]
     assert low_rank_nvlink["measured"] == pytest.approx(1.15)
     assert low_rank_nvlink["status"] == "miss"
@@ -120,9 +121,7 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     windowed = {**timed, "date": "2999-01-02T00:00:00+00:00", "settings": {**timed["settings"], "window": 4}}
     windowed["methods"] = {**timed["methods"], "low_rank_r8": {"step_ms": {"median": 50.0 * 0.95}}}
     (out / "step_breakdown_windowed.json").write_text(json.dumps(windowed))
-    completed = run(str(BENCHMARKS / "suite.py"), "--report-only", "--results", str(out), "--out", str(out))
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    by_name = {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
+    by_name = targets_now()
     low_rank_nvlink = by_name["NVLink: low_rank_r8 step vs DDP"]
     assert low_rank_nvlink["source"] == "step_breakdown_windowed.json"
     assert low_rank_nvlink["measured"] == pytest.approx(0.95)
