@@ -294,6 +294,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_window(wrapped: Wrapped, window: list[torch.Tensor], device: torch.device) -> tuple[float, float]:
+    """Steps back to back between two device synchronisations, one per batch of ``window``: the wall time and the
+    time until the last call returned, each over the number of steps (s)."""
+    synchronize(device)
+    start = time.perf_counter()
+    for tokens in window:
+        wrapped.step(tokens, device)
+    returned = time.perf_counter()
+    synchronize(device)
+    return (time.perf_counter() - start) / len(window), (returned - start) / len(window)
+
+
 def shape_link(rate_gbit: float | None) -> None:
     """Shape ``lo`` to ``rate_gbit`` (``None``: unshaped): a token bucket of 100 us of the link, two frames at least."""
     subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
@@ -352,12 +364,7 @@ def run_method(
         times = []
         for first in range(0, count, window):
             batch = [batches.for_step(args.seed, step + offset) for offset in range(min(window, count - first))]
-            synchronize(device)
-            start = time.perf_counter()
-            for tokens in batch:
-                wrapped.step(tokens, device)
-            synchronize(device)
-            times.append((time.perf_counter() - start) / len(batch))
+            times.append(timed_window(wrapped, batch, device)[0])
             step += len(batch)
         return times
 
@@ -572,13 +579,14 @@ def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
         main["runs"] = {f"gpu_network_lab_sockets{suffix}": dict(main["methods"])}
         if supplements:
             main["sources"] = {f"gpu_network_lab_sockets{suffix}": (main["date"], list(main["methods"]))}
+            main["windows"] = {f"gpu_network_lab_sockets{suffix}": main.get("settings", {}).get("window", 1)}
     for path in supplements:
         extra = runs[path]
         loaded["sockets"]["runs"][path.stem] = dict(extra["methods"])
         loaded["sockets"]["methods"].update(extra["methods"])
         loaded["sockets"]["command"] += f"`, then `{extra['command']} --out {path.stem}"
         loaded["sockets"]["sources"][path.stem] = (extra["date"], list(extra["methods"]))
-        loaded["sockets"].setdefault("windows", {})[path.stem] = extra.get("settings", {}).get("window", 1)
+        loaded["sockets"]["windows"][path.stem] = extra.get("settings", {}).get("window", 1)
         for _, methods in list(loaded["sockets"]["sources"].values())[:-1]:
             methods[:] = [method for method in methods if method not in extra["methods"]]
     # Further NVLink runs (``--out gpu_network_lab_nvlink_NAME``: other seeds, more rounds) pool with the first.
@@ -798,7 +806,7 @@ def source_lines(sockets: dict[str, Any]) -> list[str]:
     time between synchronisations, and the rows it gives."""
     lines = []
     for stem, (date, methods) in sockets["sources"].items():
-        window = sockets.get("windows", {}).get(stem, 1)
+        window = sockets["windows"][stem]
         timing = f"; steps timed {window} at a time, back to back" if window > 1 else ""
         lines.append(f"- `{stem}` ({date[:16]}{timing}): {', '.join(methods)}")
     return lines

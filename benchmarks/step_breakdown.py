@@ -50,7 +50,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -72,6 +71,7 @@ from gpu_network_lab import (
     machine,
     split_bucket,
     synchronize,
+    timed_window,
 )
 from harness import SOCKETS_ENV, rotated
 
@@ -146,18 +146,6 @@ def build(method: str, args: argparse.Namespace, device: torch.device) -> Wrappe
     name, bucket_cap_mb, keywords, environment = split_variant(method)
     with mock.patch.dict(os.environ, environment):
         return Wrapped(name, args, device, bucket_cap_mb=bucket_cap_mb, keywords=keywords)
-
-
-def timed_window(wrapped: Wrapped, window: list[torch.Tensor], device: torch.device) -> tuple[float, float]:
-    """Steps back to back between two device synchronisations, one per batch of ``window``: the wall time and the
-    time until the last call returned, each over the number of steps (s)."""
-    synchronize(device)
-    start = time.perf_counter()
-    for tokens in window:
-        wrapped.step(tokens, device)
-    returned = time.perf_counter()
-    synchronize(device)
-    return (time.perf_counter() - start) / len(window), (returned - start) / len(window)
 
 
 def row_of(walls: list[float], hosts: list[float]) -> dict[str, Any]:

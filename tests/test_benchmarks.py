@@ -443,6 +443,9 @@ def test_gpu_network_lab_sockets_rows_come_from_the_latest_run_by_date_not_by_na
     (tmp_path / "gpu_network_lab_sockets_a_newer.json").write_text(json.dumps({**newer, "settings": {"window": 4}}))
     windowed = lab.source_lines(lab.load_results(tmp_path)["sockets"])[2]
     assert windowed.endswith("(2026-11-28T12:00; steps timed 4 at a time, back to back): bytegrad, ddp")
+    main = {**sockets_run("2026-11-27T00:00", {"ddp": 0.2}), "settings": {"window": 2}}
+    (tmp_path / "gpu_network_lab_sockets.json").write_text(json.dumps(main))
+    assert "; steps timed 2 at a time" in lab.source_lines(lab.load_results(tmp_path)["sockets"])[0]
     rows = {row[0]: row for row in lab.step_table(loaded)[1]}
     assert rows["bytegrad"][1].startswith("80.0 (0.42x)")
     assert "(no DDP in its run)" in rows["low_rank_r8"][1]
