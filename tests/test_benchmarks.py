@@ -262,6 +262,19 @@ def test_low_rank_host_cost_times_every_setting_of_both_forms(tmp_path: Path) ->
     assert "python benchmarks/low_rank_host_cost.py" in (tmp_path / "low_rank_host_cost_cpu.md").read_text()
 
 
+def test_weight_round_cost_times_the_copies_and_the_round_on_both_layouts(tmp_path: Path) -> None:
+    command = ["--cpu", "--rounds", "2", "--steps", "2", "--warmup", "1", "--results-dir", str(tmp_path)]
+    completed = run(str(BENCHMARKS / "weight_round_cost.py"), *command)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((tmp_path / "weight_round_cost_cpu.json").read_text())
+    assert set(report["copies"]) == {"torch.cat", "torch._foreach_copy_", "flat copy"}
+    assert set(report["optimizer_step"]) == {"ddp", "aliased", "copied"}
+    assert report["aliased"] == {"aliased": True, "copied": False}  # each variant ran the layout it is named after
+    assert all(len(medians) == 2 for medians in report["rounds"]["optimizer_step"].values())
+    assert all(row["min_ms"] <= row["median_ms"] <= row["max_ms"] for row in report["optimizer_step"].values())
+    assert "python benchmarks/weight_round_cost.py --cpu" in (tmp_path / "weight_round_cost_cpu.md").read_text()
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux scheduling policy")
 def test_gloo_scheduling_times_both_policies_of_every_communication(tmp_path: Path) -> None:
     command = ["--rounds", "2", "--steps", "3", "--warmup", "1", "--compute-ms", "0.1"]

@@ -25,6 +25,7 @@ from lightning_bagua.engine.algorithms.low_precision_decentralized import (
     _RingCopies,
 )
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.optim import fuse_optimizer
 from tests.distributed import run_processes
 from tests.engine.test_codec import loads_module
 from tests.engine.test_decentralized import batch_for, fake_context, make_model, snapshot
@@ -144,6 +145,9 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
         optimizers = [torch.optim.SGD(model[i].parameters(), lr=LR) for i in (0, 2)]
     else:
         optimizers = [torch.optim.SGD(model.parameters(), lr=LR)]
+    fuse = options.get("fuse")  # lay the parameters out in a fused optimizer's flat buffer "before" or "after" wrapping
+    if fuse == "before":
+        optimizers = [fuse_optimizer(optimizer) for optimizer in optimizers]
     ddp = BaguaDistributedDataParallel(
         model,
         optimizers,
@@ -152,6 +156,8 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
         device_ids=[rank] if cuda else None,
         bucket_cap_mb=options.get("bucket_cap_mb"),
     )
+    if fuse == "after":
+        optimizers = [fuse_optimizer(optimizer) for optimizer in optimizers]
     states = []
     for step in range(steps):
         for optimizer in optimizers:
@@ -165,9 +171,15 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
                 (nn.functional.mse_loss(outputs, targets) / accumulate).backward()
         if (rank, step) not in skipped:  # e.g. a GradScaler that found infinities skips the step
             for optimizer in reversed(optimizers):
-                optimizer.step()
+                optimizer.fuse_step() if fuse else optimizer.step()  # type: ignore[attr-defined]
         states.append(snapshot(model))
+        if step == options.get("new_storage_after"):  # as module.to() or load_state_dict(assign=True) would do
+            for parameter in model.parameters():
+                parameter.data = parameter.data.clone()
     calls_before_close = ddp.communication_counter.calls
+    aliased = [weights.aliased for weights in ddp.bagua_algorithm_impl.state.weights]
+    buffer_storage = ddp.bagua_algorithm_impl.state.weights[0].buffer.untyped_storage().data_ptr()
+    storages = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
     copies = ddp.bagua_algorithm_impl.state.copies
     pending = None if copies is None else copies[0].pending
     in_flight = None if pending is None else {"sent": pending.sent.dtype, "works": len(pending.works)}
@@ -186,6 +198,9 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
         "copies": None if copies is None else {k: getattr(copies[0], k).cpu() for k in ("w", "left", "right")},
         "in_flight": in_flight,
         "saved": saved,
+        "aliased": aliased,
+        "in_the_round_buffer": storages == {buffer_storage},
+        "in_one_storage": len(storages) == 1,
     }
 
 
@@ -207,6 +222,56 @@ def test_flat_ring_matches_the_simulation_step_by_step(world_size):
     # Gradients stay local and the ring only mixes: the replicas differ.
     assert not torch.equal(results[0]["states"][-1]["0.weight"], results[1]["states"][-1]["0.weight"])
     assert_ring_consistent(results)
+    # The round reads the parameters where they live: each rank's one dtype group is laid out in its buffer.
+    assert [result["aliased"] for result in results] == [[True]] * world_size
+
+
+def test_parameters_given_new_storage_between_steps_are_laid_out_again():
+    # module.to() or an assigning load_state_dict gives parameters new storage: the next round must read those,
+    # not the buffer the old storage was laid out in.
+    results = run_processes(train, 2, {"hierarchical": False}, {"new_storage_after": 1})
+    assert_matches(results, simulate(2))
+    assert [result["aliased"] for result in results] == [[True], [True]]
+
+
+@pytest.mark.parametrize("fuse", ["before", "after"])
+def test_parameters_a_fused_optimizer_laid_out_stay_in_its_buffer(fuse):
+    # fuse_optimizer keeps the parameters as views into its own flat buffer and steps that: the round must not pull
+    # them into its buffer, or the fused step would update memory the parameters have left.
+    results = run_processes(train, 2, {"hierarchical": False}, {"fuse": fuse})
+    assert_matches(results, simulate(2))
+    for result in results:
+        assert result["aliased"] == [False]
+        assert result["in_one_storage"]
+        assert not result["in_the_round_buffer"]
+
+
+def fail_the_exchange(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], LowPrecisionDecentralizedAlgorithm(hierarchical=False))
+
+    def peer_gone(operations: list) -> list:
+        raise RuntimeError("the peer is gone")
+
+    low_precision_decentralized.start_exchange = peer_gone  # this process's module only
+    inputs, targets = batch_for(rank, 0)
+    nn.functional.mse_loss(ddp(inputs), targets).backward()
+    with pytest.raises(RuntimeError, match="the peer is gone"):
+        optimizer.step()  # the round runs in the step's post-hook
+    return {"state": snapshot(model)}
+
+
+def test_a_round_whose_exchange_fails_leaves_the_weights_of_the_local_step():
+    results = run_processes(fail_the_exchange, 2)
+    simulation = Simulation(2)
+    for rank, result in enumerate(results):
+        simulation.local_step(rank, range(1))
+        torch.testing.assert_close(result["state"], simulation.states()[rank], rtol=0, atol=0)
+    # The test can fail: the step changed the weights, so keeping the starting ones would not pass.
+    start = Simulation(2).states()[0]
+    assert not torch.equal(results[0]["state"]["0.weight"], start["0.weight"])
 
 
 def test_each_bucket_sized_piece_of_the_difference_is_quantised_on_its_own():
@@ -388,9 +453,9 @@ def test_cuda_difference_kernel_writes_the_bits_of_torchs_ops(dtype, ring_size, 
     for tensor in copies.distinct():  # distinct values where the copies are distinct tensors
         tensor.add_(torch.randn(numel, generator=generator, device="cuda").to(dtype))
     x = start * 1.5 + 0.25
-    fused = _difference_into(x.clone(), copies)
+    fused = _difference_into(torch.empty_like(x), x, copies)
     monkeypatch.setattr(low_precision_decentralized, "_difference_kernels", lambda: None)
-    by_torch_ops = _difference_into(x.clone(), copies)
+    by_torch_ops = _difference_into(torch.empty_like(x), x, copies)
     assert torch.equal(fused, by_torch_ops), f"{int((fused != by_torch_ops).sum())} of {numel} elements differ"
     # And the ops are the spec's: x + L/3 + R/3 - 5w/3, up to rounding each of seven ops to the dtype (the operands
     # are sums of two normal samples, so every intermediate, 5w included, stays under 64 in magnitude here).
@@ -404,7 +469,7 @@ def test_a_round_on_cpu_does_not_import_the_triton_kernel():
         "import torch\n"
         "from lightning_bagua.engine.algorithms.low_precision_decentralized import _difference_into, _RingCopies\n"
         "copies = _RingCopies(torch.ones(5), num_chunks=1, ring_size=2)\n"
-        "d = _difference_into(torch.full((5,), 2.0), copies)\n"
+        "d = _difference_into(torch.empty(5), torch.full((5,), 2.0), copies)\n"
         "assert torch.allclose(d, torch.full((5,), 2.0 + 2 / 3 - 5 / 3)), d\n"
     )
     assert not loads_module(code, "lightning_bagua.engine.algorithms._dcd_triton")

@@ -239,6 +239,34 @@ def _fused_optimizer() -> tuple[list[str], list[list[str]], list[str]]:
     return header, rows, commands
 
 
+def _weight_round_cost() -> tuple[list[str], list[list[str]], list[str]]:
+    rows, commands = [], []
+    for path in sorted(RESULTS.glob("weight_round_cost_*.json")):
+        data = _load(path.stem)
+        commands.append(data["command"])
+        device = data["machine"]["device"]
+        flat = data["copies"]["flat copy"]["median_ms"]
+        ddp = data["optimizer_step"]["ddp"]["median_ms"]
+        labels = {
+            "torch.cat": "the parameters into a flat tensor, `torch.cat`",
+            "torch._foreach_copy_": "a flat tensor into the parameters, `torch._foreach_copy_`",
+            "flat copy": "one flat tensor into another",
+            "ddp": "AdamW's step under DDP (no round)",
+            "aliased": "AdamW's step and the round, parameters laid out in its buffer",
+            "copied": "AdamW's step and the round, weights copied in and out",
+        }
+        for group, relative in (("copies", flat), ("optimizer_step", ddp)):
+            for name, row in data[group].items():
+                if group == "copies":
+                    note = f"{row['median_ms'] / relative:.1f}x one flat copy"
+                else:
+                    note = "" if name == "ddp" else f"round: {row['median_ms'] - relative:.2f} ms"
+                spread = f"{row['median_ms']:.2f} ms [{row['min_ms']:.2f}, {row['max_ms']:.2f}]"
+                rows.append([device, labels[name], spread, note])
+    header = ["device", "measured", "median [min, max] over rounds", ""]
+    return header, rows, commands
+
+
 def _sampler_balance() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("sampler_balance")
     rows = []
@@ -498,6 +526,7 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "chaos": _chaos,
     "step_breakdown": _step_breakdown,
     "bucket_cap": _bucket_cap,
+    "weight_round_cost": _weight_round_cost,
 }
 # Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
 NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}

@@ -28,7 +28,7 @@ _ONE_THIRD = struct.unpack("f", struct.pack("f", 1.0 / 3.0))[0]
 
 
 @triton.jit
-def _difference_kernel(x_ptr, left_ptr, right_ptr, w_ptr, numel, one_third, block: tl.constexpr):
+def _difference_kernel(out_ptr, x_ptr, left_ptr, right_ptr, w_ptr, numel, one_third, block: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * block + tl.arange(0, block)
     valid = offsets < numel
     x = tl.load(x_ptr + offsets, mask=valid)
@@ -41,14 +41,15 @@ def _difference_kernel(x_ptr, left_ptr, right_ptr, w_ptr, numel, one_third, bloc
     d = (d + (right * one_third).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     five_w = (w * 5.0).to(dtype).to(tl.float32)
     d = d - (five_w * one_third).to(dtype).to(tl.float32)
-    tl.store(x_ptr + offsets, d.to(dtype), mask=valid)
+    tl.store(out_ptr + offsets, d.to(dtype), mask=valid)
 
 
-def difference_into(x: Tensor, left: Tensor, right: Tensor, w: Tensor) -> None:
-    """Overwrite ``x`` with ``x + left/3 + right/3 - 5 w/3``, bit for bit as torch's CUDA ops evaluate it in turn.
+def difference_into(out: Tensor, x: Tensor, left: Tensor, right: Tensor, w: Tensor) -> None:
+    """Write ``x + left/3 + right/3 - 5 w/3`` into ``out``, bit for bit as torch's CUDA ops evaluate it in turn.
 
     Args:
-        x: the flat, contiguous weights after the local step; ``x`` may not alias the others.
+        out: a flat, contiguous tensor like ``x``, which may be ``x`` but no other operand.
+        x: the flat, contiguous weights after the local step.
         left: the estimate of the left neighbour's ``w``, like ``x`` (it may be ``right`` or ``w``).
         right: the estimate of the right neighbour's ``w``, like ``x``.
         w: the weights last communicated, like ``x``.
@@ -58,5 +59,5 @@ def difference_into(x: Tensor, left: Tensor, right: Tensor, w: Tensor) -> None:
         return
     grid = (triton.cdiv(numel, _BLOCK),)
     _difference_kernel[grid](
-        x, left, right, w, numel, _ONE_THIRD, block=_BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False
+        out, x, left, right, w, numel, _ONE_THIRD, block=_BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False
     )

@@ -168,7 +168,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             node_average=algorithm.hierarchical
             and context.groups.layout.num_nodes == 1
             and context.groups.world_size > 1,
-            weights=group_by_dtype([parameter for _, parameter in context.named_parameters]),
+            # The round runs between two steps, never beside one: it may read the parameters in place.
+            weights=group_by_dtype([parameter for _, parameter in context.named_parameters], alias=True),
         )
         self._optimizers: list[Optimizer] = []
         self._stepped: set[int] = set()
@@ -328,17 +329,20 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         state.armed = False
         self._stepped.clear()
         for index, weights in enumerate(state.weights):
+            # The parameters themselves (aliased): the round leaves them alone until it writes its result, so a
+            # collective that fails half way leaves the weights of the last step.
             x = weights.gather()
             copies = state.copies[index] if state.copies is not None else None
             if state.node_average:
+                x = x.clone()
                 state.counter.record("all_reduce", x)
                 dist.all_reduce(x, group=state.groups.flat)
                 x.div_(state.groups.world_size)
             elif state.groups.is_hierarchical:
+                x = x.clone()
                 all_reduce_hierarchically(x, state.groups, state.counter, partial(_leader_round, state, copies))
             else:
                 assert copies is not None
-                # Straight from w into the parameters: x held the round's difference.
                 x = _ring_round(x, copies, state, state.groups.flat, state.groups.rank, state.groups.global_ranks)
             weights.scatter(x)
 
@@ -373,7 +377,9 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
 
     Step 5 needs only this rank's own code, so the round adds ``decompress(cL)`` and ``decompress(cR)`` to ``L`` and
     ``R`` when they are next needed (the next round, a checkpoint, closing), leaving the exchange in flight over the
-    next step; the weights and copies are those of the steps above, in that order.
+    next step; the weights and copies are those of the steps above, in that order. The participating parameters
+    live in one flat buffer per dtype, each one's ``data`` a view into it (:class:`~.weights.FlatWeights` with
+    ``alias=True``), so the round reads ``x`` in place and writes ``w`` back with one copy.
 
     Args:
         hierarchical: first average the weights inside each node (full precision, on the node's leader); the
@@ -431,12 +437,12 @@ def _ring_round(
 ) -> Tensor:
     """Run one DCD-PSGD round for ring member ``position`` of ``members`` (global ranks) and return ``w``.
 
-    ``x`` is overwritten with the round's difference. The returned tensor is the ring copy ``w`` itself, the new
-    weights: read it, never change it.
+    ``x`` is read only. The returned tensor is the ring copy ``w`` itself, the new weights: read it, never change
+    it.
     """
     codec, numel = state.codec, x.numel()
     copies.settle(codec)  # L and R must hold the last round's codes before they enter the difference
-    difference = _difference_into(x, copies)
+    difference = _difference_into(torch.empty_like(x), x, copies)
     code = codec.compress(difference, num_chunks=copies.num_chunks)
     size = len(members)
     assert copies.ring_size == size, "the copies were laid out for another ring"
@@ -480,8 +486,8 @@ def _ring_round(
     return copies.w
 
 
-def _difference_into(x: Tensor, copies: _RingCopies) -> Tensor:
-    """Overwrite ``x`` with the change to communicate, ``d = x + L/3 + R/3 - 5w/3``, and return it.
+def _difference_into(out: Tensor, x: Tensor, copies: _RingCopies) -> Tensor:
+    """Write the change to communicate, ``d = x + L/3 + R/3 - 5w/3``, into ``out`` and return it.
 
     On CUDA with Triton, one kernel reads each operand once (:mod:`._dcd_triton`) and writes the bits torch's
     ops below write there. Elsewhere torch's ops run in that order, block by block, through a block-sized scratch
@@ -489,19 +495,19 @@ def _difference_into(x: Tensor, copies: _RingCopies) -> Tensor:
     """
     kernels = _difference_kernels() if x.device.type == "cuda" else None
     if kernels is not None:
-        kernels.difference_into(x, copies.left, copies.right, copies.w)
-        return x
+        kernels.difference_into(out, x, copies.left, copies.right, copies.w)
+        return out
     numel = x.numel()
     block_size = _ROUND_BLOCK.get(x.device.type, 1 << 24)
     scratch = torch.empty(min(numel, block_size), dtype=x.dtype, device=x.device)
     for start in range(0, numel, block_size):
         end = min(start + block_size, numel)
         term = scratch[: end - start]
-        block = x[start:end]
+        block = out[start:end].copy_(x[start:end])
         block.add_(torch.div(copies.left[start:end], 3, out=term))
         block.add_(torch.div(copies.right[start:end], 3, out=term))
         block.sub_(torch.mul(copies.w[start:end], 5, out=term).div_(3))
-    return x
+    return out
 
 
 @functools.cache
