@@ -8,11 +8,13 @@ process group of one. Two measurements:
    into the parameters with ``torch._foreach_copy_`` (how it wrote them back), and of one copy between two flat
    tensors of the same size (what writing back costs now).
 2. **The optimizer step, round included.** AdamW's step under ``ddp`` (no round), and under
-   ``low_precision_decentralized`` (flat) with its parameters laid out in the round's buffer (``aliased``, as the
-   engine runs it) and with the weights copied in and out (``copied``: ``alias=False``, the engine before). The
-   round runs in the step's post-hook, so the step's time less DDP's is the round's. Alone on its ring the rank
-   still forms the difference, compresses it, decodes its own code and writes the weights back; it exchanges
-   nothing and has no neighbour's code to decode (a ring of two adds one decode, the same in both variants).
+   ``low_precision_decentralized`` (flat) in three variants: ``aliased``, as the engine runs it (the parameters
+   laid out in the round's buffer, the decoded code added to ``w`` in one pass); ``two_pass_add``, the same but
+   decoding into a temporary and adding that (as the codec did on CUDA before its one-pass kernel); ``copied``,
+   also with the weights copied in and out (``alias=False``): the engine before both. The round runs in the step's
+   post-hook, so the step's time less DDP's is the round's. Alone on its ring the rank still forms the
+   difference, compresses it, decodes its own code and writes the weights back; it exchanges nothing and has no
+   neighbour's code to decode (a ring of two adds one decode-add).
 
 Times are device time between two CUDA events (on the CPU, wall time). The variants' steps interleave, the order
 rotated from step to step; a figure is the median over ``--rounds`` rounds of each round's median over
@@ -36,6 +38,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -46,9 +49,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import DecoderLM, rotated
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
 RESULTS = Path(__file__).parent / "results"
-VARIANTS = ("ddp", "aliased", "copied")
+VARIANTS = ("ddp", "aliased", "two_pass_add", "copied")
 COPIES = ("torch.cat", "torch._foreach_copy_", "flat copy")
 
 
@@ -104,6 +108,16 @@ def time_copies(args: argparse.Namespace, device: torch.device, clock: Clock) ->
     return medians
 
 
+class TwoPassAdd(MinMaxUInt8Codec):
+    """The codec without its one-pass ``decode_add`` kernel: ``decompress_add`` decodes, then adds."""
+
+    def _kernels(self, device: torch.device, length: int, dtype: torch.dtype) -> Any:
+        kernels = super()._kernels(device, length, dtype)
+        if kernels is None or not hasattr(kernels, "decode_add"):
+            return kernels
+        return SimpleNamespace(**{name: getattr(kernels, name) for name in ("compress", "decode")})
+
+
 class Variant:
     """One variant's model, AdamW and wrapper; :meth:`step` times the optimizer step (ms)."""
 
@@ -129,6 +143,8 @@ class Variant:
         patch = mock.patch.object(low_precision_decentralized, "group_by_dtype", copied)
         with patch if name == "copied" else contextlib.nullcontext():
             self.model = BaguaDistributedDataParallel(self.module, [self.optimizer], algorithm, device_ids=device_ids)
+        if name != "aliased":
+            self.model.bagua_algorithm_impl.state.codec = TwoPassAdd()
         self.model.bagua_algorithm_impl.start()
 
     def step(self, tokens: torch.Tensor, clock: Clock) -> float:

@@ -210,3 +210,21 @@ def test_decompress_sum_and_add_on_cuda_match_the_cpu(numel, rows):
     expected_add = codec.decompress_add(encoded[:1], base.clone())
     added = codec.decompress_add(encoded[:1].to(DEVICE), base.to(DEVICE))
     torch.testing.assert_close(added.cpu(), expected_add, rtol=2.0**-22, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", NUMELS)
+@pytest.mark.parametrize("chunks", CHUNKS)
+def test_triton_decode_add_writes_what_decoding_then_adding_writes(triton_codec, dtype, numel, chunks):
+    # low_precision_decentralized adds decoded differences into its weight copies: one pass, the bits of two.
+    values = random_values(numel, 3.0, -1.0, seed=numel + chunks, dtype=dtype).to(DEVICE)
+    encoded = triton_codec.compress(values, chunks)
+    base = random_values(numel, 1.0, 0.5, seed=7, dtype=dtype).to(DEVICE)
+    expected = base + triton_codec.decompress(encoded, numel, dtype)
+    out = base.clone()
+    assert triton_codec.decompress_add(encoded, out) is out
+    assert torch.equal(out, expected), f"{int((out != expected).sum())} of {numel} elements differ"
+    # Only the first out.numel() elements are added (a shorter output than the codes hold).
+    shorter = base[: numel // 2 + 1].clone()
+    triton_codec.decompress_add(encoded, shorter)
+    assert torch.equal(shorter, expected[: numel // 2 + 1])

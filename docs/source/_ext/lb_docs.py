@@ -252,8 +252,9 @@ def _weight_round_cost() -> tuple[list[str], list[list[str]], list[str]]:
             "torch._foreach_copy_": "a flat tensor into the parameters, `torch._foreach_copy_`",
             "flat copy": "one flat tensor into another",
             "ddp": "AdamW's step under DDP (no round)",
-            "aliased": "AdamW's step and the round, parameters laid out in its buffer",
-            "copied": "AdamW's step and the round, weights copied in and out",
+            "aliased": "AdamW's step and the round (the engine now)",
+            "two_pass_add": "the same, decoding then adding (no one-pass decode-add)",
+            "copied": "the same, also copying the weights in and out (the engine before)",
         }
         for group, relative in (("copies", flat), ("optimizer_step", ddp)):
             for name, row in data[group].items():

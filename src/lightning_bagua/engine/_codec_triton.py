@@ -10,8 +10,9 @@ bucket do. Compression is two launches. First, a few looping programs per SM eac
 flag of their span (partials). Then the same programs each reduce their chunk's partials (at most 1024 of
 each, from L2), derive the chunk's scale, quantise their span (backwards, to start on what the first pass left
 in L2) and, for the chunk's first span, write the header. Decompression is one launch with one block per
-program: each reads its chunk's 8 header bytes and decodes its block. The input is read twice and the codes
-written once, so compression alone moves 2.25x the input's float32 bytes at the least; decompression 1.25x.
+program: each reads its chunk's 8 header bytes and decodes its block, into the output or added to it
+(``decode_add``, which reads the output too). The input is read twice and the codes written once, so compression
+alone moves 2.25x the input's float32 bytes at the least; decompression 1.25x, and adding 2.25x.
 """
 
 # mypy: disable-error-code="no-untyped-def"
@@ -27,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-__all__ = ["compress", "decode"]
+__all__ = ["compress", "decode", "decode_add"]
 
 
 class _Config(NamedTuple):
@@ -194,6 +195,7 @@ def _decode_kernel(
     eps,
     header_bytes: tl.constexpr,
     block: tl.constexpr,
+    accumulate: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -223,7 +225,12 @@ def _decode_kernel(
         index = row_start + j
         mask = (j < end) & (index < numel)
         q = tl.load(row_ptr + header_bytes + j, mask=mask, other=0).to(tl.float32)
-        tl.store(out_ptr + index, (q * a + b).to(out_ptr.dtype.element_ty), mask=mask)
+        decoded = (q * a + b).to(out_ptr.dtype.element_ty)
+        if accumulate:
+            # out += decoded as torch adds two tensors of out's dtype: in float32, rounded once to the dtype.
+            previous = tl.load(out_ptr + index, mask=mask, other=0).to(tl.float32)
+            decoded = (previous + decoded.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + index, decoded, mask=mask)
 
 
 @functools.cache
@@ -309,7 +316,7 @@ def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_by
     return out
 
 
-def decode(encoded: Tensor, out: Tensor, numel: int, eps: float, header_bytes: int) -> None:
+def decode(encoded: Tensor, out: Tensor, numel: int, eps: float, header_bytes: int, accumulate: bool = False) -> None:
     """Decode the first ``numel`` elements of ``encoded`` (rows with contiguous bytes) into the flat ``out``.
 
     Args:
@@ -318,6 +325,7 @@ def decode(encoded: Tensor, out: Tensor, numel: int, eps: float, header_bytes: i
         numel: number of elements to decode, at most ``k * L``.
         eps: the codec's epsilon.
         header_bytes: bytes of each row's header.
+        accumulate: add the decoded values to ``out`` (in one pass) instead of overwriting it.
     """
     length = encoded.shape[1] - header_bytes
     if numel == 0 or length == 0:
@@ -336,5 +344,15 @@ def decode(encoded: Tensor, out: Tensor, numel: int, eps: float, header_bytes: i
             eps,
             header_bytes=header_bytes,
             block=config.block,
+            accumulate=accumulate,
             num_warps=config.num_warps,
         )
+
+
+def decode_add(encoded: Tensor, out: Tensor, eps: float, header_bytes: int) -> None:
+    """``out += decoded`` for the first ``out.numel()`` elements of ``encoded``, decoded in ``out``'s dtype.
+
+    One pass that reads the codes and ``out`` and writes ``out``, where decoding into a temporary and adding it
+    reads and writes the temporary too; the sums are the bits torch's ``out.add_(decoded)`` writes.
+    """
+    decode(encoded, out, out.numel(), eps, header_bytes, accumulate=True)
