@@ -477,8 +477,8 @@ def test_a_round_on_cpu_does_not_import_the_triton_kernel():
 
 @pytest.mark.parametrize(("world_size", "held"), [(1, 1), (2, 2), (4, 3)])
 def test_the_ring_keeps_only_the_copies_its_math_needs(world_size, held):
-    # w, L and R, of which a ring of two needs one neighbour copy (L = R) and a ring of one none (L = R = w);
-    # the difference, its terms and the received codes live for a round only.
+    # w, L and R, of which a ring of two needs one neighbour copy (L = R) and a ring of one none (L = R = w), and
+    # where the round forms its difference; the difference's terms and the received codes live for a round only.
     impl = LowPrecisionDecentralizedAlgorithm(hierarchical=False).reify(fake_context(world_size, 1, hierarchical=False))
     weights = impl.state.weights[0].gather()
     copies = _ring_copies(weights, impl.state)
@@ -487,4 +487,6 @@ def test_the_ring_keeps_only_the_copies_its_math_needs(world_size, held):
     assert all(tensor.shape == weights.shape and tensor.dtype == weights.dtype for tensor in distinct)
     assert len({tensor.untyped_storage().data_ptr() for tensor in distinct}) == held
     kept = [value for value in vars(copies).values() if isinstance(value, torch.Tensor)]
-    assert all(any(value is tensor for tensor in distinct) for value in kept)
+    assert all(any(value is tensor for tensor in [*distinct, copies.difference]) for value in kept)
+    assert copies.difference.shape == weights.shape
+    assert all(copies.difference.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in distinct)

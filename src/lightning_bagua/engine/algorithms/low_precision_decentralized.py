@@ -46,7 +46,10 @@ _TOWARDS_RIGHT = 1
 
 
 class _RingCopies:
-    """One dtype group's ``w``, ``L`` and ``R``, and the neighbours' codes of the last round until they are decoded.
+    """One dtype group's ring copies ``w``, ``L`` and ``R``, and what its rounds work with besides.
+
+    Besides the copies: the scratch each round forms its difference in, and the neighbours' codes of the last round
+    until they are decoded.
 
     On a ring of two, both neighbours are the one peer and ``L`` and ``R`` receive the same codes from the same
     start, so they are one tensor; alone on the ring, ``w`` is its own neighbour and all three are one tensor.
@@ -69,6 +72,9 @@ class _RingCopies:
         self.w = weights.clone()
         self.left = self.w if ring_size == 1 else weights.clone()
         self.right = self.left if ring_size <= 2 else weights.clone()
+        # Where each round forms its difference: kept, since allocating weight-sized memory every round costs page
+        # faults on the CPU (CUDA's caching allocator would keep the block anyway).
+        self.difference = torch.empty_like(weights)
         self.pending: _NeighbourCodes | None = None
 
     def distinct(self) -> list[Tensor]:
@@ -442,7 +448,7 @@ def _ring_round(
     """
     codec, numel = state.codec, x.numel()
     copies.settle(codec)  # L and R must hold the last round's codes before they enter the difference
-    difference = _difference_into(torch.empty_like(x), x, copies)
+    difference = _difference_into(copies.difference, x, copies)
     code = codec.compress(difference, num_chunks=copies.num_chunks)
     size = len(members)
     assert copies.ring_size == size, "the copies were laid out for another ring"
