@@ -4,14 +4,16 @@ The GPU lab's model (``harness.DecoderLM``: 16 layers, width 768, 114M float32 w
 process group of one. Two measurements:
 
 1. **Flat copies.** The time of copying the parameters into one flat tensor with ``torch.cat`` (how the round
-   gathered the weights before the engine laid the parameters out in its buffer), of copying a flat tensor back
-   into the parameters with ``torch._foreach_copy_`` (how it wrote them back), and of one copy between two flat
-   tensors of the same size (what writing back costs now).
+   gathered the weights before the engine laid the parameters out in its buffer) and with
+   ``torch._foreach_copy_`` into views of it (how a round that copies gathers them now), of copying a flat tensor
+   back into the parameters with ``torch._foreach_copy_``, and of one copy between two flat tensors of the same
+   size (what writing back costs where the parameters live in the buffer).
 2. **The optimizer step, round included.** AdamW's step under ``ddp`` (no round), and under
    ``low_precision_decentralized`` (flat) in three variants: ``aliased``, as the engine runs it (the parameters
    laid out in the round's buffer, the decoded code added to ``w`` in one pass); ``two_pass_add``, the same but
    decoding into a temporary and adding that (as the codec did on CUDA before its one-pass kernel); ``copied``,
-   also with the weights copied in and out (``alias=False``): the engine before both. The round runs in the step's
+   also with the weights copied in and out (``alias=False``, as the engine still runs parameters that a fused
+   optimizer holds in its own flat buffer). The round runs in the step's
    post-hook, so the step's time less DDP's is the round's. Alone on its ring the rank still forms the
    difference, compresses it, decodes its own code and writes the weights back; it exchanges nothing and has no
    neighbour's code to decode (a ring of two adds one decode-add).
@@ -53,7 +55,7 @@ from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("ddp", "aliased", "two_pass_add", "copied")
-COPIES = ("torch.cat", "torch._foreach_copy_", "flat copy")
+COPIES = ("torch.cat", "torch._foreach_copy_ in", "torch._foreach_copy_ out", "flat copy")
 
 
 class Clock:
@@ -90,7 +92,8 @@ def time_copies(args: argparse.Namespace, device: torch.device, clock: Clock) ->
     pieces = [piece.view_as(p) for piece, p in zip(flat.split(sizes), parameters, strict=True)]
     work = {
         "torch.cat": lambda: torch.cat([parameter.detach().reshape(-1) for parameter in parameters], out=flat),
-        "torch._foreach_copy_": lambda: torch._foreach_copy_([p.detach() for p in parameters], pieces),
+        "torch._foreach_copy_ in": lambda: torch._foreach_copy_(pieces, [p.detach() for p in parameters]),
+        "torch._foreach_copy_ out": lambda: torch._foreach_copy_([p.detach() for p in parameters], pieces),
         "flat copy": lambda: other.copy_(flat),
     }
     medians: dict[str, list[float]] = {name: [] for name in COPIES}

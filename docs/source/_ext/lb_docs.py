@@ -249,12 +249,13 @@ def _weight_round_cost() -> tuple[list[str], list[list[str]], list[str]]:
         ddp = data["optimizer_step"]["ddp"]["median_ms"]
         labels = {
             "torch.cat": "the parameters into a flat tensor, `torch.cat`",
-            "torch._foreach_copy_": "a flat tensor into the parameters, `torch._foreach_copy_`",
+            "torch._foreach_copy_ in": "the parameters into a flat tensor, `torch._foreach_copy_`",
+            "torch._foreach_copy_ out": "a flat tensor into the parameters, `torch._foreach_copy_`",
             "flat copy": "one flat tensor into another",
             "ddp": "AdamW's step under DDP (no round)",
             "aliased": "AdamW's step and the round (the engine now)",
             "two_pass_add": "the same, decoding then adding (no one-pass decode-add)",
-            "copied": "the same, also copying the weights in and out (the engine before)",
+            "copied": "the same, also copying the weights in and out",
         }
         for group, relative in (("copies", flat), ("optimizer_step", ddp)):
             for name, row in data[group].items():

@@ -69,7 +69,9 @@ class FlatWeights:
             self._lay_out()
         if not self.aliased:
             with torch.no_grad():
-                torch.cat([parameter.detach().reshape(-1) for parameter in self.parameters], out=self.buffer)
+                # One multi-tensor copy: faster than torch.cat into the buffer (benchmarks/weight_round_cost.py).
+                sources: list[Tensor] = [parameter.detach() for parameter in self.parameters]
+                torch._foreach_copy_(views_like(self.buffer, sources), sources)
         return self.buffer
 
     def scatter(self, flat: Tensor) -> None:
