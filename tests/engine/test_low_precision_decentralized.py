@@ -438,6 +438,22 @@ def test_nccl_ring_of_two_keeps_the_invariant_and_follows_the_simulation():
     reference = simulate(2)
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["states"][-1], reference[-1][rank], rtol=0, atol=5e-3)
+    assert [result["aliased"] for result in results] == [[True], [True]]  # the CUDA parameters live in the buffer
+
+
+@pytest.mark.gpu
+def test_cuda_ring_of_one_reads_its_parameters_in_place_and_follows_the_simulation():
+    # One GPU: the round's CUDA path (fused difference, one-pass decode-add into w, one copy back into the
+    # parameters laid out in the buffer) against the simulation of a ring of one.
+    (result,) = run_processes(train, 1, {"hierarchical": False}, {"cuda": True}, backend="nccl")
+    assert result["aliased"] == [True]
+    assert result["in_the_round_buffer"]
+    reference = simulate(1)
+    for step, state in enumerate(result["states"]):
+        torch.testing.assert_close(state, reference[step][0], rtol=0, atol=5e-3, msg=f"step {step}")
+    # Exactly: the last round wrote w into the parameters (its local step's x differs from w by the quantisation).
+    last = torch.cat([tensor.reshape(-1) for tensor in result["states"][-1].values()])
+    assert torch.equal(last, result["copies"]["w"])
 
 
 @pytest.mark.gpu
