@@ -51,6 +51,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import DecoderLM, rotated
+from lightning_bagua.engine.algorithms.weights import views_like
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
 RESULTS = Path(__file__).parent / "results"
@@ -88,8 +89,7 @@ def time_copies(args: argparse.Namespace, device: torch.device, clock: Clock) ->
     parameters = list(build_model(args, device).parameters())
     flat = torch.cat([parameter.detach().reshape(-1) for parameter in parameters])
     other = flat.clone()
-    sizes = [parameter.numel() for parameter in parameters]
-    pieces = [piece.view_as(p) for piece, p in zip(flat.split(sizes), parameters, strict=True)]
+    pieces = views_like(flat, parameters)
     work = {
         "torch.cat": lambda: torch.cat([parameter.detach().reshape(-1) for parameter in parameters], out=flat),
         "torch._foreach_copy_ in": lambda: torch._foreach_copy_(pieces, [p.detach() for p in parameters]),

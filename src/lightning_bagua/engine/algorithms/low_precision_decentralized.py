@@ -166,16 +166,19 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
 
     def __init__(self, algorithm: "LowPrecisionDecentralizedAlgorithm", context: AlgorithmContext) -> None:
         super().__init__(algorithm, context)
+        groups = context.groups
+        node_average = algorithm.hierarchical and groups.layout.num_nodes == 1 and groups.world_size > 1
+        # The flat ring reads the parameters in place and leaves them alone until it writes its result (the round
+        # runs between two steps, never beside one). The node-level paths reduce the weights in place, so a
+        # collective that fails half way must find a copy there, not the parameters.
+        flat_ring = not node_average and not groups.is_hierarchical
         self.state = LowPrecisionDecentralizedState.from_context(
             context,
             device=context.device,
             communication_interval=algorithm.communication_interval,
             bucket_cap_mb=context.bucket_cap_mb,
-            node_average=algorithm.hierarchical
-            and context.groups.layout.num_nodes == 1
-            and context.groups.world_size > 1,
-            # The round runs between two steps, never beside one: it may read the parameters in place.
-            weights=group_by_dtype([parameter for _, parameter in context.named_parameters], alias=True),
+            node_average=node_average,
+            weights=group_by_dtype([parameter for _, parameter in context.named_parameters], alias=flat_ring),
         )
         self._optimizers: list[Optimizer] = []
         self._stepped: set[int] = set()
@@ -335,17 +338,13 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         state.armed = False
         self._stepped.clear()
         for index, weights in enumerate(state.weights):
-            # The parameters themselves (aliased): the round leaves them alone until it writes its result, so a
-            # collective that fails half way leaves the weights of the last step.
-            x = weights.gather()
+            x = weights.gather()  # on the flat ring, the parameters themselves (see __init__)
             copies = state.copies[index] if state.copies is not None else None
             if state.node_average:
-                x = x.clone()
                 state.counter.record("all_reduce", x)
                 dist.all_reduce(x, group=state.groups.flat)
                 x.div_(state.groups.world_size)
             elif state.groups.is_hierarchical:
-                x = x.clone()
                 all_reduce_hierarchically(x, state.groups, state.counter, partial(_leader_round, state, copies))
             else:
                 assert copies is not None
@@ -383,9 +382,10 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
 
     Step 5 needs only this rank's own code, so the round adds ``decompress(cL)`` and ``decompress(cR)`` to ``L`` and
     ``R`` when they are next needed (the next round, a checkpoint, closing), leaving the exchange in flight over the
-    next step; the weights and copies are those of the steps above, in that order. The participating parameters
-    live in one flat buffer per dtype, each one's ``data`` a view into it (:class:`~.weights.FlatWeights` with
-    ``alias=True``), so the round reads ``x`` in place and writes ``w`` back with one copy.
+    next step; the weights and copies are those of the steps above, in that order. On the flat ring the
+    participating parameters live in one flat buffer per dtype, each one's ``data`` a view into it
+    (:class:`~.weights.FlatWeights` with ``alias=True``), so the round reads ``x`` in place and writes ``w`` back
+    with one copy.
 
     Args:
         hierarchical: first average the weights inside each node (full precision, on the node's leader); the

@@ -65,9 +65,7 @@ class FlatWeights:
         Where the parameters are laid out in it (``alias``), it is their own storage: read it, and change the
         parameters through :meth:`scatter` only. Otherwise their values are copied into it.
         """
-        if self.alias and not self.aliased:
-            self._lay_out()
-        if not self.aliased:
+        if not self.aliased and not (self.alias and self._lay_out()):
             with torch.no_grad():
                 # One multi-tensor copy: faster than torch.cat into the buffer (benchmarks/weight_round_cost.py).
                 sources: list[Tensor] = [parameter.detach() for parameter in self.parameters]
@@ -81,13 +79,16 @@ class FlatWeights:
                 if flat is not self.buffer:
                     self.buffer.copy_(flat)
                 return
-            pieces = flat.split([parameter.numel() for parameter in self.parameters])
             # One multi-tensor copy, not a kernel per parameter.
             targets: list[Tensor] = list(self.parameters)
-            torch._foreach_copy_(targets, [piece.view_as(p) for piece, p in zip(pieces, targets, strict=True)])
+            torch._foreach_copy_(targets, views_like(flat, targets))
 
-    def _lay_out(self) -> None:
-        """Make each parameter's ``data`` a view into a new :attr:`buffer` holding its values, where that is safe."""
+    def _lay_out(self) -> bool:
+        """Make each parameter's ``data`` a view into a new :attr:`buffer` holding its values, where that is safe.
+
+        Returns:
+            Whether the parameters were laid out (``False``: they stay where they are, to be copied).
+        """
         group = self.buffer  # the group's dtype and device: the algorithm's copies of the weights were made like it
         own = group.untyped_storage().data_ptr()
         in_own = held_elsewhere = False
@@ -109,12 +110,13 @@ class FlatWeights:
             # that no parameter lies in.
             if in_own:
                 self.buffer = torch.empty_like(group)
-            return
+            return False
         with torch.no_grad():
             flat = torch.cat([parameter.detach().reshape(-1) for parameter in self.parameters])
             for parameter, view in zip(self.parameters, views_like(flat, self.parameters), strict=True):
                 parameter.data = view
         self.buffer = flat
+        return True
 
 
 def group_by_dtype(
