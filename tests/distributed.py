@@ -1,11 +1,14 @@
 """Run a function on several real processes joined by a Gloo process group, and collect what each returns."""
 
+import contextlib
 import io
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -54,9 +57,66 @@ def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240)
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), str(script), *args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    completed = run_job(command, timeout=timeout)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+
+
+def run_job(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``command`` from the repository root, with the repository importable and ``env`` set, capturing its output.
+
+    A job still running after ``timeout`` seconds fails the test with what a hang needs to be found: whether the
+    launcher itself had exited (a process it left behind may hold the output pipes open), the processes left, and
+    the Python stack of every thread of each of them. ``PYTHONFAULTHANDLER`` makes each Python process print its
+    stacks to the captured stderr when it is sent ``SIGABRT``; the rest are then killed.
+    """
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONFAULTHANDLER": "1", **(env or {})}
+    with subprocess.Popen(
+        command, env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            launcher = "had exited" if process.poll() is not None else "was still running"
+            left = _process_tree(process.pid)
+            listing = "\n".join(f"  {pid} {_command_line(pid)}" for pid in left)
+            # Workers first, so that their stacks are dumped before the launcher reacts to their end.
+            for signal_number in (signal.SIGABRT, signal.SIGKILL):
+                for pid in reversed(left):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal_number)
+                time.sleep(2)
+            try:
+                stdout, stderr = process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                stdout, stderr = "", "(the output pipes stayed open after the job was killed)"
+            raise AssertionError(
+                f"{command} timed out after {timeout} s; the launcher {launcher}. Processes left:\n{listing}\n"
+                f"--- stdout (end) ---\n{stdout[-3000:]}\n--- stderr (end, with the stacks) ---\n{stderr[-20000:]}"
+            ) from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and its live descendants, parents before children (Linux: read from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # The command name, in parentheses, may hold spaces: the fields after its closing one are fixed.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, index = [root], 0
+    while index < len(tree):
+        tree.extend(children.get(tree[index], []))
+        index += 1
+    return tree
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
 
 
 def _child(

@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ def main() -> None:
 
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_bagua import BaguaStrategy
 
@@ -118,7 +120,11 @@ def main() -> None:
         dataset = NoisyDataset()
 
         pl.seed_everything(7, verbose=False)
-        strategy: Any = "ddp" if name == "ddp" else BaguaStrategy(algorithm=name, **kwargs)
+        # A peer that stops answering fails the job within the tests' timeouts, not Lightning's default 30 minutes.
+        timeout = timedelta(seconds=60)
+        strategy: Any = DDPStrategy(timeout=timeout)
+        if name != "ddp":
+            strategy = BaguaStrategy(algorithm=name, timeout=timeout, **kwargs)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,

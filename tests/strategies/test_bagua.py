@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_bagua import BaguaStrategy
 from lightning_bagua.engine import GradientAllReduceAlgorithm
-from tests.distributed import assert_ranks_identical, free_port
+from tests.distributed import assert_ranks_identical, free_port, run_job
 from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
 SCRIPT = Path(__file__).with_name("fit_script.py")
@@ -108,8 +108,7 @@ def python_path() -> str:
 
 def run_script(out: Path, *args: str, env: dict[str, str] | None = None, launcher: list[str] | None = None) -> None:
     command = [*(launcher or [sys.executable]), str(SCRIPT), "--out", str(out), "--max-steps", str(MAX_STEPS), *args]
-    full_env = {**os.environ, "PYTHONPATH": python_path(), "MASTER_PORT": str(free_port()), **(env or {})}
-    completed = subprocess.run(command, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    completed = run_job(command, timeout=240, env={"MASTER_PORT": str(free_port()), **(env or {})})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
 
 

@@ -1,8 +1,6 @@
 """The Fabric BaguaStrategy: construction in-process; training, checkpoints and setup on two real Gloo processes."""
 
 import csv
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from lightning_bagua import QAdamOptimizer
 from lightning_bagua.engine import GradientAllReduceAlgorithm
 from lightning_bagua.engine.autotune import DEFAULT_BUCKET_SIZES_MB
 from lightning_bagua.strategies.fabric import BaguaStrategy
-from tests.distributed import assert_ranks_identical, free_port
+from tests.distributed import assert_ranks_identical, free_port, run_job
 from tests.engine.test_telemetry import scatter_gather_step
 from tests.strategies.fit_script import make_network
 from tests.strategies.test_bagua import param_bytes, reference_state
@@ -152,9 +150,7 @@ def test_lightning_fabric_twin():
 def run_script(out: Path, mode: str, *args: str) -> list[dict]:
     """Run the script on two processes (Fabric's own launcher starts the second) and load what each rank saved."""
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--mode", mode, *args]
-    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": python_path, "MASTER_PORT": str(free_port())}
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    completed = run_job(command, timeout=240, env={"MASTER_PORT": str(free_port())})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     results = [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     # The script's first Fabric asked for the strategy by name.

@@ -1,14 +1,12 @@
 """The Fabric BaguaStrategy at a run's edges, on two real Gloo processes: exit, load under ``async``, save filters."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import assert_ranks_identical, free_port
+from tests.distributed import assert_ranks_identical, free_port, run_job
 
 SCRIPT = Path(__file__).with_name("fabric_lifecycle_script.py")
 ROOT = Path(__file__).parents[2]
@@ -17,9 +15,7 @@ ROOT = Path(__file__).parents[2]
 def run_script(out: Path, mode: str, *args: str) -> list[dict]:
     """Run the script on two processes (Fabric's own launcher starts the second) and load what each rank saved."""
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--mode", mode, *args]
-    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": python_path, "MASTER_PORT": str(free_port())}
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    completed = run_job(command, timeout=240, env={"MASTER_PORT": str(free_port())})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 

@@ -7,7 +7,6 @@ samples the undisturbed job loaded after the checkpoint and none of those before
 restarts the epoch's data from its first batch, is the control: it must not match, or the test could not fail.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import ROOT, free_port, run_torchrun
+from tests.distributed import free_port, run_job, run_torchrun
 from tests.strategies.midepoch_script import BATCH, BATCHES_PER_EPOCH, CASES, CHECKPOINT_EVERY, EPOCHS, KILL_AT_STEP
 
 SCRIPT = Path(__file__).with_name("midepoch_script.py")
@@ -30,8 +29,7 @@ def _launch(out: Path, cases: list[str], *args: str) -> subprocess.CompletedProc
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
                "--master-port", str(free_port()), str(SCRIPT), "--out", str(out), "--cases", ",".join(cases),
                *args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    return run_job(command, timeout=150)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +93,7 @@ FABRIC_SCRIPT = Path(__file__).with_name("fabric_midepoch_script.py")
 def _launch_fabric(out: Path, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
                "--master-port", str(free_port()), str(FABRIC_SCRIPT), "--out", str(out), *args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    return run_job(command, timeout=150)
 
 
 @pytest.mark.timeout(400)
