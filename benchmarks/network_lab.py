@@ -201,6 +201,8 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
 
 def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """Train a fresh model with ``method`` for the warm-up and the timed steps; return this rank's figures."""
+    from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageImpl
+
     model, loss_function = build_model(args)
     wrapped, optimizer, counter, hook_state = wrap(method, model, args.warmup)
     generator = torch.Generator().manual_seed(args.rank)
@@ -211,9 +213,15 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         inputs, targets = random_batch(args.task, args.batch, generator)
     times: list[float] = []
     bytes_before = 0
+    # async averages on a timer, not per step: its bytes are counted per averaging round, from its first one on.
+    averaging = getattr(wrapped, "bagua_algorithm_impl", None)
+    averaging = averaging if isinstance(averaging, AsyncModelAverageImpl) else None
+    bytes_before_rounds = 0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             bytes_before = counter.bytes_sent if counter is not None else 0
+        if averaging is not None and step == averaging.warmup_steps:
+            bytes_before_rounds = counter.bytes_sent
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = loss_function(wrapped(inputs), targets)
@@ -239,6 +247,11 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     close = getattr(wrapped, "close", None)  # the engine's wrapper stops its communication threads
     if close is not None:
         close()
+    # Closing stops the loop after a round on every rank and averages once more, exactly: every round is counted.
+    averaging_rounds = None if averaging is None else averaging.rounds
+    bytes_per_round = None
+    if averaging_rounds:
+        bytes_per_round = (counter.bytes_sent - bytes_before_rounds) / averaging_rounds
     return {
         "rank": args.rank,
         "method": method,
@@ -246,6 +259,8 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         "mean_s": statistics.fmean(times),
         "bytes_per_step": bytes_per_step,
         "parameter_bytes": parameter_bytes,
+        "averaging_rounds": averaging_rounds,
+        "bytes_per_round": bytes_per_round,
         "engine_layout": layout,
         "powersgd_iter": None if hook_state is None else hook_state.iter,
     }
@@ -486,6 +501,9 @@ def measure(
                 "per_rank_median_s": [statistics.median(r["median_s"] for r in ranked) for ranked in by_rank],
                 "bytes_per_step": first["bytes_per_step"],
                 "parameter_bytes": first["parameter_bytes"],
+                # async: the averaging rounds of the first round's rank 0, and the bytes it sent per round.
+                "averaging_rounds": first.get("averaging_rounds"),
+                "bytes_per_round": first.get("bytes_per_round"),
                 # [nodes, ranks per node, where that came from] as the engine saw it; None outside the engine.
                 "engine_layout": first.get("engine_layout"),
             }
@@ -528,8 +546,11 @@ def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str]
             ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp else ""
             spread = f" [{row['min_step_s'] * 1e3:.1f}, {row['max_step_s'] * 1e3:.1f}]" if "min_step_s" in row else ""
             cells.append(f"{row['median_step_s'] * 1e3:.1f}{spread}{ratio}")
-        payload = next((by_key[(rate, method)]["bytes_per_step"] for rate in rates if (rate, method) in by_key), None)
-        cells.append("" if payload is None else f"{payload / 1e6:.2f}")
+        row = next((by_key[(rate, method)] for rate in rates if (rate, method) in by_key), None)
+        if row is not None and row.get("bytes_per_round") is not None:  # async: per averaging round, not per step
+            cells.append(f"{row['bytes_per_round'] / 1e6:.2f} per round")
+        else:
+            cells.append("" if row is None or row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     for (rate, method), failure in failed.items():
         lines.append(f"\n{method} at {rate} failed: {headline(failure['error'])}")

@@ -193,15 +193,21 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     skip_without_lab_tools()
     out = tmp_path / "results"
     lab = [str(BENCHMARKS / "network_lab.py"), "--task", "digits", "--rates", "unshaped", "--rounds", "2"]
-    completed = run(*lab, "--steps", "1", "--methods", "single", "ddp", "ddp_powersgd_r4", "--out", str(out))
+    methods = ["single", "ddp", "ddp_powersgd_r4", "async"]
+    completed = run(*lab, "--steps", "1", "--methods", *methods, "--out", str(out))
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((out / "network_lab_cpu_digits.json").read_text())
     assert report["failures"] == []
     assert {"python", "torch", "lightning", "platform", "cpu_count"} <= set(report["machine"])
-    assert [row["method"] for row in report["results"]] == ["single", "ddp", "ddp_powersgd_r4"]
+    assert [row["method"] for row in report["results"]] == methods
     for row in report["results"]:
         assert len(row["rounds_step_s"]) == 2
         assert row["min_step_s"] <= row["median_step_s"] <= row["max_step_s"]
+    # async is counted per averaging round (closing adds one): the whole fp32 model and the int32 stop code.
+    averaged = report["results"][-1]
+    assert averaged["averaging_rounds"] >= 1
+    assert averaged["bytes_per_round"] == averaged["parameter_bytes"] + 4
+    assert report["results"][1]["averaging_rounds"] is None
     assert "over 2 interleaved rounds [min, max]" in (out / "network_lab_cpu_digits.md").read_text()
 
 

@@ -316,8 +316,12 @@ def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list
     by_key = {(row["rate"], row["method"]): row for row in data["results"]}
     rows = []
     for method in dict.fromkeys(row["method"] for row in data["results"]):
-        payload = next((by_key[(rate, method)]["bytes_per_step"] for rate in rates if (rate, method) in by_key), None)
-        cells = [method, "-" if payload is None else f"{payload / 1e6:.2f} MB"]
+        first = next(by_key[(rate, method)] for rate in rates if (rate, method) in by_key)
+        if first.get("bytes_per_round") is not None:  # async averages on a timer: its payload is per round
+            cells = [method, f"{first['bytes_per_round'] / 1e6:.2f} MB per averaging round"]
+        else:
+            payload = first["bytes_per_step"]
+            cells = [method, "-" if payload is None else f"{payload / 1e6:.2f} MB"]
         cells += [_step_cell(by_key.get((rate, method)), by_key.get((rate, "ddp")), spread=False) for rate in rates]
         rows.append(cells)
     return ["method", "payload / step", *rates], rows, [data["command"]]
