@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_bagua import BaguaStrategy, LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
 from tests.data import fit_sampler_script as script
-from tests.distributed import free_port
+from tests.distributed import free_port, run_job
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("fit_sampler_script.py")
@@ -399,13 +399,8 @@ def test_lightnings_rebuild_keeps_the_batch_sampler_and_places_it(package, predi
 
 
 def run_fit(out: Path, mode: str, *extra: str) -> list[dict]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "MASTER_PORT": str(free_port()),
-    }
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--mode", mode, *extra]
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    completed = run_job(command, timeout=240, env={"MASTER_PORT": str(free_port())})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 

@@ -377,8 +377,7 @@ def test_qadam_through_lightning_warms_up_then_compresses(tmp_path):
 
 def test_qadam_refuses_other_optimizers_with_lightnings_configuration_error(tmp_path):
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--algorithm", "qadam"]
-    env = {**os.environ, "PYTHONPATH": python_path(), "MASTER_PORT": str(free_port())}
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    completed = run_job(command, timeout=240, env={"MASTER_PORT": str(free_port())})
     assert completed.returncode != 0
     assert "MisconfigurationException: Bagua QAdam can only accept one QAdamOptimizer and one LR Scheduler" in (
         completed.stderr

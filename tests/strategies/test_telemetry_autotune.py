@@ -1,8 +1,6 @@
 """BaguaStrategy's telemetry and autotune flags in real Lightning runs (2 Gloo processes, CSVLogger)."""
 
 import csv
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,9 +10,9 @@ from torch import nn
 
 from lightning_bagua import BaguaStrategy
 from lightning_bagua.engine.autotune import DEFAULT_BUCKET_SIZES_MB
-from tests.distributed import assert_ranks_identical, free_port
+from tests.distributed import assert_ranks_identical, free_port, run_job
 from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
-from tests.strategies.test_bagua import TOLERANCE, param_bytes, python_path
+from tests.strategies.test_bagua import TOLERANCE, param_bytes
 
 SCRIPT = Path(__file__).with_name("telemetry_fit_script.py")
 ROOT = Path(__file__).parents[2]
@@ -32,10 +30,9 @@ AUTOTUNE_STEPS = TUNING_STEPS + 2
 
 
 def run(out: Path, *args: str, autotune: bool) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": python_path(), "MASTER_PORT": str(free_port())}
-    env["BAGUA_AUTOTUNE"] = "1" if autotune else "0"
+    env = {"MASTER_PORT": str(free_port()), "BAGUA_AUTOTUNE": "1" if autotune else "0"}
     command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
-    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    completed = run_job(command, timeout=240, env=env)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
