@@ -155,3 +155,54 @@ def record_context_in_the_engine_hook(rank: int, world_size: int) -> list[bool]:
 def test_the_engine_runs_its_hooks_without_the_backward_context():
     """What a hook issues must hold no Python object, or a Gloo worker needs the GIL to free it (a deadlock)."""
     assert run_processes(record_context_in_the_engine_hook, 2) == [[False], [False]]
+
+
+def record_completing_threads(rank: int, world_size: int) -> list[str]:
+    import threading
+    import time
+
+    from torch import nn
+
+    from lightning_bagua.engine import BaguaDistributedDataParallel
+    from lightning_bagua.engine.algorithms import gradient_allreduce
+
+    completed_on: list[str] = []
+    original = gradient_allreduce.gradient_allreduce_hook
+
+    def recording_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future = original(state, bucket)
+
+        def record(done: torch.futures.Future) -> torch.Tensor:
+            # A thread Python did not start (one of Gloo's) shows as a _DummyThread.
+            thread = threading.current_thread()
+            completed_on.append("foreign" if isinstance(thread, threading._DummyThread) else thread.name)
+            return done.value()
+
+        return future.then(record)
+
+    gradient_allreduce.GradientAllReduceImpl.communication_hook = lambda self: (self.state, recording_hook)
+    torch.manual_seed(0)
+    network = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+    # About one layer per bucket, so that some buckets are not the step's last.
+    model = BaguaDistributedDataParallel(network, algorithm="gradient_allreduce", bucket_cap_mb=0.25)
+    for _ in range(2):
+        loss = model(torch.ones(2, 256)).sum()
+        if rank == 1:
+            time.sleep(0.5)  # rank 0's collectives are still running when its hook returns their futures
+        loss.backward()
+    model.close()
+    return completed_on
+
+
+def test_the_engine_completes_its_gloo_futures_on_python_threads():
+    """A Gloo thread that enters Python while the process forks (a DataLoader worker) can deadlock the child.
+
+    CPython before 3.12 (python/cpython#112275): the thread creates a thread state under a lock that the child
+    inherits locked, and the child takes that lock in its fork handler. With torch's own allreduce-then-callback, the
+    callback above ran on Gloo's threads on rank 0.
+    """
+    results = run_processes(record_completing_threads, 2)
+    for rank, completed_on in enumerate(results):
+        assert len(completed_on) >= 4, completed_on
+        assert "foreign" not in completed_on, f"rank {rank}: {completed_on}"
+    assert "bagua-communication" in results[0]  # the buckets before the last waited on the executor's worker

@@ -1,6 +1,7 @@
 """``gradient_allreduce``: average (or sum) gradients over all ranks, bucketed and overlapped with backward."""
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -96,7 +97,15 @@ def gradient_allreduce_hook(
         return state.executor.submit(lambda: _all_reduce_two_level(state, buffer), last=bucket.is_last())
     state.counter.record("all_reduce", buffer)
     work = dist.all_reduce(buffer, group=state.groups.flat, async_op=True)
-    return work.get_future().then(_first_tensor)
+    if state.executor.runs_inline:
+        # NCCL: the future completes as the collective is queued, so the callback runs here, in this thread.
+        return work.get_future().then(_first_tensor)
+    # Gloo completes its futures on threads of its own, which would enter Python to run a callback, creating a
+    # thread state each time. CPython before 3.12 can then deadlock a process forked meanwhile (a DataLoader
+    # worker) in the child's fork handler (python/cpython#112275). So a Python thread waits for the collective
+    # instead: the executor's worker, or this one for the step's last bucket. Gloo still runs the collectives
+    # side by side.
+    return state.executor.submit(partial(_waited, work, buffer), last=bucket.is_last())
 
 
 def _all_reduce_two_level(state: GradientAllReduceState, buffer: Tensor) -> Tensor:
@@ -109,3 +118,8 @@ def _all_reduce_two_level(state: GradientAllReduceState, buffer: Tensor) -> Tens
 
 def _first_tensor(future: torch.futures.Future) -> Tensor:
     return future.value()[0]
+
+
+def _waited(work: dist.Work, buffer: Tensor) -> Tensor:
+    work.wait()
+    return buffer
