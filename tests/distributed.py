@@ -55,10 +55,15 @@ def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240)
 
     Raises an ``AssertionError`` with the end of the job's output unless every process exits with 0.
     """
+    completed = torchrun(script, *args, nproc=nproc, timeout=timeout)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``args`` under torchrun on ``nproc`` local processes through :func:`run_job`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), str(script), *args]  # fmt: skip
-    completed = run_job(command, timeout=timeout)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    return run_job(command, timeout=timeout)
 
 
 def run_job(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

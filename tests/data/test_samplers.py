@@ -18,7 +18,6 @@ from lightning_bagua import BaguaStrategy, LoadBalancingDistributedBatchSampler,
 from tests.data import fit_sampler_script as script
 from tests.distributed import free_port, run_job
 
-ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("fit_sampler_script.py")
 
 

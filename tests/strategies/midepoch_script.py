@@ -122,8 +122,10 @@ def main() -> None:
         pl.seed_everything(7, verbose=False)
         # A peer that stops answering fails the job within the tests' timeouts, not Lightning's default 30 minutes.
         timeout = timedelta(seconds=60)
-        strategy: Any = DDPStrategy(timeout=timeout)
-        if name != "ddp":
+        strategy: Any
+        if name == "ddp":
+            strategy = DDPStrategy(timeout=timeout)
+        else:
             strategy = BaguaStrategy(algorithm=name, timeout=timeout, **kwargs)
         trainer = pl.Trainer(
             accelerator="cpu",

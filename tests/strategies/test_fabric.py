@@ -20,7 +20,6 @@ from tests.strategies.test_bagua import param_bytes, reference_state
 from tests.strategies.test_telemetry_autotune import TELEMETRY_COLUMNS
 
 SCRIPT = Path(__file__).with_name("fabric_script.py")
-ROOT = Path(__file__).parents[2]
 EXACT = {"rtol": 0.0, "atol": 0.0}
 # fp32 data parallelism against one process on the union of the batches: the sums run in another order.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}

@@ -9,7 +9,6 @@ import torch
 from tests.distributed import assert_ranks_identical, free_port, run_job
 
 SCRIPT = Path(__file__).with_name("fabric_lifecycle_script.py")
-ROOT = Path(__file__).parents[2]
 
 
 def run_script(out: Path, mode: str, *args: str) -> list[dict]:

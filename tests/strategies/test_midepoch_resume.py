@@ -8,13 +8,12 @@ restarts the epoch's data from its first batch, is the control: it must not matc
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import free_port, run_job, run_torchrun
+from tests.distributed import run_torchrun, torchrun
 from tests.strategies.midepoch_script import BATCH, BATCHES_PER_EPOCH, CASES, CHECKPOINT_EVERY, EPOCHS, KILL_AT_STEP
 
 SCRIPT = Path(__file__).with_name("midepoch_script.py")
@@ -26,10 +25,7 @@ RESUMED_EPOCH, RESUMED_BATCH = divmod(RESUMED_STEP, BATCHES_PER_EPOCH)
 
 
 def _launch(out: Path, cases: list[str], *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
-               "--master-port", str(free_port()), str(SCRIPT), "--out", str(out), "--cases", ",".join(cases),
-               *args]  # fmt: skip
-    return run_job(command, timeout=150)
+    return torchrun(SCRIPT, "--out", str(out), "--cases", ",".join(cases), *args, nproc=WORLD_SIZE, timeout=150)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +87,7 @@ FABRIC_SCRIPT = Path(__file__).with_name("fabric_midepoch_script.py")
 
 
 def _launch_fabric(out: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
-               "--master-port", str(free_port()), str(FABRIC_SCRIPT), "--out", str(out), *args]  # fmt: skip
-    return run_job(command, timeout=150)
+    return torchrun(FABRIC_SCRIPT, "--out", str(out), *args, nproc=WORLD_SIZE, timeout=150)
 
 
 @pytest.mark.timeout(400)

@@ -15,7 +15,6 @@ from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_
 from tests.strategies.test_bagua import TOLERANCE, param_bytes
 
 SCRIPT = Path(__file__).with_name("telemetry_fit_script.py")
-ROOT = Path(__file__).parents[2]
 TELEMETRY_COLUMNS = [
     "bagua/bytes_sent",
     "bagua/bytes_received",
