@@ -75,5 +75,5 @@ def test_validation_inside_fit_leaves_background_work_alone_unless_asked(monkeyp
 def test_fabric_refuses_pause_for_validation_with_what_to_do_instead():
     from lightning_bagua.strategies.fabric import BaguaStrategy
 
-    with pytest.raises(ValueError, match=r"Trainer's validation inside fit.*stop\(\)` and `\.start\(\)"):
+    with pytest.raises(TypeError, match=r"Trainer's validation inside fit.*stop\(\)` and `\.start\(\)"):
         BaguaStrategy(algorithm="async", pause_for_validation=True)

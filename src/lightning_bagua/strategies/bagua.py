@@ -6,8 +6,11 @@ joining, checkpoint entries, failure handling) is :class:`~lightning_bagua.strat
 
 import logging
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.strategies import DDPStrategy
@@ -17,12 +20,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bagua.engine import AlgorithmImpl, BaguaDistributedDataParallel
+from lightning_bagua.engine import Algorithm, AlgorithmImpl, BaguaDistributedDataParallel
 from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
 from lightning_bagua.strategies._core.arguments import (
     autotune_metrics,
+    check_flag,
     reduce_over_all_processes,
     telemetry_metrics,
 )
@@ -46,6 +50,7 @@ from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.fabric.plugins import ClusterEnvironment
 
     # The logic is written once and mixed into one class per Lightning package; type-check it as the `lightning`
     # package's DDPStrategy subclass it is there.
@@ -83,6 +88,52 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     _data_resume: DataResume | None = None
     # `ModelCheckpoint(save_last="link")`'s links, kept whole through a kill (set up with the Trainer).
     _last_links: LastCheckpointLinks | None = None
+
+    def __init__(
+        self,
+        algorithm: str | Algorithm = "gradient_allreduce",
+        flatten: bool = True,
+        accelerator: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: "ClusterEnvironment | None" = None,
+        checkpoint_io: Any | None = None,
+        precision_plugin: Any | None = None,
+        *,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        telemetry: bool = False,
+        autotune: bool | None = None,
+        average_before_save: bool = False,
+        pause_for_validation: bool = False,
+        start_method: str = "popen",
+        **bagua_kwargs: Any,
+    ) -> None:
+        self._pause_for_validation = check_flag("pause_for_validation", pause_for_validation)
+        super().__init__(
+            algorithm,
+            flatten,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            telemetry=telemetry,
+            autotune=autotune,
+            average_before_save=average_before_save,
+            start_method=start_method,
+            bagua_kwargs=bagua_kwargs,
+        )
+
+    @property
+    def pause_for_validation(self) -> bool:
+        """Whether background work (async averaging) stops, and starts again, around validation inside fit."""
+        return self._pause_for_validation
 
     @property
     def telemetry(self) -> CommunicationTelemetry | None:
@@ -491,6 +542,9 @@ class BaguaStrategy(_BaguaStrategyLogic, DDPStrategy):
             ranks' weights as the checkpoint's ``state_dict`` (what ``load_from_checkpoint`` and evaluation read)
             instead of rank 0's. Training is unaffected, and resuming still restores each rank's own weights. With
             other algorithms the ranks' weights are equal, so rank 0's are their average.
+        pause_for_validation: stop background work (``async``'s averaging thread) when validation starts inside
+            fit, and start it again when validation ends, so that validation reads weights no round is changing;
+            off by default, as in lightning-bagua 0.1.0 (whose rounds wait for the next training step anyway).
         start_method: how Lightning starts the processes of a node, as for its ``DDPStrategy``: ``"popen"`` (the
             default: the script runs again for each process), ``"spawn"``, ``"fork"`` (notebooks) or
             ``"forkserver"`` (processes started from this one, with the function and its arguments pickled).

@@ -16,10 +16,12 @@ This module holds Fabric's hooks only; what both strategies share is
 import atexit
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import Optimizable
@@ -71,17 +73,41 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         cluster_environment: Any | None = None,
         checkpoint_io: Any | None = None,
         precision: Any | None = None,
-        **kwargs: Any,
+        *,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        telemetry: bool = False,
+        autotune: bool | None = None,
+        average_before_save: bool = False,
+        start_method: str = "popen",
+        **bagua_kwargs: Any,
     ) -> None:
-        if kwargs.get("pause_for_validation"):
-            raise ValueError(
-                "`pause_for_validation=True` applies to the Trainer's validation inside fit; Fabric runs your own loop."
-                " Call `module.bagua_algorithm_impl.stop()` and `.start()` on `strategy.bagua_modules` around your"
-                " validation instead, on every process."
+        if "pause_for_validation" in bagua_kwargs:
+            # Not an algorithm keyword: say where it belongs instead of the algorithm's "unknown keyword".
+            raise TypeError(
+                "Fabric's BaguaStrategy takes no `pause_for_validation`: it applies to the Trainer's validation inside"
+                " fit; Fabric runs your own loop. Call `module.bagua_algorithm_impl.stop()` and `.start()` on"
+                " `strategy.bagua_modules` around your validation instead, on every process."
             )
-        # Fabric's DDPStrategy calls the precision plugin `precision`; everything else is the core's.
         super().__init__(
-            algorithm, flatten, accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, **kwargs
+            algorithm,
+            flatten,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            telemetry=telemetry,
+            autotune=autotune,
+            average_before_save=average_before_save,
+            start_method=start_method,
+            bagua_kwargs=bagua_kwargs,
         )
         # Every module wrapped and every optimizer set up so far, held weakly (see `WrappedEngines`).
         self._engines = WrappedEngines()
@@ -431,13 +457,13 @@ class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):
             on communication, the algorithm's phase); a step's record closes when an optimizer over the module
             steps, and :attr:`telemetry_metrics` holds the last one under the Trainer strategy's metric names. Off
             by default, and then nothing is measured.
-        average_before_save: with an algorithm whose ranks hold different weights, save the average of the
-            processes' weights as the module's weights (what a plain ``fabric.load`` or ``torch.load`` reads)
-            instead of rank 0's; resuming with this strategy still restores each process's own weights.
         autotune: try bucket sizes (and hierarchical communication on several nodes) during the first optimizer
             steps and keep the fastest, the same on every rank, as the Trainer strategy does; ``None`` reads
             ``BAGUA_AUTOTUNE`` (``1``: on; the launcher's ``--autotune_level 1`` sets it), off when unset. Rank
             zero logs the choice (Python logging), and :attr:`autotuner` holds it.
+        average_before_save: with an algorithm whose ranks hold different weights, save the average of the
+            processes' weights as the module's weights (what a plain ``fabric.load`` or ``torch.load`` reads)
+            instead of rank 0's; resuming with this strategy still restores each process's own weights.
         start_method: how Lightning starts the processes of a node, as for its ``DDPStrategy``: ``"popen"`` (the
             default: the script runs again for each process), ``"spawn"``, ``"fork"`` (notebooks) or
             ``"forkserver"`` (processes started from this one, with the function and its arguments pickled).

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -91,29 +90,32 @@ class BaguaStrategyCore(_CoreBase):
 
     def __init__(
         self,
-        algorithm: str | Algorithm = "gradient_allreduce",
-        flatten: bool = True,
-        accelerator: Any | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: "ClusterEnvironment | None" = None,
-        checkpoint_io: Any | None = None,
-        precision_plugin: Any | None = None,
+        algorithm: str | Algorithm,
+        flatten: bool,
+        accelerator: Any | None,
+        parallel_devices: list[torch.device] | None,
+        cluster_environment: "ClusterEnvironment | None",
+        checkpoint_io: Any | None,
+        precision_plugin: Any | None,
         *,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        bucket_cap_mb: float | None = None,
-        find_unused_parameters: bool = False,
-        telemetry: bool = False,
-        autotune: bool | None = None,
-        average_before_save: bool = False,
-        pause_for_validation: bool = False,
-        start_method: str = "popen",
-        **bagua_kwargs: Any,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+        bucket_cap_mb: float | None,
+        find_unused_parameters: bool,
+        telemetry: bool,
+        autotune: bool | None,
+        average_before_save: bool,
+        start_method: str,
+        bagua_kwargs: dict[str, Any],
     ) -> None:
+        """Check and keep the arguments both strategies take; each public class declares them with its defaults.
+
+        ``precision_plugin`` goes to the framework's ``DDPStrategy`` under ``_precision_keyword``, and
+        ``bagua_kwargs`` are the algorithm's keywords (a dict here, ``**bagua_kwargs`` on the public classes).
+        """
         check_timeout(timeout)
         check_start_method(start_method)
         self._average_before_save = check_flag("average_before_save", average_before_save)
-        self._pause_for_validation = check_flag("pause_for_validation", pause_for_validation)
         self._algorithm = check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
         self._telemetry, self._autotune = check_telemetry_and_autotune(telemetry, autotune)
         if cluster_environment is None and self._bagua_environment_cls.detect():
@@ -169,11 +171,6 @@ class BaguaStrategyCore(_CoreBase):
     def average_before_save(self) -> bool:
         """Whether a checkpoint's weights are the average of the ranks' instead of rank 0's, where ranks differ."""
         return self._average_before_save
-
-    @property
-    def pause_for_validation(self) -> bool:
-        """Whether background work (async averaging) stops, and starts again, around validation inside fit."""
-        return self._pause_for_validation
 
     @property
     def communication_counter(self) -> CommunicationCounter | None:
