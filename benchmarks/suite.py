@@ -10,7 +10,9 @@ its own ``benchmarks/results/*.json``), then reads those JSON files and writes t
 - ``--gpu`` (two GPUs): the GPU network lab in both regimes and its report (``gpu_network_lab.py``), the codec
   (``codec_throughput.py``), bucket autotuning over sockets (``autotune_sockets.py``) and the engine overhead
   (``engine_overhead.py --devices 2``);
-- ``--report-only``: run nothing, rebuild the targets check from the JSON files there are.
+- ``--report-only``: run nothing, rebuild the targets check from the JSON files there are;
+- ``--readme``: rewrite the README's algorithm table and chart from the GPU lab's results
+  (``benchmarks/readme_figures.py``), after the runs when given with ``--cpu`` or ``--gpu``.
 
 The targets check, ``targets.json``, ``targets.md`` and ``targets.png``, lists every target of the performance
 bar with the figure read from the results, pass or miss, or "not run" and why (usually: the results file is
@@ -24,6 +26,7 @@ Run it::
     python benchmarks/suite.py --cpu                 # the CPU suite, then the targets check
     python benchmarks/suite.py --gpu                 # on a machine with two GPUs
     python benchmarks/suite.py --report-only         # the targets check from the committed results
+    python benchmarks/suite.py --readme              # the README's figures and chart (benchmarks/readme_figures.py)
 """
 
 import argparse
@@ -604,13 +607,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu", action="store_true", help="run the two-GPU benchmarks")
     parser.add_argument("--report-only", action="store_true", help="run nothing: rebuild the targets check")
     parser.add_argument("--quick", action="store_true", help="shorter runs where a script offers them")
+    parser.add_argument("--readme", action="store_true", help="rewrite the README's figures and chart (last)")
     parser.add_argument("--timeout", type=int, default=7200, help="seconds one benchmark may take")
     parser.add_argument("--results", default=str(RESULTS), help="where the results JSON files are read")
     parser.add_argument("--out", default=str(RESULTS), help="where targets.json, .md and .png are written")
     arguments = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(arguments)
-    if not (args.cpu or args.gpu or args.report_only):
-        parser.error("choose --cpu, --gpu or --report-only")
+    if not (args.cpu or args.gpu or args.report_only or args.readme):
+        parser.error("choose --cpu, --gpu, --report-only or --readme")
     # The command as it reproduces the results (the folders are left out: they default to benchmarks/results).
     flags = {"--cpu": args.cpu, "--gpu": args.gpu, "--report-only": args.report_only, "--quick": args.quick}
     args.command = " ".join(["python benchmarks/suite.py", *(flag for flag, on in flags.items() if on)])
@@ -621,10 +625,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
     runs: list[dict[str, Any]] = []
-    if not args.report_only:
+    if args.cpu or args.gpu:
         steps = (cpu_steps(args.quick) if args.cpu else []) + (gpu_steps(args.quick) if args.gpu else [])
         runs = run_steps(steps, args.timeout)
-    return write_report(Path(args.results), Path(args.out), args.command, runs)
+    report: dict[str, Any] = {}
+    if args.cpu or args.gpu or args.report_only:
+        report = write_report(Path(args.results), Path(args.out), args.command, runs)
+    if args.readme:
+        from readme_figures import write_readme  # imports the GPU lab's report functions (and torch)
+
+        write_readme(Path(args.results))
+    return report
 
 
 if __name__ == "__main__":
