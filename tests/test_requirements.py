@@ -1,5 +1,6 @@
 """The declared version window: the floor `make floor` tests is the one the requirements declare, the window is
-open up to the next major version, the README names what ran, and installing the package keeps the user's torch."""
+open up to the next major version, the Supported versions page names what ran, and installing the package keeps the
+user's torch."""
 
 import importlib.util
 import json
@@ -69,10 +70,10 @@ def test_the_window_stays_open_until_the_next_major_version():
         assert f"<{floor_major + 1}" in spec.split(","), f"{package} {spec}: the upper bound is not <{floor_major + 1}"
 
 
-def test_the_readme_support_table_names_the_floor_that_ran():
+def test_the_support_table_names_the_floor_that_ran():
     floor = pins("floor.txt")
-    readme = (ROOT / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith("|") and "make floor" in line]
+    page = (ROOT / "docs" / "source" / "support.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("|") and "make floor" in line]
     assert len(rows) == 1, rows
     cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
     assert cells[1].startswith(floor["torch"] + " "), cells
