@@ -56,6 +56,7 @@ DEFAULT_LOW_RANK = 16
 # Message sizes for the link figures, in bytes: one latency-bound, one bandwidth-bound (capped by the model's
 # gradients, so a small model measures no more than it sends).
 _SMALL_MESSAGE = 4 * 1024
+_MIN_LARGE_MESSAGE = 256 * 1024
 _LARGE_MESSAGE = 4 * 1024**2
 _REPEATS = 3
 _CHECKPOINT_VERSION = 1
@@ -289,7 +290,7 @@ class AutoImpl(AlgorithmImpl):
         if groups.world_size == 1:
             self._adopt(0, "one rank has nothing to communicate, so gradient_allreduce costs what DDP does.", {}, {})
         elif algorithm.figures is not None and all(label in algorithm.figures.step_s for label in self.labels):
-            self._figures = replace(algorithm.figures)
+            self._figures = self._given_figures()
             self._decide_and_adopt()
 
     # The wrapper reads the hook once; the dispatching one follows every switch. At world size 1 the pick is made
@@ -454,10 +455,14 @@ class AutoImpl(AlgorithmImpl):
             self.current.start()
         self._dispatch.state, self._dispatch.hook = self.current.communication_hook()
 
+    def _given_figures(self) -> AutoFigures:
+        given = self.auto.figures
+        return AutoFigures() if given is None else AutoFigures.from_dict(given.to_dict())
+
     def _restart_trials(self) -> None:
         self._schedule, self._position, self._steps_here = [0], 0, 0
         self._times, self._last_boundary, self._trial_steps, self._measure_s = {}, None, 0, 0.0
-        self._figures = AutoFigures()
+        self._figures = self._given_figures()
         self._switch(0, trial=True)
 
     def _trial_boundary(self) -> None:
@@ -487,24 +492,32 @@ class AutoImpl(AlgorithmImpl):
     def _measure_start_up(self) -> None:
         started = time.perf_counter()
         groups = self.context.groups
-        self._figures.gradient_bytes = _gradient_bytes(self.context)
+        self._figures = self._given_figures()  # what was given is not measured
+        self._figures.step_s = {}
+        self._figures.gradient_bytes = self._figures.gradient_bytes or _gradient_bytes(self.context)
         total = sum(self._figures.gradient_bytes.values())
-        large = max(_SMALL_MESSAGE * 2, min(_LARGE_MESSAGE, total))
-        device = self.context.device
-        self._figures.links["all"] = _time_link(groups.flat, large, device)
-        if groups.is_hierarchical:
-            assert groups.intra_node is not None
-            self._figures.links["intra_node"] = _time_link(groups.intra_node, large, device)
-            if groups.inter_node is not None:
-                self._figures.links["inter_node"] = _time_link(groups.inter_node, large, device)
-            else:
-                self._figures.links["inter_node"] = {"latency_s": math.nan, "bandwidth_Bps": math.nan}
-            # Leaders only measured the inter-node tier: rank 0 (a leader) holds its figures.
-            dist.barrier(group=groups.flat)
+        large = max(_MIN_LARGE_MESSAGE, min(_LARGE_MESSAGE, total))
+        if not self._figures.links:
+            self._figures.links = self._time_links(large)
         if groups.rank == 0:
             for index, candidate in enumerate(self.candidates[1:], start=1):
-                self._figures.compress_s[self.labels[index]] = _compression_cost(candidate, self.context)
+                if self.labels[index] not in self._figures.compress_s:
+                    self._figures.compress_s[self.labels[index]] = _compression_cost(candidate, self.context)
         self._measure_s += time.perf_counter() - started
+
+    def _time_links(self, large: int) -> dict[str, dict[str, float]]:
+        groups, device = self.context.groups, self.context.device
+        links = {"all": _time_link(groups.flat, large, device)}
+        if groups.is_hierarchical:
+            assert groups.intra_node is not None
+            links["intra_node"] = _time_link(groups.intra_node, large, device)
+            if groups.inter_node is not None:
+                links["inter_node"] = _time_link(groups.inter_node, large, device)
+            else:
+                links["inter_node"] = {"latency_s": math.nan, "bandwidth_Bps": math.nan}
+            # Only the leaders measured the inter-node tier: rank 0, a leader, holds its figures.
+            dist.barrier(group=groups.flat)
+        return links
 
     def _plan_trials(self) -> None:
         """After gradient_allreduce's steps: rank 0 drops the candidates that cannot win or do not fit the budget."""
@@ -518,9 +531,14 @@ class AutoImpl(AlgorithmImpl):
             ddp_comm = link["latency_s"] + 2 * (n - 1) / n * total / link["bandwidth_Bps"]
             compute = max(ddp_step - ddp_comm, 0.0)
             budget = self.auto.max_trial_steps - (self.auto.trial_steps + 1)
-            for index in range(1, len(self.candidates)):
-                label = self.labels[index]
-                bound = _factor(self.candidates[index]) * (compute + self._figures.compress_s.get(label, 0.0))
+            bounds = {
+                index: _factor(self.candidates[index])
+                * (compute + self._figures.compress_s.get(self.labels[index], 0.0))
+                for index in range(1, len(self.candidates))
+            }
+            # The most promising first, so that the budget drops the least promising.
+            for index in sorted(bounds, key=lambda index: (bounds[index], index)):
+                label, bound = self.labels[index], bounds[index]
                 if bound >= ddp_step:
                     factor = _factor(self.candidates[index])
                     self._figures.skipped[label] = (
@@ -533,6 +551,7 @@ class AutoImpl(AlgorithmImpl):
                     keep[index] = 1
                     budget -= self.auto.trial_steps + 1
         dist.broadcast(keep, src=groups.global_ranks[0], group=groups.flat)
+        # Timed in the candidates' order: the decision breaks ties by it.
         self._schedule = [0, *(index for index in range(1, len(self.candidates)) if keep[index])]
 
     def _finish_trials(self) -> None:
@@ -591,7 +610,8 @@ class AutoAlgorithm(Algorithm):
             DDP's at equal steps in the project's tables.
         trial_steps: timed steps per candidate (each after one untimed step that settles the switch).
         max_trial_steps: the most training steps the measurement may take, all candidates together; candidates
-            past it are not timed. With the defaults, at most 20 steps: 2% of a 1,000-step run.
+            past it are not timed, the least promising first. With the defaults, at most 24 steps: 2.4% of a
+            1,000-step run.
         figures: figures to decide from instead of measuring (for tests and reproductions); with a step time for
             every candidate no step is timed and the pick is made when the model is wrapped.
     """
@@ -605,7 +625,7 @@ class AutoAlgorithm(Algorithm):
         self,
         candidates: Sequence[str | Algorithm] | None = None,
         trial_steps: int = 3,
-        max_trial_steps: int = 20,
+        max_trial_steps: int = 24,
         figures: AutoFigures | None = None,
     ) -> None:
         check_positive_int(self.name, "trial_steps", trial_steps)
