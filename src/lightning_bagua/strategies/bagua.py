@@ -75,6 +75,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     _autotuner: BucketAutotuner | None = None
     _autotune_last_step: int | None = None
     _autotune_logged: bool = False
+    _auto_logged: bool = False
     _bagua_resume: RankResume | None = None
     _paused_for_validation: bool = False
     # Per fit: the training dataloader's positioned sampler, and the data position `load_checkpoint` read for this
@@ -113,6 +114,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     @override
     def _setup_model(self, model: Module) -> BaguaDistributedDataParallel:
         wrapped = self._wrap_module(model, self.determine_ddp_device_ids())
+        self._auto_logged = False
         if self._autotune:
             self._autotuner = BucketAutotuner()
             self._autotune_last_step = None
@@ -208,6 +210,9 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._auto_logged and (decision := self.auto_decision) is not None:
+            self._auto_logged = True
+            self._log_to_loggers(decision.metrics())
         telemetry = self.telemetry
         if telemetry is not None:
             # The step is complete here, the algorithm's post-step communication included.
