@@ -403,6 +403,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         self._data_resume = None
         self._positioned = None
         if isinstance(self.model, BaguaDistributedDataParallel):
+            _ = self.auto_decision  # kept for scripts that read it after fit
             self.model.close()
             # Unwrapped here so that DDPStrategy's teardown, which would suggest DDP-only options, skips its own.
             self.model = self.lightning_module

@@ -137,6 +137,7 @@ class BaguaStrategyCore(_CoreBase):
         self._bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
         self._find_unused_parameters = find_unused_parameters
         self._communication_counter: CommunicationCounter | None = None
+        self._last_auto_decision: AutoDecision | None = None
         # Tells one run's failure reports in the store from an earlier run's: set when a run starts.
         self._failure_scope = 0
 
@@ -186,13 +187,15 @@ class BaguaStrategyCore(_CoreBase):
         """What ``algorithm="auto"`` picked for the wrapped model, and why; ``None`` before the pick or without auto.
 
         ``strategy.auto_decision.label`` names the pick, ``.summary()`` is rank 0's log line, ``.to_dict()`` holds
-        the figures behind it.
+        the figures behind it. It stays readable after the run, once the model is unwrapped.
         """
         for wrapped in self._bagua_wrapped_modules():
             impl = wrapped.bagua_algorithm_impl
             if isinstance(impl, AutoImpl):
+                if impl.decision is not None:
+                    self._last_auto_decision = impl.decision
                 return impl.decision
-        return None
+        return self._last_auto_decision
 
     @classmethod
     def auto(cls, **kwargs: Any) -> Any:
