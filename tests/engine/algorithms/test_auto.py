@@ -290,3 +290,77 @@ def _world_of_one(rank: int, world_size: int) -> dict[str, Any]:
 def test_one_rank_picks_gradient_allreduce_at_once_with_its_own_hook():
     (result,) = run_processes(_world_of_one, 1)
     assert result == {"label": "gradient_allreduce", "hook": "gradient_allreduce_hook", "trial_steps": 0}
+
+
+def _pick_against_named(rank: int, world_size: int) -> dict[str, Any]:
+    """Measure for real, then train on; the same steps from the same weights with the pick named directly."""
+    model = wrap(AutoAlgorithm(trial_steps=1, max_trial_steps=12, figures=SLOW_LINK))
+    impl = model.bagua_algorithm_impl
+    assert isinstance(impl, AutoImpl)
+    step = 0
+    while impl.decision is None:
+        before = {key: value.clone() for key, value in model.module.state_dict().items()}
+        train(model, rank, 1, first=step)
+        step += 1
+    assert impl.decision is not None
+    # The pick ran from the forward of step `step - 1` on, which started from `before`.
+    named_module = make_model()
+    named_module.load_state_dict(before)
+    optimizer = torch.optim.SGD(named_module.parameters(), lr=0.05)
+    keywords = {key: getattr(impl.decision.algorithm, key) for key in impl.decision.algorithm.keywords()}
+    named = BaguaDistributedDataParallel(
+        named_module, optimizers=[optimizer], algorithm=Algorithm.init(impl.decision.algorithm.name, **keywords)
+    )
+    train(model, rank, 12, first=step)
+    train(named, rank, 13, first=step - 1)
+    result = {"label": impl.decision.label, "auto": model.module.state_dict(), "named": named.module.state_dict()}
+    model.close()
+    named.close()
+    return result
+
+
+def test_training_after_a_measured_pick_is_the_pick_named_directly():
+    results = run_processes(_pick_against_named, 2)
+    assert results[0]["label"] == results[1]["label"]
+    for result in results:
+        for name, tensor in result["auto"].items():
+            torch.testing.assert_close(tensor, result["named"][name], **TOLERANCE)
+
+
+def test_the_decision_reads_as_log_line_metrics_and_checkpoint():
+    auto = AutoAlgorithm(figures=INJECTED)
+    candidates = auto.candidates_for(1, 2)
+    index, reason, predicted, factors = decide(candidates, INJECTED)
+    from lightning_bagua.engine import AutoDecision
+
+    decision = AutoDecision(candidates[index], describe_algorithm(candidates[index]), reason, INJECTED, predicted,
+                            factors, world_size=2, layout=(1, 2))  # fmt: skip
+    assert decision.summary().startswith("Bagua auto picked low_rank(rank=16, hierarchical=False): it reaches")
+    metrics = decision.metrics()
+    assert metrics["bagua/auto/picked/low_rank(rank=16, hierarchical=False)"] == 1.0
+    assert metrics["bagua/auto/predicted_s/gradient_allreduce"] == pytest.approx(10e-3)
+    restored = AutoDecision.from_dict(decision.to_dict())
+    assert restored.algorithm == LowRankAlgorithm(rank=16, hierarchical=False)
+    assert restored.to_dict() == decision.to_dict()
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "lightning.fabric"])
+def test_strategies_take_auto_by_name_and_check_its_keywords_at_construction(package):
+    import importlib
+
+    import torch.distributed as dist
+
+    registry = importlib.import_module(f"{package}.strategies")
+    strategy_cls = importlib.import_module(
+        "lightning_bagua.strategies.bagua" if package == "lightning.pytorch" else "lightning_bagua.strategies.fabric"
+    ).BaguaStrategy
+    assert isinstance(strategy_cls(algorithm="auto").algorithm, AutoAlgorithm)
+    assert isinstance(strategy_cls.auto(trial_steps=2).algorithm, AutoAlgorithm)
+    assert isinstance(strategy_cls().algorithm, GradientAllReduceAlgorithm)  # "bagua" keeps gradient_allreduce
+    names = registry.StrategyRegistry if package == "lightning.pytorch" else registry.STRATEGY_REGISTRY
+    assert "bagua_auto" in names
+    with pytest.raises(ValueError, match="unknown candidate 'qadam'"):
+        strategy_cls(algorithm="auto", candidates=["qadam"])
+    with pytest.raises(ValueError, match="`max_trial_steps` must be at least 1, got 0"):
+        strategy_cls(algorithm="auto", max_trial_steps=0)
+    assert not dist.is_initialized()
