@@ -22,7 +22,8 @@ More methods, not run by default (name them with ``--methods``; ``benchmarks/tim
   hook on CPU too and counts its calls: a run whose hook never ran, or whose PowerSGD never compressed, fails;
 - ``low_rank_r1``, ``_r4``, ``_r8``: the engine's ``low_rank`` algorithm at rank 1, 4 or 8, where the engine has it
   (``_r16`` by name, not by default);
-  ``low_rank_alt_r1``, ``_r4``, ``_r8`` the same with ``alternate=True`` (one factor per step, ACP-SGD).
+  ``low_rank_alt_r1``, ``_r4``, ``_r8`` the same with ``alternate=True`` (one factor per step, ACP-SGD);
+- ``auto``: ``BaguaStrategy(algorithm="auto")``, its measuring steps part of the run; the result holds its pick.
 
 PowerSGD and ``low_rank`` compress after the same uncompressed start, a twentieth of the steps (at least 2).
 
@@ -158,7 +159,7 @@ def available_methods() -> list[str]:
 
 def accepted_methods() -> list[str]:
     """What ``--methods`` accepts: :func:`available_methods` and ``low_rank`` at the lab's extra ranks (``_r16``)."""
-    return [*available_methods(), *extra_low_rank_methods()]
+    return [*available_methods(), *extra_low_rank_methods(), "auto"]
 
 
 def is_hook_method(method: str) -> bool:
@@ -423,6 +424,9 @@ def job(args: argparse.Namespace) -> None:
             # The last point is the final test: the same held-out set, scored once after the last step.
             final = {"step": trainer.global_step, "acc": result["test_acc"], "loss": result["test_loss"]}
             result["curve"] = [*points, final]
+        decision = getattr(trainer.strategy, "auto_decision", None)
+        if decision is not None:  # auto: its pick and the figures behind it; its measuring steps are in the curve
+            result["auto"] = decision.to_dict()
         if isinstance(strategy, CPUCommHookDDPStrategy):
             result["hook"] = {"name": strategy.comm_hook.__name__, **strategy.hook_calls}
             if strategy.comm_state is not None:

@@ -202,6 +202,7 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
 def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """Train a fresh model with ``method`` for the warm-up and the timed steps; return this rank's figures."""
     from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageImpl
+    from lightning_bagua.engine.algorithms.auto import AutoImpl
 
     model, loss_function = build_model(args)
     wrapped, optimizer, counter, hook_state = wrap(method, model, args.warmup)
@@ -217,18 +218,36 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     averaging = getattr(wrapped, "bagua_algorithm_impl", None)
     averaging = averaging if isinstance(averaging, AsyncModelAverageImpl) else None
     bytes_before_rounds = 0
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            bytes_before = counter.bytes_sent if counter is not None else 0
-        if averaging is not None and step == averaging.warmup_steps:
-            bytes_before_rounds = counter.bytes_sent
+
+    def train_step() -> float:
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = loss_function(wrapped(inputs), targets)
         loss.backward()
         optimizer.step()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    # auto: its measuring steps come first, and their time is its own (reported beside the pick's step).
+    auto = getattr(wrapped, "bagua_algorithm_impl", None)
+    auto = auto if isinstance(auto, AutoImpl) else None
+    warmup, trial_s, trial_steps = args.warmup, 0.0, 0
+    if auto is not None:
+        while auto.decision is None:
+            trial_s += train_step()
+            trial_steps += 1
+            if trial_steps > auto.auto.max_trial_steps + 1:
+                raise RuntimeError(f"auto made no pick in {trial_steps} steps")
+        pick = auto.decision.algorithm
+        # The pick's own full-precision warm-up (low_rank's) is not its step.
+        warmup = max(warmup, getattr(pick, "warmup_steps", 0) + 1)
+    for step in range(warmup + args.steps):
+        if step == warmup:
+            bytes_before = counter.bytes_sent if counter is not None else 0
+        if averaging is not None and step == averaging.warmup_steps:
+            bytes_before_rounds = counter.bytes_sent
+        elapsed = train_step()
+        if step >= warmup:
+            times.append(elapsed)
     if hook_state is not None and hook_state.iter <= hook_state.start_powerSGD_iter:
         raise RuntimeError(f"{method}: PowerSGD never compressed (iteration {hook_state.iter})")
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -263,6 +282,10 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         "bytes_per_round": bytes_per_round,
         "engine_layout": layout,
         "powersgd_iter": None if hook_state is None else hook_state.iter,
+        # auto: the steps and seconds it measured for, its pick and the figures behind it.
+        "auto_trial_steps": trial_steps if auto is not None else None,
+        "auto_trial_s": trial_s if auto is not None else None,
+        "auto_decision": None if auto is None or auto.decision is None else auto.decision.to_dict(),
     }
 
 
@@ -506,6 +529,17 @@ def measure(
                 "bytes_per_round": first.get("bytes_per_round"),
                 # [nodes, ranks per node, where that came from] as the engine saw it; None outside the engine.
                 "engine_layout": first.get("engine_layout"),
+                # auto, per round: the pick (rank 0's, every rank's alike) and its measuring time (slowest rank).
+                **(
+                    {
+                        "auto_picks": [results[0]["auto_decision"]["label"] for results in rounds],
+                        "auto_trial_steps": [results[0]["auto_trial_steps"] for results in rounds],
+                        "auto_trial_s": [max(r["auto_trial_s"] for r in results) for results in rounds],
+                        "auto_decisions": [results[0]["auto_decision"] for results in rounds],
+                    }
+                    if first.get("auto_decision")
+                    else {}
+                ),
             }
         )
         print(f"{rate:>9} {method:>28}: {rows[-1]['median_step_s'] * 1e3:9.1f} ms"

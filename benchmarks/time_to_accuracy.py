@@ -57,6 +57,7 @@ curve, every lab row, every failure, and the combined table), ``time_to_accuracy
 import argparse
 import logging
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -270,8 +271,14 @@ def combine(
                     if lab is not None:
                         row |= {k: lab[k] for k in ("median_step_s", "min_step_s", "max_step_s", "q1_step_s",
                                                      "q3_step_s", "bytes_per_step")}  # fmt: skip
+                        if lab.get("auto_picks"):
+                            row |= auto_cell(lab, curves, task)
                         if row["steps_to_target"] is not None:
                             row["time_to_target_s"] = row["steps_to_target"] * lab["median_step_s"]
+                            # auto: its measuring steps at their own time, then the pick's steps at the pick's.
+                            if "auto_trial_s" in row:
+                                rest = max(row["steps_to_target"] - row["auto_trial_steps"], 0)
+                                row["time_to_target_s"] = row["auto_trial_s"] + rest * lab["median_step_s"]
                         if single is not None:
                             row["overhead_s"] = lab["median_step_s"] - single["median_step_s"]
                     elif rate is not None:
@@ -293,6 +300,38 @@ def combine(
                         row["overhead_s"] / reference["overhead_s"] if reference["overhead_s"] > 0 else None
                     )
     return combined
+
+
+def auto_curve_method(label: str) -> str:
+    """The convergence method running what auto picked: ``low_rank(rank=16, hierarchical=False)``: ``low_rank_r16``."""
+    name = label.partition("(")[0]
+    rank = re.search(r"rank=(\d+)", label)
+    return f"{name}_r{rank.group(1)}" if rank else name
+
+
+def auto_cell(lab: dict[str, Any], curves: dict[str, dict[str, Any]], task: str) -> dict[str, Any]:
+    """auto's pick in a lab cell (the rounds' most frequent), its measuring cost, and the curve of the pick.
+
+    The steps to target are the picked method's own curve where it was run, else auto's own run's (which measured
+    and picked on the unshaped two-process host): the cell's pick is what runs on the cell's link.
+    """
+    pick = statistics.mode(lab["auto_picks"])
+    cell: dict[str, Any] = {
+        "auto_pick": pick,
+        "auto_picks": lab["auto_picks"],
+        "auto_trial_steps": statistics.median(lab["auto_trial_steps"]),
+        "auto_trial_s": statistics.median(lab["auto_trial_s"]),
+        "auto_decision": lab["auto_decisions"][lab["auto_picks"].index(pick)],
+    }
+    picked = curves.get(f"{task}/{auto_curve_method(pick)}")
+    if picked is not None:
+        cell |= {
+            "curve_method": auto_curve_method(pick),
+            "status": "reached" if picked["steps_to_target"] is not None else "not reached",
+            "steps_to_target": picked["steps_to_target"],
+            "final_acc_pct": picked["final_acc_pct"],
+        }
+    return cell
 
 
 def _time_cell(row: dict[str, Any]) -> str:

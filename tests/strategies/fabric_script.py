@@ -47,7 +47,23 @@ CASES: dict[str, tuple[str, dict[str, Any], str, int]] = {
     "low_rank": ("low_rank", {"hierarchical": False, "warmup_steps": 1}, "sgd", 1),
     # Within its warm-up async all-reduces gradients; both strategies start it with the run and abort it at the end.
     "async_warmup": ("async", {"warmup_steps": STEPS}, "sgd", 1),
+    # Figures given in place of measurements: the pick, made when the model is wrapped, is the same in both loops.
+    "auto": ("auto", {"figures": "low_rank_wins"}, "sgd", 1),
 }
+
+
+def algorithm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The case's keywords, with auto's named figures built (the engine's figures object is no command-line text)."""
+    if kwargs.get("figures") != "low_rank_wins":
+        return kwargs
+    from lightning_bagua.engine import AutoFigures
+
+    step_ms = {
+        "gradient_allreduce": 10.0,
+        "bytegrad(hierarchical=False)": 9.0,
+        "low_rank(rank=16, hierarchical=False)": 5.0,
+    }
+    return {**kwargs, "figures": AutoFigures(step_s={label: ms / 1e3 for label, ms in step_ms.items()})}
 
 
 def build_optimizer(kind: str, parameters) -> torch.optim.Optimizer:
@@ -118,7 +134,7 @@ def run_trainer(algorithm: str, kwargs: dict[str, Any], optimizer_kind: str, acc
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=BaguaStrategy(algorithm=algorithm, **kwargs),
+        strategy=BaguaStrategy(algorithm=algorithm, **algorithm_keywords(kwargs)),
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,
         logger=False,
@@ -127,11 +143,16 @@ def run_trainer(algorithm: str, kwargs: dict[str, Any], optimizer_kind: str, acc
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(make_dataset(), batch_size=BATCH, shuffle=False))
-    return {"state": cpu_state(model), "bytes_by_op": trainer.strategy.communication_counter.bytes_by_op}
+    decision = trainer.strategy.auto_decision
+    return {
+        "state": cpu_state(model),
+        "bytes_by_op": trainer.strategy.communication_counter.bytes_by_op,
+        "auto_pick": None if decision is None else decision.label,
+    }
 
 
 def run_fabric(algorithm: str, kwargs: dict[str, Any], optimizer_kind: str, accumulate: int) -> dict[str, Any]:
-    fabric = new_fabric(fabric_strategy(algorithm, **kwargs))
+    fabric = new_fabric(fabric_strategy(algorithm, **algorithm_keywords(kwargs)))
     network = make_network()
     model, optimizer = fabric.setup(network, build_optimizer(optimizer_kind, network.parameters()))
     batches = iter(
@@ -144,6 +165,8 @@ def run_fabric(algorithm: str, kwargs: dict[str, Any], optimizer_kind: str, accu
         "wrapped": type(model._forward_module).__name__,
     }
     fabric.strategy.teardown()
+    decision = fabric.strategy.auto_decision
+    result["auto_pick"] = None if decision is None else decision.label
     return result
 
 

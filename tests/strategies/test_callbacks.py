@@ -122,5 +122,6 @@ def test_resumed_run_ends_where_the_uninterrupted_run_ends(runs, callback_set, a
 def test_the_matrix_covers_every_algorithm_and_callback_set():
     from lightning_bagua.engine import available_algorithms
 
-    assert sorted(ALGORITHMS) == available_algorithms()
+    # auto runs one of these (tests/engine/algorithms/test_auto.py checks that it runs exactly its pick).
+    assert sorted(ALGORITHMS) == [name for name in available_algorithms() if name != "auto"]
     assert set(CALLBACK_SETS) == ({"swa", "ema", "pruning"} if lightning_has_ema() else {"swa", "pruning"})

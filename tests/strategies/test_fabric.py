@@ -177,6 +177,7 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
             "low_rank",
             "qadam",
             "async_warmup",
+            "auto",
         ]
     )
     for rank, result in enumerate(results):
@@ -206,6 +207,11 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
     assert accumulated["bytes_by_op"] == results[0]["gradient_allreduce"]["fabric"]["bytes_by_op"]
     assert set(results[0]["bytegrad"]["fabric"]["bytes_by_op"]) == {"all_to_all", "all_gather"}
     assert set(results[0]["low_precision_decentralized"]["fabric"]["bytes_by_op"]) == {"send"}
+    # auto's pick (from given figures) is readable on both strategies after the run, the same on every rank.
+    for result in results:
+        for loop in ("trainer", "fabric"):
+            assert result["auto"][loop]["auto_pick"] == "low_rank(rank=16, hierarchical=False)"
+    assert_ranks_identical([result["auto"]["fabric"] for result in results])
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def warn_about_node_layout(algorithm: Algorithm, groups: CommunicationGroups) ->
         groups: the communicators it runs on, with their node layout.
     """
     layout, name = groups.layout, algorithm.name
-    if not algorithm.hierarchical or groups.rank != 0 or layout.world_size == 1:
+    if not (algorithm.hierarchical and algorithm.warns_about_node_layout) or groups.rank != 0 or layout.world_size == 1:
         return
     if not layout.trusted:
         by_rank = ", ".join(f"{rank}: {host}" for rank, host in enumerate(layout.hosts))

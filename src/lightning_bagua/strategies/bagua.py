@@ -80,6 +80,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     _autotuner: BucketAutotuner | None = None
     _autotune_last_step: int | None = None
     _autotune_logged: bool = False
+    _auto_logged: bool = False
     _bagua_resume: RankResume | None = None
     _paused_for_validation: bool = False
     # Per fit: the training dataloader's positioned sampler, and the data position `load_checkpoint` read for this
@@ -164,6 +165,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
     @override
     def _setup_model(self, model: Module) -> BaguaDistributedDataParallel:
         wrapped = self._wrap_module(model, self.determine_ddp_device_ids())
+        self._auto_logged = False
         if self._autotune:
             self._autotuner = BucketAutotuner()
             self._autotune_last_step = None
@@ -259,6 +261,9 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._auto_logged and (decision := self.auto_decision) is not None:
+            self._auto_logged = True
+            self._log_to_loggers(decision.metrics())
         telemetry = self.telemetry
         if telemetry is not None:
             # The step is complete here, the algorithm's post-step communication included.
@@ -449,6 +454,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         self._data_resume = None
         self._positioned = None
         if isinstance(self.model, BaguaDistributedDataParallel):
+            _ = self.auto_decision  # kept for scripts that read it after fit
             self.model.close()
             # Unwrapped here so that DDPStrategy's teardown, which would suggest DDP-only options, skips its own.
             self.model = self.lightning_module

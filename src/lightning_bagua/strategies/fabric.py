@@ -352,6 +352,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
     @override
     def teardown(self) -> None:
         """Stop each wrapped module's algorithm and close its engine; the modules themselves stay usable."""
+        _ = self.auto_decision  # kept for scripts that read it after the run
         self._close_engines()
         if self._remove_failure_hook is not None:
             self._remove_failure_hook()

@@ -6,6 +6,7 @@ It also exports what a third-party algorithm builds on: the interface (:class:`A
 """
 
 from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageAlgorithm
+from lightning_bagua.engine.algorithms.auto import AutoAlgorithm, AutoDecision, AutoFigures
 from lightning_bagua.engine.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -34,6 +35,9 @@ __all__ = [
     "AlgorithmContext",
     "AlgorithmImpl",
     "AsyncModelAverageAlgorithm",
+    "AutoAlgorithm",
+    "AutoDecision",
+    "AutoFigures",
     "ByteGradAlgorithm",
     "ByteGradState",
     "DecentralizedAlgorithm",

@@ -223,6 +223,9 @@ class Algorithm(ABC):
     single_node_effect: ClassVar[str] = "it communicates over all ranks exactly as with hierarchical=False"
     """What ``hierarchical=True`` amounts to when every rank is on one node (the wrapper's warning says it)."""
 
+    warns_about_node_layout: ClassVar[bool] = True
+    """Whether the wrapper warns when ``hierarchical=True`` meets a layout that defeats it (``auto`` decides itself)."""
+
     communicates_gradient_buckets: ClassVar[bool] = True
     """Whether the algorithm communicates DDP's gradient buckets, so that the bucket size matters (autotuning)."""
 

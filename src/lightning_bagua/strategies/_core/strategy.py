@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, CommunicationCounter
+from lightning_bagua.engine import Algorithm, AutoDecision, BaguaDistributedDataParallel, CommunicationCounter
+from lightning_bagua.engine.algorithms.auto import AutoImpl
 from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
 from lightning_bagua.strategies._core import faults
 from lightning_bagua.strategies._core.arguments import (
@@ -138,6 +139,7 @@ class BaguaStrategyCore(_CoreBase):
         self._bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
         self._find_unused_parameters = find_unused_parameters
         self._communication_counter: CommunicationCounter | None = None
+        self._last_auto_decision: AutoDecision | None = None
         # Tells one run's failure reports in the store from an earlier run's: set when a run starts.
         self._failure_scope = 0
 
@@ -177,15 +179,46 @@ class BaguaStrategyCore(_CoreBase):
         """What the engine of the most recently wrapped module communicated; ``None`` before the first wrap."""
         return self._communication_counter
 
+    @property
+    def auto_decision(self) -> AutoDecision | None:
+        """What ``algorithm="auto"`` picked for the wrapped model, and why; ``None`` before the pick or without auto.
+
+        ``strategy.auto_decision.label`` names the pick, ``.summary()`` is rank 0's log line, ``.to_dict()`` holds
+        the figures behind it. It stays readable after the run, once the model is unwrapped.
+        """
+        for wrapped in self._bagua_wrapped_modules():
+            impl = wrapped.bagua_algorithm_impl
+            if isinstance(impl, AutoImpl):
+                if impl.decision is not None:
+                    self._last_auto_decision = impl.decision
+                return impl.decision
+        return self._last_auto_decision
+
+    @classmethod
+    def auto(cls, **kwargs: Any) -> Any:
+        """Return the strategy with ``algorithm="auto"``: what the ``"bagua_auto"`` strategy name builds.
+
+        Args:
+            **kwargs: the strategy's other arguments, and ``auto``'s keywords (``candidates``, ``trial_steps``, ...).
+
+        Returns:
+            The strategy.
+        """
+        return cls(algorithm="auto", **kwargs)
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register the strategy as ``"bagua"`` (once).
+        """Register the strategy as ``"bagua"`` and, with ``algorithm="auto"``, as ``"bagua_auto"`` (once each).
 
         Args:
             strategy_registry: the framework's strategy registry.
         """
         if "bagua" not in strategy_registry:
             strategy_registry.register("bagua", cls, description="Bagua's communication algorithms")
+        if "bagua_auto" not in strategy_registry:
+            strategy_registry.register(
+                "bagua_auto", cls, description="Bagua, with the algorithm measured and picked", algorithm="auto"
+            )
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Give the dataloader's load-balancing samplers this process's place, where they were built without one.

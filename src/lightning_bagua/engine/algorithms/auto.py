@@ -1,0 +1,787 @@
+"""``auto``: measure the link and the model, time each candidate for a few steps, run the first to DDP's loss.
+
+1. At the first training step every rank times a few all-reduces of two sizes on each tier of the node layout
+   (all ranks, within a node, between node leaders): latency ``a`` and bandwidth ``B`` of ``t(s) = a + s / B``.
+   Rank 0 also counts the gradient bytes by dtype and times what its device pays for each candidate's compression
+   (the 8-bit codec on the gradients, the rank-``r`` projections on the matrix shapes).
+2. ``gradient_allreduce`` runs first for ``trial_steps`` timed steps (after one untimed step that settles the
+   switch). A candidate that cannot win even if its communication were free, ``f_c * (T_ddp - comm_ddp + compress_c)
+   >= T_ddp``, is skipped, as are those past the ``max_trial_steps`` budget; every other candidate then runs its
+   own steps, in the phase it would run in (``low_rank`` exchanges factors from its first trial step).
+3. Each rank's median step per candidate is combined by an all-reduce of the maximum (a step is as slow as its
+   slowest rank). Rank 0 predicts each candidate's time to DDP's loss, ``T_c * f_c`` with ``f_c`` the steps to
+   DDP's target as a multiple of DDP's (:mod:`._auto_factors`), picks the smallest (the earlier candidate on a tie;
+   ``gradient_allreduce`` unless another beats it), and broadcasts it; every rank builds that algorithm, with the
+   keywords it was timed with, and runs exactly it from then on.
+"""
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from lightning_bagua.engine.algorithms._auto_factors import LOW_RANK_MIN_RANK, steps_to_target
+from lightning_bagua.engine.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    CommunicationHook,
+    check_positive_int,
+    register_algorithm,
+)
+from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm
+from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+from lightning_bagua.engine.algorithms.low_rank import LowRankAlgorithm
+from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.telemetry import CommunicationTelemetry
+
+__all__ = ["AutoAlgorithm", "AutoDecision", "AutoFigures", "decide", "describe_algorithm"]
+
+log = logging.getLogger(__name__)
+
+CANDIDATE_NAMES = ("gradient_allreduce", "bytegrad", "low_rank")
+"""The algorithms ``auto`` can time during training: those that communicate DDP's gradient buckets and keep the
+ranks' weights equal, so that switching between them at a step boundary is safe."""
+
+DEFAULT_LOW_RANK = 16
+"""The rank of the default ``low_rank`` candidate: the smallest within 1% of DDP's loss in the measured tables."""
+
+# Message sizes for the link figures, in bytes: one latency-bound, one bandwidth-bound (capped by the model's
+# gradients, so a small model measures no more than it sends).
+_SMALL_MESSAGE = 4 * 1024
+_MIN_LARGE_MESSAGE = 256 * 1024
+_LARGE_MESSAGE = 4 * 1024**2
+_REPEATS = 3
+_CHECKPOINT_VERSION = 1
+
+
+def describe_algorithm(algorithm: Algorithm) -> str:
+    """Return a short, unambiguous label: the name and the keywords that tell candidates apart.
+
+    Args:
+        algorithm: a candidate.
+
+    Returns:
+        For example ``"gradient_allreduce"``, ``"bytegrad(hierarchical=False)"``,
+        ``"low_rank(rank=16, hierarchical=True)"``.
+    """
+    if isinstance(algorithm, LowRankAlgorithm):
+        return f"low_rank(rank={algorithm.rank}, hierarchical={algorithm.hierarchical})"
+    if isinstance(algorithm, GradientAllReduceAlgorithm) and not algorithm.hierarchical:
+        return "gradient_allreduce"
+    return f"{algorithm.name}(hierarchical={algorithm.hierarchical})"
+
+
+def _factor(algorithm: Algorithm) -> float:
+    rank = algorithm.rank if isinstance(algorithm, LowRankAlgorithm) else None
+    return steps_to_target(algorithm.name, rank)
+
+
+@dataclass(eq=False)
+class AutoFigures:
+    """What ``auto`` decides from; measured during training, or given to make the decision reproducible.
+
+    Args:
+        step_s: each candidate's step time in seconds, by :func:`describe_algorithm` label (the maximum over
+            ranks of each rank's median). Given whole (every candidate of the layout), no step is timed.
+        links: per tier (``"all"``, ``"intra_node"``, ``"inter_node"``): ``{"latency_s": ..., "bandwidth_Bps": ...}``.
+        gradient_bytes: the communicated gradients' bytes by dtype name.
+        compress_s: what rank 0's device paid, per candidate label, for one step's compression work.
+        skipped: candidates not timed, by label, with the reason.
+    """
+
+    step_s: dict[str, float] = field(default_factory=dict)
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
+    gradient_bytes: dict[str, int] = field(default_factory=dict)
+    compress_s: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the figures as plain Python objects (for checkpoints and results files)."""
+        return {
+            "step_s": dict(self.step_s),
+            "links": {tier: dict(values) for tier, values in self.links.items()},
+            "gradient_bytes": dict(self.gradient_bytes),
+            "compress_s": dict(self.compress_s),
+            "skipped": dict(self.skipped),
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "AutoFigures":
+        """Build figures from :meth:`to_dict`'s output."""
+        return cls(
+            **{key: dict(values.get(key, {})) for key in ("step_s", "links", "gradient_bytes", "compress_s", "skipped")}
+        )
+
+
+@dataclass
+class AutoDecision:
+    """What ``auto`` picked, from which figures, and why.
+
+    Args:
+        algorithm: the picked algorithm, as a user could have named it.
+        label: its :func:`describe_algorithm` label.
+        reason: one sentence.
+        figures: the figures behind it.
+        predicted_s: each timed candidate's predicted seconds per DDP step's worth of progress, ``T_c * f_c``.
+        factors: each candidate's steps-to-target factor ``f_c``.
+        world_size: the ranks it was decided for.
+        layout: ``(nodes, ranks per node)`` it was decided for.
+        trial_steps: the training steps spent measuring (0 when the figures were given or resumed).
+        measure_s: the seconds rank 0 spent measuring: link figures, compression costs and trial steps.
+    """
+
+    algorithm: Algorithm
+    label: str
+    reason: str
+    figures: AutoFigures
+    predicted_s: dict[str, float]
+    factors: dict[str, float]
+    world_size: int
+    layout: tuple[int, int]
+    trial_steps: int = 0
+    measure_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the decision as plain Python objects: what checkpoints and results files store."""
+        keywords = {key: getattr(self.algorithm, key) for key in self.algorithm.keywords()}
+        return {
+            "algorithm": self.algorithm.name,
+            "keywords": keywords,
+            "label": self.label,
+            "reason": self.reason,
+            "figures": self.figures.to_dict(),
+            "predicted_s": dict(self.predicted_s),
+            "factors": dict(self.factors),
+            "world_size": self.world_size,
+            "layout": list(self.layout),
+            "trial_steps": self.trial_steps,
+            "measure_s": self.measure_s,
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "AutoDecision":
+        """Build a decision from :meth:`to_dict`'s output."""
+        return cls(
+            algorithm=Algorithm.init(values["algorithm"], **values["keywords"]),
+            label=values["label"],
+            reason=values["reason"],
+            figures=AutoFigures.from_dict(values["figures"]),
+            predicted_s=dict(values["predicted_s"]),
+            factors=dict(values["factors"]),
+            world_size=int(values["world_size"]),
+            layout=(int(values["layout"][0]), int(values["layout"][1])),
+            trial_steps=int(values.get("trial_steps", 0)),
+            measure_s=float(values.get("measure_s", 0.0)),
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Return numbers for loggers, under ``bagua/auto/``: the predictions, step times, link figures."""
+        metrics: dict[str, float] = {
+            "bagua/auto/trial_steps": float(self.trial_steps),
+            "bagua/auto/measure_s": self.measure_s,
+        }
+        for label, value in self.predicted_s.items():
+            metrics[f"bagua/auto/predicted_s/{label}"] = value
+            metrics[f"bagua/auto/picked/{label}"] = float(label == self.label)
+        for label, value in self.figures.step_s.items():
+            metrics[f"bagua/auto/step_s/{label}"] = value
+        for tier, values in self.figures.links.items():
+            for key, value in values.items():
+                metrics[f"bagua/auto/link/{tier}/{key}"] = value
+        return metrics
+
+    def summary(self) -> str:
+        """Return the log line: link figures, each candidate's step and predicted time to loss, the pick and why."""
+        links = "; ".join(
+            f"{tier} {values['bandwidth_Bps'] / 1e6:.1f} MB/s, {values['latency_s'] * 1e3:.2f} ms"
+            for tier, values in self.figures.links.items()
+        )
+        gradients = ", ".join(f"{nbytes / 1e6:.2f} MB {dtype}" for dtype, nbytes in self.figures.gradient_bytes.items())
+        candidates = "; ".join(
+            f"{label}: {self.figures.step_s[label] * 1e3:.1f} ms/step x {self.factors[label]:.3g} steps"
+            f" = {predicted * 1e3:.1f} ms"
+            for label, predicted in self.predicted_s.items()
+        )
+        skipped = "; ".join(f"{label} ({why})" for label, why in self.figures.skipped.items())
+        return (
+            f"Bagua auto picked {self.label}: {self.reason} Links: {links or 'given'}."
+            f" Gradients: {gradients or 'given'}."
+            f" Time to DDP's loss, per DDP step: {candidates}."
+            + (f" Not timed: {skipped}." if skipped else "")
+            + f" Measuring took {self.trial_steps} steps and {self.measure_s:.2f} s on rank 0."
+        )
+
+
+def decide(
+    candidates: Sequence[Algorithm], figures: AutoFigures
+) -> tuple[int, str, dict[str, float], dict[str, float]]:
+    """Pick the candidate that reaches DDP's loss first, from the figures alone (deterministic).
+
+    Args:
+        candidates: the candidates, ``gradient_allreduce`` (flat) first.
+        figures: with ``step_s`` for the candidates that were timed.
+
+    Returns:
+        The index of the pick, the reason, each timed candidate's predicted time ``T_c * f_c``, and the factors.
+    """
+    labels = [describe_algorithm(candidate) for candidate in candidates]
+    factors = {label: _factor(candidate) for label, candidate in zip(labels, candidates, strict=True)}
+    predicted = {label: figures.step_s[label] * factors[label] for label in labels if label in figures.step_s}
+    baseline = labels[0]
+    if baseline not in predicted:
+        return 0, "gradient_allreduce was not timed, so nothing could be compared with it.", predicted, factors
+    best = min(predicted, key=lambda label: (predicted[label], labels.index(label)))
+    if best == baseline or predicted[best] >= predicted[baseline]:
+        return 0, "nothing measured reaches DDP's loss sooner than gradient_allreduce.", predicted, factors
+    ratio = predicted[best] / predicted[baseline]
+    return (
+        labels.index(best),
+        f"it reaches DDP's loss in {ratio:.3g}x gradient_allreduce's time (step {figures.step_s[best] * 1e3:.1f} ms"
+        f" against {figures.step_s[baseline] * 1e3:.1f} ms, {factors[best]:.4g}x DDP's steps).",
+        predicted,
+        factors,
+    )
+
+
+@dataclass
+class _DispatchState:
+    """The state DDP hands the dispatching hook: the current algorithm's own state and hook."""
+
+    state: Any
+    hook: CommunicationHook
+
+
+def _dispatch_hook(state: _DispatchState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return state.hook(state.state, bucket)
+
+
+class AutoImpl(AlgorithmImpl):
+    """:class:`AutoAlgorithm` bound to one wrapped model: it measures, then delegates everything to its pick."""
+
+    def __init__(self, algorithm: "AutoAlgorithm", context: AlgorithmContext) -> None:
+        self._current: AlgorithmImpl | None = None
+        super().__init__(algorithm, context)
+        self.auto = algorithm
+        groups = context.groups
+        self.layout = (groups.layout.num_nodes, groups.layout.ranks_per_node)
+        self.candidates = algorithm.candidates_for(groups.layout.num_nodes, groups.layout.ranks_per_node)
+        self.labels = [describe_algorithm(candidate) for candidate in self.candidates]
+        self.decision: AutoDecision | None = None
+        self._optimizers: list[Optimizer] = []
+        self._started = False
+        self._figures = AutoFigures()
+        self._schedule: list[int] = [0]
+        self._position = 0  # index into the schedule
+        self._steps_here = 0  # steps the current candidate has run (the first is not timed)
+        self._times: dict[int, list[float]] = {}
+        self._last_boundary: float | None = None
+        self._trial_steps = 0
+        self._measure_s = 0.0
+        self._current = self._reify(0, trial=True)
+        self._dispatch = _DispatchState(*self.current.communication_hook())
+        if groups.world_size == 1:
+            self._adopt(0, "one rank has nothing to communicate, so gradient_allreduce costs what DDP does.", {}, {})
+        elif algorithm.figures is not None and all(label in algorithm.figures.step_s for label in self.labels):
+            self._figures = self._given_figures()
+            self._decide_and_adopt()
+
+    # The wrapper reads the hook once; the dispatching one follows every switch. At world size 1 the pick is made
+    # before, and its own hook goes to DDP, so the step costs what the algorithm named directly costs.
+    def communication_hook(self) -> tuple[Any, CommunicationHook]:
+        """Return the hook that runs the current candidate's (the pick's, once decided)."""
+        if self.context.groups.world_size == 1:
+            return self.current.communication_hook()
+        return self._dispatch, _dispatch_hook
+
+    @property
+    def current(self) -> AlgorithmImpl:
+        """The implementation running now: a candidate on trial, or the pick."""
+        assert self._current is not None
+        return self._current
+
+    @property
+    def telemetry(self) -> CommunicationTelemetry | None:
+        """The wrapper's telemetry; the current implementation gets it too."""
+        return self._telemetry
+
+    @telemetry.setter
+    def telemetry(self, value: CommunicationTelemetry | None) -> None:
+        self._telemetry = value
+        if self._current is not None:
+            self.current.telemetry = value
+
+    def on_forward_start(self, synchronizing: bool) -> None:
+        """Time the step that just ended, switch candidates where the schedule says, and decide when it is done."""
+        if self.decision is None and synchronizing:
+            self._trial_boundary()
+        self.current.on_forward_start(synchronizing)
+
+    def bind_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Remember the optimizers and hand them to the current implementation."""
+        self._optimizers = list(optimizers)
+        self.current.bind_optimizers(self._optimizers)
+
+    def start(self) -> None:
+        """Start the current implementation's work (none for the gradient-bucket candidates)."""
+        self._started = True
+        self.current.start()
+
+    @property
+    def started(self) -> bool:
+        """Whether the current implementation's work is on."""
+        return self.current.started
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the current implementation's work."""
+        self._started = False
+        self.current.stop(wait)
+
+    def telemetry_phase(self) -> dict[str, float]:
+        """Return the current implementation's phase, with ``auto/measuring`` (1.0 while candidates are timed)."""
+        return {**self.current.telemetry_phase(), "auto/measuring": float(self.decision is None)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the decision with its figures and the pick's own state (nothing but the layout before the pick)."""
+        return {
+            "version": _CHECKPOINT_VERSION,
+            "world_size": self.context.groups.world_size,
+            "layout": list(self.layout),
+            "decision": None if self.decision is None else self.decision.to_dict(),
+            "state": self.current.state_dict() if self.decision is not None else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the saved pick on the same layout; elsewhere, drop the pick's state (with a warning) and decide again.
+
+        Args:
+            state: a dict from :meth:`state_dict`.
+
+        Raises:
+            ValueError: ``state`` is not one :meth:`state_dict` wrote.
+        """
+        if not isinstance(state, dict) or state.get("version") != _CHECKPOINT_VERSION or "decision" not in state:
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"Algorithm 'auto': the saved state must come from auto's state_dict (version {_CHECKPOINT_VERSION}),"
+                f" got {found}. Was the checkpoint written with another algorithm?"
+            )
+        saved = state["decision"]
+        if saved is None:
+            return  # saved while measuring: measuring starts again here
+        decision = AutoDecision.from_dict(saved)
+        groups = self.context.groups
+        same = decision.world_size == groups.world_size and decision.layout == self.layout
+        if same and decision.label in self.labels:
+            self._switch(self.labels.index(decision.label), trial=False)
+            self.decision = decision
+            self.current.load_state_dict(state["state"])
+            if groups.rank == 0:
+                log.info("Bagua auto resumes with its saved pick, %s.", decision.label)
+            return
+        if groups.rank == 0:
+            dropped = sorted(state["state"]) if state["state"] else []
+            log.warning(
+                "Bagua auto: the checkpoint's pick, %s, was made for %d ranks laid out %dx%d, and this run has %d"
+                " laid out %dx%d: auto measures and decides again.%s",
+                decision.label,
+                decision.world_size,
+                *decision.layout,
+                groups.world_size,
+                *self.layout,
+                f" The saved {decision.label} state is dropped: {', '.join(dropped)}." if dropped else "",
+            )
+        if self.decision is not None and groups.world_size > 1:
+            self.decision = None
+            self._restart_trials()
+
+    def resize_state(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Return this rank's state for a run of another world size: the decision, without the pick's state.
+
+        The decision records the world size it was made for, so :meth:`load_state_dict` decides again and names
+        the dropped state; rank 0's saved state stands for every rank's.
+
+        Args:
+            saved: every rank's :meth:`state_dict` from the run that saved.
+
+        Returns:
+            This rank's state.
+        """
+        if not saved:
+            return {}
+        rank = self.context.groups.rank
+        return dict(saved[rank] if len(saved) == self.context.groups.world_size else saved[0])
+
+    def close(self) -> None:
+        """Close the current implementation."""
+        self.current.close()
+
+    # -- measuring and deciding -----------------------------------------------------------------------------------
+
+    def _reify(self, index: int, trial: bool) -> AlgorithmImpl:
+        candidate = self.candidates[index]
+        if trial and isinstance(candidate, LowRankAlgorithm):
+            # Timed in the phase it would run in: its full-precision warm-up steps are gradient_allreduce's.
+            candidate = LowRankAlgorithm(
+                rank=candidate.rank,
+                warmup_steps=0,
+                hierarchical=candidate.hierarchical,
+                average=candidate.average,
+                alternate=candidate.alternate,
+                whole_step=candidate.whole_step,
+            )
+        context = self.context
+        if not candidate.hierarchical and context.groups.is_hierarchical:
+            context = replace(context, groups=replace(context.groups, intra_node=None, inter_node=None, _owned=[]))
+        impl = candidate.reify(context)
+        impl.telemetry = self.telemetry
+        return impl
+
+    def _switch(self, index: int, trial: bool) -> None:
+        previous = self.current
+        if previous.started:
+            previous.stop()
+        previous.close()
+        self._current = self._reify(index, trial)
+        self.current.bind_optimizers(self._optimizers)
+        if self._started:
+            self.current.start()
+        self._dispatch.state, self._dispatch.hook = self.current.communication_hook()
+
+    def _given_figures(self) -> AutoFigures:
+        given = self.auto.figures
+        return AutoFigures() if given is None else AutoFigures.from_dict(given.to_dict())
+
+    def _restart_trials(self) -> None:
+        self._schedule, self._position, self._steps_here = [0], 0, 0
+        self._times, self._last_boundary, self._trial_steps, self._measure_s = {}, None, 0, 0.0
+        self._figures = self._given_figures()
+        self._switch(0, trial=True)
+
+    def _trial_boundary(self) -> None:
+        now = time.perf_counter()
+        if self._last_boundary is None:
+            self._measure_start_up()
+            self._last_boundary = time.perf_counter()
+            return
+        elapsed = now - self._last_boundary
+        self._trial_steps += 1
+        self._measure_s += elapsed
+        index = self._schedule[self._position]
+        if self._steps_here > 0:  # the first step after a switch settles it (buffers, factors) and is not timed
+            self._times.setdefault(index, []).append(elapsed)
+        self._steps_here += 1
+        if self._steps_here > self.auto.trial_steps:
+            if self._position == 0:
+                self._plan_trials()
+            self._position += 1
+            self._steps_here = 0
+            if self._position < len(self._schedule):
+                self._switch(self._schedule[self._position], trial=True)
+            else:
+                self._finish_trials()
+        self._last_boundary = time.perf_counter()
+
+    def _measure_start_up(self) -> None:
+        started = time.perf_counter()
+        groups = self.context.groups
+        self._figures = self._given_figures()  # what was given is not measured
+        self._figures.step_s = {}
+        self._figures.gradient_bytes = self._figures.gradient_bytes or _gradient_bytes(self.context)
+        total = sum(self._figures.gradient_bytes.values())
+        large = max(_MIN_LARGE_MESSAGE, min(_LARGE_MESSAGE, total))
+        if not self._figures.links:
+            self._figures.links = self._time_links(large)
+        if groups.rank == 0:
+            for index, candidate in enumerate(self.candidates[1:], start=1):
+                if self.labels[index] not in self._figures.compress_s:
+                    self._figures.compress_s[self.labels[index]] = _compression_cost(candidate, self.context)
+        self._measure_s += time.perf_counter() - started
+
+    def _time_links(self, large: int) -> dict[str, dict[str, float]]:
+        groups, device = self.context.groups, self.context.device
+        links = {"all": _time_link(groups.flat, large, device)}
+        if groups.is_hierarchical:
+            assert groups.intra_node is not None
+            links["intra_node"] = _time_link(groups.intra_node, large, device)
+            if groups.inter_node is not None:
+                links["inter_node"] = _time_link(groups.inter_node, large, device)
+            else:
+                links["inter_node"] = {"latency_s": math.nan, "bandwidth_Bps": math.nan}
+            # Only the leaders measured the inter-node tier: rank 0, a leader, holds its figures.
+            dist.barrier(group=groups.flat)
+        return links
+
+    def _plan_trials(self) -> None:
+        """After gradient_allreduce's steps: rank 0 drops the candidates that cannot win or do not fit the budget."""
+        groups = self.context.groups
+        ddp_step = self._max_over_ranks([statistics.median(self._times.get(0, [math.inf]))])[0]
+        keep = torch.zeros(len(self.candidates), dtype=torch.int64)
+        if groups.rank == 0:
+            link = self._figures.links["all"]
+            total = sum(self._figures.gradient_bytes.values())
+            n = groups.world_size
+            ddp_comm = link["latency_s"] + 2 * (n - 1) / n * total / link["bandwidth_Bps"]
+            compute = max(ddp_step - ddp_comm, 0.0)
+            budget = self.auto.max_trial_steps - (self.auto.trial_steps + 1)
+            bounds = {
+                index: _factor(self.candidates[index])
+                * (compute + self._figures.compress_s.get(self.labels[index], 0.0))
+                for index in range(1, len(self.candidates))
+            }
+            # The most promising first, so that the budget drops the least promising.
+            for index in sorted(bounds, key=lambda index: (bounds[index], index)):
+                label, bound = self.labels[index], bounds[index]
+                if bound >= ddp_step:
+                    factor = _factor(self.candidates[index])
+                    self._figures.skipped[label] = (
+                        f"even with free communication its {factor:.3g}x steps at {bound * 1e3 / factor:.1f} ms each"
+                        f" lose to DDP's {ddp_step * 1e3:.1f} ms"
+                    )
+                elif budget < self.auto.trial_steps + 1:
+                    self._figures.skipped[label] = f"past the budget of max_trial_steps={self.auto.max_trial_steps}"
+                else:
+                    keep[index] = 1
+                    budget -= self.auto.trial_steps + 1
+        dist.broadcast(keep, src=groups.global_ranks[0], group=groups.flat)
+        # Timed in the candidates' order: the decision breaks ties by it.
+        self._schedule = [0, *(index for index in range(1, len(self.candidates)) if keep[index])]
+
+    def _finish_trials(self) -> None:
+        medians = [statistics.median(self._times[index]) for index in self._schedule]
+        combined = self._max_over_ranks(medians)
+        self._figures.step_s = {
+            self.labels[index]: value for index, value in zip(self._schedule, combined, strict=True)
+        }
+        self._decide_and_adopt()
+
+    def _decide_and_adopt(self) -> None:
+        groups = self.context.groups
+        index, reason, predicted, factors = decide(self.candidates, self._figures)
+        # Rank 0's decision is everyone's: one broadcast settles any difference the figures might hold.
+        choice = torch.tensor([index], dtype=torch.int64)
+        dist.broadcast(choice, src=groups.global_ranks[0], group=groups.flat)
+        self._adopt(int(choice.item()), reason, predicted, factors)
+
+    def _adopt(self, index: int, reason: str, predicted: dict[str, float], factors: dict[str, float]) -> None:
+        self._switch(index, trial=False)
+        self.decision = AutoDecision(
+            algorithm=self.candidates[index],
+            label=self.labels[index],
+            reason=reason,
+            figures=self._figures,
+            predicted_s=predicted,
+            factors=factors,
+            world_size=self.context.groups.world_size,
+            layout=self.layout,
+            trial_steps=self._trial_steps,
+            measure_s=self._measure_s,
+        )
+        if self.context.groups.rank == 0:
+            log.info("%s", self.decision.summary())
+
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.context.groups.flat)
+        return tensor.tolist()
+
+
+@register_algorithm("auto")
+class AutoAlgorithm(Algorithm):
+    """Measure the link and the model during the first steps, then run the algorithm that reaches DDP's loss first.
+
+    Every rank runs the same algorithm: rank 0 decides from the measured figures and broadcasts its pick. The pick
+    is one a user could have named (``gradient_allreduce``, ``bytegrad`` or ``low_rank`` with a rank, flat or
+    hierarchical); it is logged once from rank 0, kept in checkpoints, and exposed as the implementation's
+    ``decision``. Where nothing measured beats it, the pick is ``gradient_allreduce``.
+
+    Args:
+        candidates: what to choose among: names from ``gradient_allreduce``, ``bytegrad``, ``low_rank`` (at rank 16)
+            or configured instances of those algorithms (``LowRankAlgorithm(rank=32, hierarchical=False)``). A name
+            stands for its flat and, on several nodes of several ranks, its hierarchical form. ``gradient_allreduce``
+            is always timed, as the baseline. ``None``: the three, the methods whose final loss was within 1% of
+            DDP's at equal steps in the project's tables.
+        trial_steps: timed steps per candidate (each after one untimed step that settles the switch).
+        max_trial_steps: the most training steps the measurement may take, all candidates together; candidates
+            past it are not timed, the least promising first. With the defaults, at most 24 steps: 2.4% of a
+            1,000-step run.
+        figures: figures to decide from instead of measuring (for tests and reproductions); with a step time for
+            every candidate no step is timed and the pick is made when the model is wrapped.
+    """
+
+    impl_class = AutoImpl
+    # The two-level groups are created so that the hierarchical candidates can run; whether one runs is measured.
+    hierarchical = True
+    warns_about_node_layout = False
+
+    def __init__(
+        self,
+        candidates: Sequence[str | Algorithm] | None = None,
+        trial_steps: int = 3,
+        max_trial_steps: int = 24,
+        figures: AutoFigures | None = None,
+    ) -> None:
+        check_positive_int(self.name, "trial_steps", trial_steps)
+        check_positive_int(self.name, "max_trial_steps", max_trial_steps)
+        if max_trial_steps < trial_steps + 1:
+            raise ValueError(
+                f"Algorithm 'auto': `max_trial_steps={max_trial_steps}` leaves no room for gradient_allreduce's"
+                f" {trial_steps + 1} steps (trial_steps={trial_steps} plus one that settles the switch). Pass"
+                f" max_trial_steps of at least {trial_steps + 1}, or fewer trial_steps."
+            )
+        if figures is not None and not isinstance(figures, AutoFigures):
+            raise TypeError(f"Algorithm 'auto': `figures` must be an AutoFigures, got {type(figures).__name__}.")
+        self.candidates = None if candidates is None else tuple(_check_candidate(value) for value in candidates)
+        self.trial_steps = trial_steps
+        self.max_trial_steps = max_trial_steps
+        self.figures = figures
+
+    def candidates_for(self, num_nodes: int, ranks_per_node: int) -> list[Algorithm]:
+        """Return the candidates for a layout, flat ``gradient_allreduce`` first and no two alike.
+
+        Args:
+            num_nodes: nodes in the layout.
+            ranks_per_node: ranks on each node.
+
+        Returns:
+            The candidates.
+        """
+        two_level = num_nodes > 1 and ranks_per_node > 1
+        given = self.candidates if self.candidates is not None else CANDIDATE_NAMES
+        built: list[Algorithm] = [GradientAllReduceAlgorithm(hierarchical=False)]
+        for value in given:
+            if isinstance(value, Algorithm):
+                forms = [value]
+            else:
+                forms = [
+                    _named_candidate(value, hierarchical) for hierarchical in ((False, True) if two_level else (False,))
+                ]
+            for form in forms:
+                if form not in built:
+                    built.append(form)
+        return built
+
+
+def _named_candidate(name: str, hierarchical: bool) -> Algorithm:
+    if name == "low_rank":
+        return LowRankAlgorithm(rank=DEFAULT_LOW_RANK, hierarchical=hierarchical)
+    if name == "bytegrad":
+        return ByteGradAlgorithm(hierarchical=hierarchical)
+    return GradientAllReduceAlgorithm(hierarchical=hierarchical)
+
+
+def _check_candidate(value: Any) -> str | Algorithm:
+    valid = ", ".join(CANDIDATE_NAMES)
+    if isinstance(value, str):
+        if value not in CANDIDATE_NAMES:
+            raise ValueError(
+                f"Algorithm 'auto': unknown candidate {value!r}. Candidates are {valid} (or instances of their"
+                " algorithms). The other algorithms (decentralized, low_precision_decentralized, qadam, async) change"
+                " the weights or the optimizer, so auto cannot switch away from them after timing them: name one"
+                " directly, e.g. BaguaStrategy(algorithm='qadam', ...)."
+            )
+        return value
+    if isinstance(value, (GradientAllReduceAlgorithm, ByteGradAlgorithm, LowRankAlgorithm)):
+        if isinstance(value, LowRankAlgorithm) and value.rank < LOW_RANK_MIN_RANK:
+            raise ValueError(
+                f"Algorithm 'auto': candidate {value!r} has rank {value.rank}, and low_rank below rank"
+                f" {LOW_RANK_MIN_RANK} did not reach DDP's loss within 1% in the measured tables, so auto has no"
+                f" convergence figure for it. Pass rank >= {LOW_RANK_MIN_RANK}, or name low_rank directly."
+            )
+        return value
+    raise ValueError(
+        f"Algorithm 'auto': candidate {value!r} ({type(value).__name__}) is not one auto can time. Candidates are"
+        f" {valid}, by name or as instances of their algorithms."
+    )
+
+
+def _gradient_bytes(context: AlgorithmContext) -> dict[str, int]:
+    by_dtype: dict[str, int] = {}
+    for _, parameter in context.named_parameters:
+        key = str(parameter.dtype).removeprefix("torch.")
+        by_dtype[key] = by_dtype.get(key, 0) + parameter.numel() * parameter.element_size()
+    return by_dtype
+
+
+def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> dict[str, float]:
+    """Fit ``t(s) = latency + s / bandwidth`` to the median of a few all-reduces of two sizes on ``group``."""
+    medians = []
+    for size in (_SMALL_MESSAGE, large):
+        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(tensor, group=group)  # connects and warms the path
+        times = []
+        for _ in range(_REPEATS):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            dist.all_reduce(tensor, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        medians.append(statistics.median(times))
+    small_s, large_s = medians
+    per_byte = max(large_s - small_s, 1e-9) / (large - _SMALL_MESSAGE)
+    return {"latency_s": max(small_s - _SMALL_MESSAGE * per_byte, 0.0), "bandwidth_Bps": 1.0 / per_byte}
+
+
+def _compression_cost(candidate: Algorithm, context: AlgorithmContext) -> float:
+    """What one step's compression work costs on this device: the codec on every gradient, or the projections."""
+    device = context.device
+    parameters = [parameter for _, parameter in context.named_parameters]
+    if isinstance(candidate, ByteGradAlgorithm):
+        numel = sum(parameter.numel() for parameter in parameters)
+        sample = min(numel, 1 << 22)
+        tensor = torch.randn(sample, device=device)
+        codec = MinMaxUInt8Codec()
+        return _timed(lambda: codec.decompress(codec.compress(tensor), sample, torch.float32), device) * numel / sample
+    if isinstance(candidate, LowRankAlgorithm):
+        rank = candidate.rank
+        shapes: dict[tuple[int, int], int] = {}
+        for parameter in parameters:
+            if parameter.dim() >= 2:
+                rows = parameter.shape[0]
+                cols = parameter.numel() // rows
+                if (rows + cols) * rank < rows * cols:
+                    shapes[(rows, cols)] = shapes.get((rows, cols), 0) + 1
+        total = 0.0
+        # The largest shapes first, 16 of them at most; the rest are scaled from them by their size.
+        ordered = sorted(shapes, key=lambda shape: -shape[0] * shape[1])
+        timed_size = timed_cost = 0.0
+        for rows, cols in ordered[:16]:
+            matrix = torch.randn(rows, cols, device=device)
+            right = torch.randn(cols, rank, device=device)
+
+            def project(matrix: torch.Tensor = matrix, right: torch.Tensor = right) -> None:
+                left = torch.linalg.qr(matrix @ right).Q
+                matrix.T @ left
+
+            cost = _timed(project, device)
+            timed_size += rows * cols * shapes[(rows, cols)]
+            timed_cost += cost * shapes[(rows, cols)]
+        total = timed_cost
+        rest = sum(rows * cols * shapes[(rows, cols)] for rows, cols in ordered[16:])
+        if rest and timed_size:
+            total += timed_cost * rest / timed_size
+        return total
+    return 0.0
+
+
+def _timed(work: Any, device: torch.device) -> float:
+    work()
+    times = []
+    for _ in range(_REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

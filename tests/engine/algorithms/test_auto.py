@@ -1,0 +1,366 @@
+"""``auto``: the decision from figures, its checks, and real Gloo processes measuring, deciding and resuming."""
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bagua.engine import (
+    Algorithm,
+    AutoAlgorithm,
+    AutoFigures,
+    BaguaDistributedDataParallel,
+    ByteGradAlgorithm,
+    GradientAllReduceAlgorithm,
+    LowRankAlgorithm,
+)
+from lightning_bagua.engine.algorithms import _auto_factors
+from lightning_bagua.engine.algorithms.auto import AutoImpl, decide, describe_algorithm
+from tests.distributed import run_processes
+
+RESULTS = Path(__file__).parents[3] / "benchmarks" / "results"
+FEATURES = 32
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def batch_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, FEATURES, generator=generator), torch.randn(8, 1, generator=generator)
+
+
+def train(model: BaguaDistributedDataParallel, rank: int, steps: int, first: int = 0) -> None:
+    optimizer = model.bagua_optimizers[0]
+    for step in range(first, first + steps):
+        inputs, targets = batch_for(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+
+
+def wrap(algorithm: Algorithm | str, ranks_per_node: int | None = None) -> BaguaDistributedDataParallel:
+    module = make_model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+    return BaguaDistributedDataParallel(
+        module, optimizers=[optimizer], algorithm=algorithm, ranks_per_node=ranks_per_node
+    )
+
+
+def figures_for(step_ms: dict[str, float]) -> AutoFigures:
+    return AutoFigures(step_s={label: ms / 1e3 for label, ms in step_ms.items()})
+
+
+FLAT = [
+    GradientAllReduceAlgorithm(),
+    ByteGradAlgorithm(hierarchical=False),
+    LowRankAlgorithm(rank=16, hierarchical=False),
+]
+
+
+# -- the decision from figures --------------------------------------------------------------------------------------
+
+
+def test_the_pick_weighs_step_time_by_the_steps_to_ddps_loss():
+    # bytegrad's step is the shortest, but 1.75x the steps make it the slowest to the loss; low_rank wins.
+    figures = figures_for(
+        {"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 5.0, "low_rank(rank=16, hierarchical=False)": 6.0}
+    )
+    index, reason, predicted, factors = decide(FLAT, figures)
+    assert index == 2
+    assert predicted["bytegrad(hierarchical=False)"] == pytest.approx(5.0e-3 * 1.75)
+    assert predicted["low_rank(rank=16, hierarchical=False)"] == pytest.approx(6.0e-3 * 1.125)
+    assert factors["gradient_allreduce"] == 1.0
+    assert "0.675x" in reason
+    assert "1.125x" in reason
+    assert decide(FLAT, figures) == (index, reason, predicted, factors)  # deterministic
+
+
+def test_nothing_faster_falls_back_to_gradient_allreduce():
+    figures = figures_for(
+        {"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 6.0, "low_rank(rank=16, hierarchical=False)": 9.0}
+    )
+    index, reason, _, _ = decide(FLAT, figures)
+    assert index == 0
+    assert "nothing measured" in reason
+    # An exact tie goes to gradient_allreduce too, and so do candidates left untimed.
+    assert decide(FLAT, figures_for({"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 10.0 / 1.75}))[0] == 0
+    assert decide(FLAT, figures_for({"bytegrad(hierarchical=False)": 1.0}))[0] == 0
+
+
+def test_candidates_follow_the_layout():
+    auto = AutoAlgorithm()
+    assert [describe_algorithm(c) for c in auto.candidates_for(1, 4)] == [
+        "gradient_allreduce",
+        "bytegrad(hierarchical=False)",
+        "low_rank(rank=16, hierarchical=False)",
+    ]
+    assert [describe_algorithm(c) for c in auto.candidates_for(2, 2)] == [
+        "gradient_allreduce",
+        "gradient_allreduce(hierarchical=True)",
+        "bytegrad(hierarchical=False)",
+        "bytegrad(hierarchical=True)",
+        "low_rank(rank=16, hierarchical=False)",
+        "low_rank(rank=16, hierarchical=True)",
+    ]
+    narrowed = AutoAlgorithm(candidates=[LowRankAlgorithm(rank=32, hierarchical=False)])
+    assert [describe_algorithm(c) for c in narrowed.candidates_for(2, 2)] == [
+        "gradient_allreduce",
+        "low_rank(rank=32, hierarchical=False)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"candidates": ["qadam"]}, ValueError, r"unknown candidate 'qadam'.*gradient_allreduce, bytegrad, low_rank"),
+        ({"candidates": ["bytegrad", "nope"]}, ValueError, r"unknown candidate 'nope'"),
+        ({"candidates": [LowRankAlgorithm(rank=8)]}, ValueError, r"rank 8.*rank >= 16"),
+        ({"max_trial_steps": 0}, ValueError, r"`max_trial_steps` must be at least 1, got 0"),
+        ({"max_trial_steps": 3}, ValueError, r"max_trial_steps=3.*at least 4"),
+        ({"trial_steps": -1}, ValueError, r"`trial_steps` must be at least 1"),
+        ({"trial_steps": 2.5}, TypeError, r"`trial_steps` must be a int"),
+    ],
+)
+def test_bad_input_fails_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Algorithm.init("auto", **kwargs)
+
+
+def test_factors_match_the_results_files():
+    """Every factor is the largest steps-to-target ratio to DDP's over the CPU and GPU tables."""
+    ratios: dict[str, list[float]] = {}
+    rows = json.loads((RESULTS / "time_to_accuracy_cpu.json").read_text())["combined"]
+    ddp = {(row["task"], row["layout"]): row["steps_to_target"] for row in rows if row["method"] == "ddp"}
+    for row in rows:
+        method = row["method"].split(":")[0]
+        if row["steps_to_target"] is not None and method != "ddp":
+            ratios.setdefault(method, []).append(row["steps_to_target"] / ddp[row["task"], row["layout"]])
+    table = (RESULTS / "gpu_network_lab.md").read_text()
+    gpu = dict(re.findall(r"^\| (\w+) \| (\d+) \|", table, flags=re.MULTILINE))
+    for method, steps in gpu.items():
+        if method not in ("ddp", "gradient_allreduce"):
+            ratios.setdefault(method, []).append(int(steps) / int(gpu["ddp"]))
+    for method, factor in _auto_factors.STEPS_TO_TARGET.items():
+        if method == "gradient_allreduce":
+            continue
+        assert factor == pytest.approx(max(ratios[method])), method
+
+
+# -- real processes ---------------------------------------------------------------------------------------------------
+
+
+# A link this slow leaves no step to compute within DDP's: no candidate is skipped, every one is timed.
+SLOW_LINK = AutoFigures(links={"all": {"latency_s": 1e-3, "bandwidth_Bps": 1e3}})
+
+
+def _measure_and_train(
+    rank: int, world_size: int, ranks_per_node: int | None, steps: int, figures: AutoFigures | None = None
+) -> dict[str, Any]:
+    model = wrap(AutoAlgorithm(trial_steps=1, max_trial_steps=12, figures=figures), ranks_per_node)
+    train(model, rank, steps)
+    impl = model.bagua_algorithm_impl
+    assert isinstance(impl, AutoImpl)
+    decision = impl.decision
+    result = {
+        "label": None if decision is None else decision.label,
+        "decision": None if decision is None else decision.to_dict(),
+        "state": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+        "saved": model.bagua_state_dict(),
+        "ops": sorted(model.communication_counter.bytes_by_op),
+    }
+    model.close()
+    return result
+
+
+@pytest.mark.parametrize(
+    ("world_size", "ranks_per_node", "figures"), [(2, None, None), (2, None, SLOW_LINK), (4, 2, SLOW_LINK)]
+)
+def test_every_rank_gets_the_same_pick_and_weights(world_size, ranks_per_node, figures):
+    results = run_processes(_measure_and_train, world_size, ranks_per_node, 16, figures)
+    labels = {result["label"] for result in results}
+    assert len(labels) == 1, labels
+    assert None not in labels
+    decision = results[0]["decision"]
+    assert decision["layout"] == ([2, 2] if ranks_per_node else [1, 2])
+    assert "gradient_allreduce" in decision["figures"]["step_s"]
+    assert decision["trial_steps"] <= 12
+    if figures is None:
+        assert set(decision["figures"]["links"]) == {"all"}
+    # Every candidate was timed or skipped with a reason; those timed really ran (their collectives are counted).
+    step_s, skipped = decision["figures"]["step_s"], decision["figures"]["skipped"]
+    expected = AutoAlgorithm().candidates_for(*decision["layout"])
+    assert {describe_algorithm(c) for c in expected} == set(step_s) | set(skipped), decision
+    if figures is not None:
+        assert set(step_s) == set(expected_labels := {describe_algorithm(c) for c in expected}), expected_labels
+        assert len(results[0]["ops"]) > 1, results[0]["ops"]  # the compressed candidates' collectives ran
+    for result in results[1:]:
+        for name, tensor in result["state"].items():
+            torch.testing.assert_close(tensor, results[0]["state"][name], **TOLERANCE)
+
+
+INJECTED = figures_for(
+    {"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 9.0, "low_rank(rank=16, hierarchical=False)": 5.0}
+)
+
+
+def _injected_against_named(rank: int, world_size: int) -> dict[str, Any]:
+    auto = wrap(AutoAlgorithm(figures=INJECTED))
+    named = wrap(LowRankAlgorithm(rank=16, hierarchical=False))
+    impl = auto.bagua_algorithm_impl
+    assert isinstance(impl, AutoImpl)
+    assert impl.decision is not None
+    train(auto, rank, 14)
+    train(named, rank, 14)
+    result = {
+        "label": impl.decision.label,
+        "trial_steps": impl.decision.trial_steps,
+        "auto": dict(auto.module.state_dict()),
+        "named": dict(named.module.state_dict()),
+    }
+    auto.close()
+    named.close()
+    return result
+
+
+def test_injected_figures_pick_at_once_and_train_as_the_named_pick():
+    for result in run_processes(_injected_against_named, 2):
+        assert result["label"] == "low_rank(rank=16, hierarchical=False)"
+        assert result["trial_steps"] == 0
+        for name, tensor in result["auto"].items():
+            torch.testing.assert_close(tensor, result["named"][name], rtol=0, atol=0)
+
+
+def _resume(rank: int, world_size: int, saved: dict[str, Any], ranks_per_node: int | None) -> dict[str, Any]:
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning_bagua").addHandler(handler)
+    model = wrap("auto", ranks_per_node)
+    model.load_bagua_state_dict(saved)
+    impl = model.bagua_algorithm_impl
+    assert isinstance(impl, AutoImpl)
+    result = {"label": None if impl.decision is None else impl.decision.label, "warnings": warnings}
+    model.close()
+    return result
+
+
+def test_a_resume_keeps_the_pick_and_a_changed_layout_decides_again():
+    results = run_processes(_measure_and_train, 4, 2, 16, SLOW_LINK)
+    label = results[0]["label"]
+    same = run_processes(_resume, 4, results[0]["saved"], 2)
+    assert [result["label"] for result in same] == [label] * 4
+    assert not same[0]["warnings"]
+    changed = run_processes(_resume, 4, results[0]["saved"], 1)
+    assert [result["label"] for result in changed] == [None] * 4
+    assert any("decides again" in warning and "2x2" in warning for warning in changed[0]["warnings"])
+
+
+def test_resize_state_keeps_the_decision_so_the_load_decides_again():
+    class _Groups:
+        rank, world_size = 0, 2
+
+    impl = AutoImpl.__new__(AutoImpl)
+    impl.context = type("Context", (), {"groups": _Groups()})()  # type: ignore[assignment]
+    saved = [{"version": 1, "decision": {"world_size": 4}, "state": {"steps": 3}}] * 4
+    assert impl.resize_state(saved)["decision"] == {"world_size": 4}
+    assert impl.resize_state([]) == {}
+
+
+def _world_of_one(rank: int, world_size: int) -> dict[str, Any]:
+    model = wrap("auto")
+    impl = model.bagua_algorithm_impl
+    assert isinstance(impl, AutoImpl)
+    assert impl.decision is not None
+    _, hook = impl.communication_hook()
+    train(model, rank, 2)
+    result = {"label": impl.decision.label, "hook": hook.__name__, "trial_steps": impl.decision.trial_steps}
+    model.close()
+    return result
+
+
+def test_one_rank_picks_gradient_allreduce_at_once_with_its_own_hook():
+    (result,) = run_processes(_world_of_one, 1)
+    assert result == {"label": "gradient_allreduce", "hook": "gradient_allreduce_hook", "trial_steps": 0}
+
+
+def _pick_against_named(rank: int, world_size: int) -> dict[str, Any]:
+    """Measure for real, then train on; the same steps from the same weights with the pick named directly."""
+    model = wrap(AutoAlgorithm(trial_steps=1, max_trial_steps=12, figures=SLOW_LINK))
+    impl = model.bagua_algorithm_impl
+    assert isinstance(impl, AutoImpl)
+    step = 0
+    while impl.decision is None:
+        before = {key: value.clone() for key, value in model.module.state_dict().items()}
+        train(model, rank, 1, first=step)
+        step += 1
+    assert impl.decision is not None
+    # The pick ran from the forward of step `step - 1` on, which started from `before`.
+    named_module = make_model()
+    named_module.load_state_dict(before)
+    optimizer = torch.optim.SGD(named_module.parameters(), lr=0.05)
+    keywords = {key: getattr(impl.decision.algorithm, key) for key in impl.decision.algorithm.keywords()}
+    named = BaguaDistributedDataParallel(
+        named_module, optimizers=[optimizer], algorithm=Algorithm.init(impl.decision.algorithm.name, **keywords)
+    )
+    train(model, rank, 12, first=step)
+    train(named, rank, 13, first=step - 1)
+    result = {"label": impl.decision.label, "auto": model.module.state_dict(), "named": named.module.state_dict()}
+    model.close()
+    named.close()
+    return result
+
+
+def test_training_after_a_measured_pick_is_the_pick_named_directly():
+    results = run_processes(_pick_against_named, 2)
+    assert results[0]["label"] == results[1]["label"]
+    for result in results:
+        for name, tensor in result["auto"].items():
+            torch.testing.assert_close(tensor, result["named"][name], **TOLERANCE)
+
+
+def test_the_decision_reads_as_log_line_metrics_and_checkpoint():
+    auto = AutoAlgorithm(figures=INJECTED)
+    candidates = auto.candidates_for(1, 2)
+    index, reason, predicted, factors = decide(candidates, INJECTED)
+    from lightning_bagua.engine import AutoDecision
+
+    decision = AutoDecision(candidates[index], describe_algorithm(candidates[index]), reason, INJECTED, predicted,
+                            factors, world_size=2, layout=(1, 2))  # fmt: skip
+    assert decision.summary().startswith("Bagua auto picked low_rank(rank=16, hierarchical=False): it reaches")
+    metrics = decision.metrics()
+    assert metrics["bagua/auto/picked/low_rank(rank=16, hierarchical=False)"] == 1.0
+    assert metrics["bagua/auto/predicted_s/gradient_allreduce"] == pytest.approx(10e-3)
+    restored = AutoDecision.from_dict(decision.to_dict())
+    assert restored.algorithm == LowRankAlgorithm(rank=16, hierarchical=False)
+    assert restored.to_dict() == decision.to_dict()
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "lightning.fabric"])
+def test_strategies_take_auto_by_name_and_check_its_keywords_at_construction(package):
+    import importlib
+
+    import torch.distributed as dist
+
+    registry = importlib.import_module(f"{package}.strategies")
+    strategy_cls = importlib.import_module(
+        "lightning_bagua.strategies.bagua" if package == "lightning.pytorch" else "lightning_bagua.strategies.fabric"
+    ).BaguaStrategy
+    assert isinstance(strategy_cls(algorithm="auto").algorithm, AutoAlgorithm)
+    assert isinstance(strategy_cls.auto(trial_steps=2).algorithm, AutoAlgorithm)
+    assert isinstance(strategy_cls().algorithm, GradientAllReduceAlgorithm)  # "bagua" keeps gradient_allreduce
+    names = registry.StrategyRegistry if package == "lightning.pytorch" else registry.STRATEGY_REGISTRY
+    assert "bagua_auto" in names
+    with pytest.raises(ValueError, match="unknown candidate 'qadam'"):
+        strategy_cls(algorithm="auto", candidates=["qadam"])
+    with pytest.raises(ValueError, match="`max_trial_steps` must be at least 1, got 0"):
+        strategy_cls(algorithm="auto", max_trial_steps=0)
+    assert not dist.is_initialized()
