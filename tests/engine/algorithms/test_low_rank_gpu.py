@@ -7,8 +7,6 @@ from torch import nn
 from lightning_bagua.engine import BaguaDistributedDataParallel, LowRankAlgorithm
 from lightning_bagua.engine.communication import CommunicationCounter
 from tests.distributed import run_processes
-from tests.engine.test_cuda_graphs_gpu import assert_equal_step_by_step
-from tests.engine.test_data_parallel import batch_for, make_model, make_optimizer
 from tests.engine.algorithms.test_low_rank import (
     RANK,
     STEPS,
@@ -17,6 +15,8 @@ from tests.engine.algorithms.test_low_rank import (
     assert_exact_and_rank_r,
     train_with_low_rank,
 )
+from tests.engine.test_cuda_graphs_gpu import assert_equal_step_by_step
+from tests.engine.test_data_parallel import batch_for, make_model, make_optimizer
 
 KWARGS = {"rank": RANK, "warmup_steps": 0, "hierarchical": False}
 
