@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import free_port, rotated, task_model, write_report
-from lightning_bagua.engine.algorithms import _low_rank_factors, low_rank
+from lightning_bagua.engine.algorithms.low_rank import _factors, hook
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter
 
@@ -47,19 +47,19 @@ TASKS = ("digits", "charlm", "bytemlp")
 @contextmanager
 def orthonormalisation(setting: str) -> Iterator[None]:
     """Run ``low_rank`` with Gram-Schmidt for the ``gram_schmidt_*`` settings, with its own function otherwise."""
-    original = _low_rank_factors.orthonormalise_columns
+    original = _factors.orthonormalise_columns
     if setting.startswith("gram_schmidt"):
-        _low_rank_factors.orthonormalise_columns = low_rank.gram_schmidt_
+        _factors.orthonormalise_columns = _factors.gram_schmidt_
     try:
         yield
     finally:
-        _low_rank_factors.orthonormalise_columns = original
+        _factors.orthonormalise_columns = original
 
 
 def make_state(parameters: list[torch.nn.Parameter], rank: int, alternate: bool, setting: str) -> Any:
     """A ``LowRankState`` for one flat participant, compressing from the first call, coded as ``setting`` says."""
     backend = "native" if setting.endswith("native") else "torch"
-    return low_rank.LowRankState(
+    return hook.LowRankState(
         groups=None,  # type: ignore[arg-type]  # low_rank_reduce_ takes its group as an argument
         counter=CommunicationCounter(),
         executor=None,  # type: ignore[arg-type]
@@ -87,7 +87,7 @@ def timer(task: str, rank: int, alternate: bool, setting: str) -> Callable[[int]
             for _ in range(calls):
                 bucket = gradient.clone()
                 start = time.perf_counter()
-                low_rank.low_rank_reduce_(bucket, slots, None, 1, state)
+                hook.low_rank_reduce_(bucket, slots, None, 1, state)
                 times.append(time.perf_counter() - start)
         return times
 

@@ -11,8 +11,8 @@ from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, QAda
 from lightning_bagua.engine.communication import CommunicationCounter
 from lightning_bagua.engine.telemetry import TELEMETRY_KEYS
 from tests.distributed import run_processes
+from tests.engine.algorithms.test_low_rank import RANK, SHAPES, message_bytes
 from tests.engine.test_data_parallel import batch_for, make_model
-from tests.engine.test_low_rank import RANK, SHAPES, message_bytes
 
 STEPS = 4
 WORLD_SIZE = 2

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, LowRankAlgorithm
 from lightning_bagua.engine._executor import OrderedExecutor
-from lightning_bagua.engine.algorithms import _low_rank_factors, _low_rank_step, low_rank
+from lightning_bagua.engine.algorithms.low_rank import _factors, hook
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter
 from tests.distributed import assert_ranks_identical, run_processes
@@ -117,14 +117,14 @@ def train_with_low_rank(
     rank: int, world_size: int, kwargs: dict, ranks_per_node: int | None, device: str = "cpu"
 ) -> dict:
     recorded, states_before = [], []
-    original = low_rank.reduce_bucket
+    original = hook.reduce_bucket
 
     def spy(state, buffer, slots):
         before = buffer.detach().cpu().clone()
         names = {slot.name for slot in slots}
         states_before.append(
             {
-                kind: to_cpu({name: tensor for name, tensor in getattr(state, kind).items() if name in names})
+                kind: to_cpu({name: tensor for name, tensor in getattr(state.memory, kind).items() if name in names})
                 for kind in ("errors", "factors")
             }
         )
@@ -132,7 +132,7 @@ def train_with_low_rank(
         recorded.append(([slot.name for slot in slots], before, after.detach().cpu().clone()))
         return after
 
-    original_add = _low_rank_step.StepBatcher.add
+    original_add = hook.StepBatcher.add
     held: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
 
     def add_spy(self, state, buffer, slots, step, last):
@@ -140,7 +140,7 @@ def train_with_low_rank(
         names = {slot.name for slot in slots}
         states_before.append(
             {
-                kind: to_cpu({name: tensor for name, tensor in getattr(state, kind).items() if name in names})
+                kind: to_cpu({name: tensor for name, tensor in getattr(state.memory, kind).items() if name in names})
                 for kind in ("errors", "factors")
             }
         )
@@ -153,8 +153,8 @@ def train_with_low_rank(
             held.clear()
         return future
 
-    low_rank.reduce_bucket = spy
-    _low_rank_step.StepBatcher.add = add_spy
+    hook.reduce_bucket = spy
+    hook.StepBatcher.add = add_spy
     model = make_model().to(device)
     optimizer = make_optimizer(model)
     ddp = BaguaDistributedDataParallel(
@@ -180,8 +180,8 @@ def train_with_low_rank(
     saved = ddp.bagua_state_dict()["state"]
     saved = {key: to_cpu(value) if isinstance(value, dict) else value for key, value in saved.items()}
     ddp.close()
-    low_rank.reduce_bucket = original
-    _low_rank_step.StepBatcher.add = original_add
+    hook.reduce_bucket = original
+    hook.StepBatcher.add = original_add
     return {
         "state": to_cpu(model.state_dict()),
         "buckets": recorded,
@@ -574,9 +574,9 @@ def test_bad_state_names_the_keys():
         impl.load_state_dict({**good, "steps": -1})
 
 
-def lone_state(**fields: Any) -> low_rank.LowRankState:
+def lone_state(**fields: Any) -> hook.LowRankState:
     """A state for one participant, with no groups (the tests call the reduce functions directly)."""
-    return low_rank.LowRankState(
+    return hook.LowRankState(
         groups=None,  # type: ignore[arg-type]
         counter=CommunicationCounter(),
         executor=OrderedExecutor(torch.device("cpu")),
@@ -589,75 +589,75 @@ def lone_state(**fields: Any) -> low_rank.LowRankState:
 @contextlib.contextmanager
 def gather_is_a_copy() -> Iterator[None]:
     """One participant: the all-gather is a copy (world size 1 needs no process group for the exchange helpers)."""
-    original = _low_rank_factors.all_gather_into
-    _low_rank_factors.all_gather_into = lambda output, tensor, group: output.copy_(tensor.view(1, -1))
+    original = _factors.all_gather_into
+    _factors.all_gather_into = lambda output, tensor, group: output.copy_(tensor.view(1, -1))
     try:
         yield
     finally:
-        _low_rank_factors.all_gather_into = original
+        _factors.all_gather_into = original
 
 
 def test_zero_and_non_finite_gradients_keep_the_state_finite():
     """A zero gradient stays zero (no NaN from normalising nothing); a non-finite one leaves errors and factors."""
     state = lone_state()
-    slot = low_rank.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec)
+    slot = _factors.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec)
     assert slot.factored
     zero = torch.zeros(64 * 16)
     with gather_is_a_copy():
-        low_rank.low_rank_reduce_(zero, [slot], None, 1, state)
+        hook.low_rank_reduce_(zero, [slot], None, 1, state)
         assert torch.equal(zero, torch.zeros(64 * 16))
         grad = torch.randn(64 * 16, generator=torch.Generator().manual_seed(0))
-        low_rank.low_rank_reduce_(grad, [slot], None, 1, state)
-        error, factor = state.errors["w"].clone(), state.factors["w"].clone()
+        hook.low_rank_reduce_(grad, [slot], None, 1, state)
+        error, factor = state.memory.errors["w"].clone(), state.memory.factors["w"].clone()
         assert torch.isfinite(error).all()
         assert torch.isfinite(factor).all()
         bad = torch.full((64 * 16,), math.inf)
-        low_rank.low_rank_reduce_(bad, [slot], None, 1, state)
+        hook.low_rank_reduce_(bad, [slot], None, 1, state)
         assert not torch.isfinite(bad).all()  # the skipped step sees a non-finite gradient
-        assert torch.equal(state.errors["w"], error)
-        assert torch.equal(state.factors["w"], factor)
+        assert torch.equal(state.memory.errors["w"], error)
+        assert torch.equal(state.memory.factors["w"], factor)
 
 
 def test_whole_step_zero_and_non_finite_gradients_keep_the_state_finite():
     """The whole-step path's device-side check: a non-finite step leaves every error and factor as it was."""
     state = lone_state(whole_step=True)
     slots = [
-        low_rank.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec),
-        low_rank.plan_slot("b", 64 * 16, torch.Size([16]), RANK, 4, state.codec),
-        low_rank.plan_slot("v", 64 * 16 + 16, torch.Size([64, 16]), RANK, 4, state.codec),
+        _factors.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec),
+        _factors.plan_slot("b", 64 * 16, torch.Size([16]), RANK, 4, state.codec),
+        _factors.plan_slot("v", 64 * 16 + 16, torch.Size([64, 16]), RANK, 4, state.codec),
     ]
     numel = 2 * 64 * 16 + 16
     with gather_is_a_copy():
         zero = torch.zeros(numel)
-        _low_rank_step.reduce_step(state, [zero], [slots], None, 1)
+        hook.reduce_step(state, [zero], [slots], None, 1)
         assert torch.equal(zero, torch.zeros(numel))
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         exact = grad[64 * 16 : 64 * 16 + 16].clone()
-        _low_rank_step.reduce_step(state, [grad], [slots], None, 1)
+        hook.reduce_step(state, [grad], [slots], None, 1)
         assert torch.equal(grad[64 * 16 : 64 * 16 + 16], exact)  # one participant: the exact mean is itself
-        errors = {name: state.errors[name].clone() for name in ("w", "v")}
-        factors = {name: state.factors[name].clone() for name in ("w", "v")}
+        errors = {name: state.memory.errors[name].clone() for name in ("w", "v")}
+        factors = {name: state.memory.factors[name].clone() for name in ("w", "v")}
         assert all(torch.isfinite(tensor).all() for tensor in [*errors.values(), *factors.values()])
         # The same shape twice: one batch, yet each keeps its own error.
         assert not torch.equal(errors["w"], errors["v"])
         bad = torch.full((numel,), math.inf)
-        _low_rank_step.reduce_step(state, [bad], [slots], None, 1)
+        hook.reduce_step(state, [bad], [slots], None, 1)
         for name in ("w", "v"):
-            assert torch.equal(state.errors[name], errors[name])
-            assert torch.equal(state.factors[name], factors[name])
+            assert torch.equal(state.memory.errors[name], errors[name])
+            assert torch.equal(state.memory.factors[name], factors[name])
         # A new layout (DDP's rebuilt buckets) takes the errors and factors over by name.
         state.forget_step_plan()
-        _low_rank_step.reduce_step(state, [zero.clone()], [slots], None, 1)
+        hook.reduce_step(state, [zero.clone()], [slots], None, 1)
 
 
 def test_a_plan_with_graphs_is_dropped_only_once_its_device_is_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     """A new layout, a loaded checkpoint or closing drops the plan; with captured graphs, after its replays ended."""
     state = lone_state(whole_step=True)
-    slots = [low_rank.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec)]
+    slots = [_factors.plan_slot("w", 0, torch.Size([64, 16]), RANK, 4, state.codec)]
     waited: list[torch.device] = []
-    monkeypatch.setattr(low_rank.torch.cuda, "synchronize", waited.append)
+    monkeypatch.setattr(hook.torch.cuda, "synchronize", waited.append)
     with gather_is_a_copy():
-        _low_rank_step.reduce_step(state, [torch.randn(64 * 16)], [slots], None, 1)
+        hook.reduce_step(state, [torch.randn(64 * 16)], [slots], None, 1)
     plan = state.step_plan([slots], torch.device("cpu"))
     state.forget_step_plan()
     assert waited == []  # nothing was captured: nothing can still be replaying
@@ -669,7 +669,7 @@ def test_a_plan_with_graphs_is_dropped_only_once_its_device_is_idle(monkeypatch:
     state.step_plan([slots[:0]], torch.device("cpu"))
     assert waited == [torch.device("cpu")]
     state.forget_step_plan()
-    assert state._step_plan is None
+    assert state.plans.step is None
 
 
 def test_whole_step_is_refused_with_alternate():
@@ -684,12 +684,12 @@ def test_batched_orthonormalisation_is_the_per_gradient_one():
     """Gradients with the same row count are orthonormalised as one batch: each to the Gram-Schmidt basis alone."""
     generator = torch.Generator().manual_seed(3)
     factors = [torch.randn(48, 4, generator=generator) for _ in range(3)]
-    batched = low_rank.orthonormalise_columns(torch.stack(factors))
+    batched = _factors.orthonormalise_columns(torch.stack(factors))
     for factor, result in zip(factors, batched, strict=True):
         torch.testing.assert_close(result, orthonormal(factor), rtol=0, atol=1e-5)
     factors[1][:, 2] = 0.0  # a zero column (a zero gradient's) stays zero, and the next one keeps all it has left
-    batched = low_rank.orthonormalise_columns(torch.stack(factors))
+    batched = _factors.orthonormalise_columns(torch.stack(factors))
     for factor, result in zip(factors, batched, strict=True):
         torch.testing.assert_close(result, orthonormal(factor), rtol=0, atol=1e-5)
     assert torch.equal(batched[1][:, 2], torch.zeros(48))
-    torch.testing.assert_close(low_rank.orthonormalise_columns(torch.zeros(2, 48, 4)), torch.zeros(2, 48, 4))
+    torch.testing.assert_close(_factors.orthonormalise_columns(torch.zeros(2, 48, 4)), torch.zeros(2, 48, 4))

@@ -1,8 +1,8 @@
-"""The math ``low_rank`` shares between its paths: how a gradient travels, its first factors and their basis.
+"""The math both of ``low_rank``'s paths share: how a gradient travels, its first factors, their basis and checks.
 
 A gradient is planned from its shape alone (:func:`plan_slot`), so every rank plans alike; its warm start comes from
-the shape too (:func:`factor_seed`). Both the per-bucket path (:mod:`._low_rank_bucket`) and the whole-step path
-(:mod:`._low_rank_step`) code the same factors into the same messages and orthonormalise them the same way.
+the shape too (:func:`factor_seed`). The per-bucket and the whole-step path (:mod:`.hook`) code the same factors
+into the same messages and orthonormalise them the same way.
 """
 
 import zlib

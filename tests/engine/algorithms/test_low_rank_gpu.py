@@ -7,9 +7,7 @@ from torch import nn
 from lightning_bagua.engine import BaguaDistributedDataParallel, LowRankAlgorithm
 from lightning_bagua.engine.communication import CommunicationCounter
 from tests.distributed import run_processes
-from tests.engine.test_cuda_graphs_gpu import assert_equal_step_by_step
-from tests.engine.test_data_parallel import batch_for, make_model, make_optimizer
-from tests.engine.test_low_rank import (
+from tests.engine.algorithms.test_low_rank import (
     RANK,
     STEPS,
     assert_buckets_match,
@@ -17,6 +15,8 @@ from tests.engine.test_low_rank import (
     assert_exact_and_rank_r,
     train_with_low_rank,
 )
+from tests.engine.test_cuda_graphs_gpu import assert_equal_step_by_step
+from tests.engine.test_data_parallel import batch_for, make_model, make_optimizer
 
 KWARGS = {"rank": RANK, "warmup_steps": 0, "hierarchical": False}
 
@@ -86,8 +86,8 @@ def train_whole_step(rank: int, world_size: int) -> dict:
     result = {
         "gradients": gradients,
         "totals": sent,
-        "errors": {name: error.detach().cpu().clone() for name, error in state.errors.items()},
-        "graphs": state._step_plan.graphs.captured,
+        "errors": {name: error.detach().cpu().clone() for name, error in state.memory.errors.items()},
+        "graphs": state.plans.step.graphs.captured,
     }
     ddp.close()
     return result
