@@ -222,7 +222,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         # Bagua never made here; its rounds wait for the next training step anyway, so validation reads whole ones.
         super().on_validation_start()
         impl = self._algorithm_impl()
-        if impl is not None and self._pause_for_validation:
+        # diloco validates the synced θ_outer (its stop shows it, with no collective of its own).
+        if impl is not None and (self._pause_for_validation or getattr(impl, "validates_outer_weights", False)):
             impl.stop()
             self._paused_for_validation = True
 
