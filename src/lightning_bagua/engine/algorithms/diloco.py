@@ -8,7 +8,7 @@ Design:
   gradient accumulation). Everything the algorithm does to the weights happens there, before the forward.
 * The parameters are cut into ``fragments`` contiguous groups of about equal size. Each keeps ``θ_outer`` as one
   flat float32 tensor (on the model's device, or in host memory with ``offload``) and its own outer optimizer.
-* An exchange of one fragment: on the training thread, ``Δ = θ_outer − x`` (float32); on the exchange thread,
+* An exchange of one fragment: on the training thread, ``Δ = θ_outer - x`` (float32); on the exchange thread,
   encode, all-gather among the participants on a communicator of the algorithm's own, decode and average every
   row, take the outer step. It is merged ``fragment_sync_delay`` steps later, on the training thread. The thread
   waits for its collectives itself (never a Python callback on a Gloo future), and on CUDA it works on a stream
@@ -542,18 +542,18 @@ class DiLoCoAlgorithm(Algorithm):
 
     DiLoCo is described by Douillard et al. 2023, https://arxiv.org/abs/2311.08105, and its streaming form by
     Douillard et al. 2025, https://arxiv.org/abs/2501.18512. With ``n`` participants (ranks, or nodes when
-    hierarchical), ``H = sync_every``, ``F = fragments``, ``τ = fragment_sync_delay``, ``α = fragment_update_alpha``
+    hierarchical), ``H = sync_every``, ``F = fragments``, ``τ = fragment_sync_delay``, ``alpha = fragment_update_alpha``
     and ``k`` counting optimizer steps:
 
     1. Every rank steps its own (inner) optimizer on its own gradients; nothing crosses between participants.
     2. The parameters are cut into ``F`` fragments of about equal size; fragment ``p`` keeps the shared
        ``θ_p`` (float32) and an outer optimizer, and syncs after the steps ``k > 0`` with
        ``k mod H = ⌊(p+1)H/F⌋ mod H``.
-    3. At its sync, each participant forms ``Δ_p = θ_p − x_p`` (shared minus local), sends it encoded
+    3. At its sync, each participant forms ``Δ_p = θ_p - x_p`` (shared minus local), sends it encoded
        (``quantization``), and every participant averages the decoded ``Δ̄_p = (1/n) Σ_i Δ_{p,i}`` in float32.
     4. The outer optimizer steps ``θ_p ← OuterOpt(θ_p, Δ̄_p)``, ``Δ̄_p`` taken as the gradient: SGD with Nesterov
        momentum, lr 0.7, momentum 0.9 by default.
-    5. ``τ`` steps after the sync began, every rank mixes ``x_p ← α·x_p + (1 − α)·θ_p`` (``α = 0`` adopts ``θ_p``).
+    5. ``τ`` steps after the sync began, every rank mixes ``x_p ← alpha·x_p + (1 - alpha)·θ_p`` (``alpha = 0`` adopts ``θ_p``).
        The exchange and the outer step run on a thread and a communicator of their own meanwhile.
 
     With one participant and outer SGD at lr 1 without momentum, this is local training.
@@ -563,7 +563,7 @@ class DiLoCoAlgorithm(Algorithm):
         fragments: ``F``, between 1 and ``sync_every`` (and at most the number of parameters).
         fragment_sync_delay: ``τ``, the steps an exchange runs behind before it merges (the issue's ``overlap``);
             between 0 and ``sync_every - 1``.
-        fragment_update_alpha: ``α`` in ``[0, 1]``, the local share of the merged fragment.
+        fragment_update_alpha: ``alpha`` in ``[0, 1]``, the local share of the merged fragment.
         outer_optimizer: a ``torch.optim.Optimizer`` class for the outer step.
         outer_optimizer_kwargs: its keywords; ``None`` gives the paper's ``lr=0.7, momentum=0.9, nesterov=True``
             for SGD and the class's defaults for any other class.
