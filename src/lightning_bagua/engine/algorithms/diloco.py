@@ -553,7 +553,8 @@ class DiLoCoAlgorithm(Algorithm):
        (``quantization``), and every participant averages the decoded ``Δ̄_p = (1/n) Σ_i Δ_{p,i}`` in float32.
     4. The outer optimizer steps ``θ_p ← OuterOpt(θ_p, Δ̄_p)``, ``Δ̄_p`` taken as the gradient: SGD with Nesterov
        momentum, lr 0.7, momentum 0.9 by default.
-    5. ``τ`` steps after the sync began, every rank mixes ``x_p ← alpha·x_p + (1 - alpha)·θ_p`` (``alpha = 0`` adopts ``θ_p``).
+    5. ``τ`` steps after the sync began, every rank mixes ``x_p ← alpha·x_p + (1 - alpha)·θ_p``
+       (``alpha = 0`` adopts ``θ_p``).
        The exchange and the outer step run on a thread and a communicator of their own meanwhile.
 
     With one participant and outer SGD at lr 1 without momentum, this is local training.
