@@ -72,7 +72,7 @@ class OuterGradientCodec:
         Returns:
             The float32 mean of the decoded pseudo-gradients (a new tensor).
         """
-        per_rank = gathered.view(ranks, *gathered.shape[1:]) if self.quantization is None else None
+        per_rank = gathered.view(ranks, -1) if self.quantization is None else None
         total = torch.zeros(numel, dtype=torch.float32, device=gathered.device)
         rows = gathered.shape[0] // ranks
         for rank in range(ranks):
