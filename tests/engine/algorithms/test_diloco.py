@@ -75,7 +75,7 @@ def reference(n: int, steps: int, ranks_per_node: int = 1, **kwargs: object) -> 
                 inputs, targets = batch_for(node * ranks_per_node + local, k - 1)
                 (nn.functional.mse_loss(model(inputs), targets) / ranks_per_node).backward()
             optimizer.step()
-        for p, at in [entry for entry in pending if entry[1] == k]:
+        for p, _at in [entry for entry in pending if entry[1] == k]:
             merge(p)
         pending = [entry for entry in pending if entry[1] != k]
         for p, offset in enumerate(offsets):
@@ -181,9 +181,9 @@ def test_offsets_spread_over_the_period_and_the_last_fragment_ends_it():
 
 def test_fragments_are_contiguous_nonempty_and_about_equal():
     runs = split_fragments([10, 10, 10, 10], 2)
-    assert runs == [range(0, 2), range(2, 4)]
+    assert runs == [range(2), range(2, 4)]
     runs = split_fragments([1, 1, 100], 3)
-    assert runs == [range(0, 1), range(1, 2), range(2, 3)]
+    assert runs == [range(1), range(1, 2), range(2, 3)]
     runs = split_fragments([60, 5, 5, 5, 5], 2)
     assert [len(r) for r in runs] == [1, 4]
 
@@ -308,7 +308,8 @@ def test_defaults_are_the_papers_outer_nesterov():
     algorithm = Algorithm.init("diloco")
     assert algorithm.resolved_outer_optimizer_kwargs() == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
     assert algorithm.quantization == "uint8"
-    assert algorithm == Algorithm.init("diloco") and hash(algorithm) == hash(Algorithm.init("diloco"))
+    assert algorithm == Algorithm.init("diloco")
+    assert hash(algorithm) == hash(Algorithm.init("diloco"))
 
 
 def test_resize_keeps_the_shared_state_and_the_residuals_sum():
@@ -320,6 +321,7 @@ def test_resize_keeps_the_shared_state_and_the_residuals_sum():
         for rank in range(2)
     ]
     state = impl.resize_state(saved)
-    assert state["steps"] == 6 and state["pending"] == [[0, 7]]
+    assert state["steps"] == 6
+    assert state["pending"] == [[0, 7]]
     torch.testing.assert_close(state["residuals"][0] * 3, torch.full((4,), 1.0))
     assert math.isclose(float(state["outer"][0].sum()), 4.0)
