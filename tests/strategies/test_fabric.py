@@ -177,6 +177,7 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
             "low_rank",
             "qadam",
             "async_warmup",
+            "diloco",
         ]
     )
     for rank, result in enumerate(results):
@@ -206,6 +207,8 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
     assert accumulated["bytes_by_op"] == results[0]["gradient_allreduce"]["fabric"]["bytes_by_op"]
     assert set(results[0]["bytegrad"]["fabric"]["bytes_by_op"]) == {"all_to_all", "all_gather"}
     assert set(results[0]["low_precision_decentralized"]["fabric"]["bytes_by_op"]) == {"send"}
+    # diloco (with accumulation): only the outer exchanges communicate, and the replicas differ between them.
+    assert set(results[0]["diloco"]["fabric"]["bytes_by_op"]) == {"all_gather"}
 
 
 @pytest.fixture(scope="module")
