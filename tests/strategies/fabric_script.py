@@ -139,10 +139,6 @@ def run_fabric(algorithm: str, kwargs: dict[str, Any], optimizer_kind: str, accu
         fabric.setup_dataloaders(rank_loader(fabric.world_size, fabric.global_rank), use_distributed_sampler=False)
     )
     train_steps(fabric, model, optimizer, batches, STEPS, accumulate)
-    # As the Trainer does when fitting ends: an algorithm whose ranks differ between syncs (diloco) may show its
-    # synced weights then; for the others, stopping is what teardown does anyway.
-    if algorithm == "diloco":
-        model._forward_module.bagua_algorithm_impl.stop()
     result = {
         "state": cpu_state(network, prefix="net."),
         "bytes_by_op": fabric.strategy.communication_counter.bytes_by_op,

@@ -222,9 +222,12 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         # Bagua never made here; its rounds wait for the next training step anyway, so validation reads whole ones.
         super().on_validation_start()
         impl = self._algorithm_impl()
-        # diloco validates the synced θ_outer (its stop shows it, with no collective of its own).
-        if impl is not None and (self._pause_for_validation or getattr(impl, "validates_outer_weights", False)):
+        if impl is not None and self._pause_for_validation:
             impl.stop()
+            self._paused_for_validation = True
+        elif impl is not None and getattr(impl, "validates_outer_weights", False):
+            # diloco validates its synced weights, put aside again by the start() at the end of validation.
+            impl.show_outer_weights()
             self._paused_for_validation = True
 
     @override

@@ -135,7 +135,7 @@ class DiLoCoImpl(AlgorithmImpl):
     """:class:`DiLoCoAlgorithm` bound to one wrapped model."""
 
     validates_outer_weights = True
-    """The Trainer strategy calls :meth:`stop` before validation inside fit, so that it sees ``θ_outer``."""
+    """The Trainer strategy calls :meth:`show_outer_weights` before validation inside fit, and :meth:`start` after."""
 
     def __init__(self, algorithm: "DiLoCoAlgorithm", context: AlgorithmContext) -> None:
         super().__init__(algorithm, context)
@@ -245,18 +245,15 @@ class DiLoCoImpl(AlgorithmImpl):
 
     @property
     def started(self) -> bool:
-        """Whether the model holds the local weights (``False`` while :meth:`stop` shows ``θ_outer``)."""
+        """Whether the model holds the local weights (``False`` while :meth:`show_outer_weights` shows ``θ_outer``)."""
         return self._stashed is None
 
     def start(self) -> None:
-        """Put the local weights back where :meth:`stop` showed ``θ_outer``; a no-op otherwise."""
+        """Put the local weights back where :meth:`show_outer_weights` showed ``θ_outer``; a no-op otherwise."""
         self._restore_local()
 
     def stop(self, wait: bool = True) -> None:
-        """Settle the exchanges in flight and show ``θ_outer`` in the model, keeping the local weights aside.
-
-        Validation, a checkpoint's top-level weights, and the model after training then see the synced
-        ``θ_outer``. The next training forward pass (or :meth:`start`) brings the local weights back.
+        """Settle the exchanges in flight; the model keeps this rank's local weights (callbacks may have written them).
 
         Args:
             wait: ``False`` on an error path: drop the exchanges in flight without waiting for the peers.
@@ -265,6 +262,14 @@ class DiLoCoImpl(AlgorithmImpl):
             self._shutdown_executor(wait=False)
             self.in_flight = [exchange for exchange in self.in_flight if exchange.future is None]
             return
+        self.settle()
+
+    def show_outer_weights(self) -> None:
+        """Settle the exchanges in flight and show ``θ_outer`` in the model, keeping the local weights aside.
+
+        For evaluation: the Trainer strategy calls it before validation inside fit. The next training forward
+        pass (or :meth:`start`) brings the local weights back; a checkpoint taken meanwhile keeps them too.
+        """
         self.settle()
         if self._stashed is not None or not self.fragments or not self.initialized:
             return
