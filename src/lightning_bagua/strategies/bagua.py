@@ -227,7 +227,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
             self._paused_for_validation = True
         elif impl is not None and getattr(impl, "validates_outer_weights", False):
             # diloco validates its synced weights, put aside again by the start() at the end of validation.
-            impl.show_outer_weights()
+            getattr(impl, "show_outer_weights")()  # noqa: B009 - not on the AlgorithmImpl interface
             self._paused_for_validation = True
 
     @override
