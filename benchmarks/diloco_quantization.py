@@ -14,6 +14,7 @@ Run: ``.venv/bin/python benchmarks/diloco_quantization.py`` (a few minutes on tw
 import argparse
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,12 @@ from lightning_bagua.engine.algorithms._diloco_quantize import OuterGradientCode
 
 RESULTS = Path(__file__).parent / "results"
 CASES = (("fp32", None, False), ("uint8", "uint8", False), ("uint4", "uint4", False), ("uint4+ef", "uint4", True))
+
+
+def cycle(loader: DataLoader) -> Iterator[Any]:
+    """Batches from ``loader``, epoch after epoch (each epoch its own shuffle)."""
+    while True:
+        yield from loader
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -59,7 +66,7 @@ def run(args: argparse.Namespace, quantization: str | None, error_feedback: bool
     codec = OuterGradientCodec(quantization)
     residuals = [torch.zeros_like(outer.data) for _ in models]
     loaders = [
-        iter(DataLoader(train_set, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(i)))
+        cycle(DataLoader(train_set, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(i)))
         for i in range(args.replicas)
     ]
     errors, cosines = [], []
@@ -123,9 +130,8 @@ def main() -> None:
         )
     print("\n".join(lines))
     if not args.no_save:
-        write_report(
-            Path(args.out), "diloco_quantization", {"args": vars(args), "machine": machine(), "rows": rows}, lines
-        )
+        report = {"args": vars(args), "machine": machine(), "rows": rows}
+        write_report(Path(args.out), "diloco_quantization", report, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
