@@ -15,7 +15,7 @@ kind picked at random:
 
 After the job, every ``.ckpt`` file left must load with ``torch.load(weights_only=True)`` (else it counts as torn),
 and every rank's final weights are compared with those of the undisturbed job of the same configuration (run once
-and cached): bit for bit for the synchronous algorithms and ``ddp``, within 1e-5 for ``decentralized`` and
+and cached): bit for bit for the synchronous algorithms, ``ddp`` and ``diloco``, within 1e-5 for ``decentralized`` and
 ``low_precision_decentralized``; for ``async``, the final loss must lie within the spread of the undisturbed job's
 final loss over a few seeds, widened by that spread on either side. A job still running after ``--timeout-s`` is
 killed and counted as a hang.
@@ -61,8 +61,11 @@ ALGORITHMS = (
     "low_rank",
     "qadam",
     "async",
+    "diloco",
 )
 SYNCHRONOUS = frozenset({"ddp", "gradient_allreduce", "bytegrad", "low_rank", "qadam"})
+# Compared bit for bit: the synchronous ones, and diloco, whose replicas differ but whose schedule is deterministic.
+BIT_EXACT = SYNCHRONOUS | {"diloco"}
 NEAR_TOLERANCE = 1e-5
 KINDS = ("mid_step", "collective", "checkpoint_save", "restart")
 LAYOUTS = ("2", "4", "2x2")
@@ -149,8 +152,11 @@ def algorithm_keywords(algorithm: str, layout: Layout) -> dict[str, Any]:
         keywords["sync_interval_ms"] = 5
     if algorithm == "low_rank":
         keywords["warmup_steps"] = 1
+    if algorithm == "diloco":
+        # Periods shorter than the checkpoint interval, with an exchange in flight across step boundaries.
+        keywords.update(sync_every=4, fragments=2, fragment_sync_delay=1, error_feedback=True)
     # On one node, hierarchical would reduce the node at full precision: flat, the compressed exchanges run.
-    if algorithm in ("low_rank", "low_precision_decentralized") and layout.nodes == 1:
+    if algorithm in ("low_rank", "low_precision_decentralized", "diloco") and layout.nodes == 1:
         keywords["hierarchical"] = False
     return keywords
 
@@ -485,12 +491,12 @@ def compare(algorithm: str, finals: list[dict[str, Any]], references: list[list[
     worst = 0.0
     for final, expected in zip(finals, reference, strict=True):
         for key, value in expected["state"].items():
-            if algorithm in SYNCHRONOUS and not torch.equal(final["state"][key], value):
+            if algorithm in BIT_EXACT and not torch.equal(final["state"][key], value):
                 difference = (final["state"][key] - value).abs().max().item()
                 parted = first_parting(final.get("trace", []), expected.get("trace", []))
                 return False, f"{key} differs by {difference:.3e} (must be bit-identical){parted}"
             worst = max(worst, (final["state"][key].double() - value.double()).abs().max().item())
-    if algorithm not in SYNCHRONOUS and worst > NEAR_TOLERANCE:
+    if algorithm not in BIT_EXACT and worst > NEAR_TOLERANCE:
         return False, f"max difference {worst:.3e} > {NEAR_TOLERANCE}"
     return True, "bit-identical" if worst == 0 else f"max difference {worst:.3e}"
 

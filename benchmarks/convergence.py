@@ -92,6 +92,7 @@ from harness import (
     ALGORITHM_VARIANTS,
     BYTEMLP_CONTEXT,
     CONTEXT,
+    DILOCO_METHODS,
     LOW_RANK_RANKS,
     extra_low_rank_methods,
     resolve_algorithm,
@@ -123,7 +124,8 @@ HOOK_METHODS = ("ddp_fp16", *(f"ddp_powersgd_r{rank}" for rank in LOW_RANK_RANKS
 HOOK_TIMEOUT_S = 180  # the collective timeout of the hook methods' process group
 ADAM_METHODS = frozenset({"ddp_adam", "qadam"})
 # Run with hierarchical=False: on one node the hierarchical form only averages inside the node at full precision.
-FLAT = {"bytegrad", "qadam", "decentralized", "low_precision_decentralized"}
+# diloco too: hierarchical on one node would all-reduce gradients every step, training one replica.
+FLAT = {"bytegrad", "qadam", "decentralized", "low_precision_decentralized", "diloco"}
 # Variables a surrounding launcher may have set: inherited, they would make a job join that launcher's job.
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME")  # fmt: skip
@@ -149,11 +151,15 @@ def low_rank_available() -> bool:
 
 
 def available_methods() -> list[str]:
-    """Every method this checkout can run: the default ones, DDP's hooks and ``low_rank`` where the engine has it."""
+    """Every method this checkout can run: the default ones, DDP's hooks, ``low_rank`` and ``diloco`` where present."""
+    from lightning_bagua.engine import available_algorithms
+
     methods = [*METHODS, *HOOK_METHODS]
     if low_rank_available():
         methods += [f"low_rank_r{rank}" for rank in LOW_RANK_RANKS]
         methods += [f"{stem}_r{rank}" for stem in ALGORITHM_VARIANTS for rank in LOW_RANK_RANKS]
+    if "diloco" in available_algorithms():
+        methods += DILOCO_METHODS
     return methods
 
 

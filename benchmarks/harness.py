@@ -49,9 +49,25 @@ def split_rank(method: str) -> tuple[str, int | None]:
 
 
 def resolve_algorithm(stem: str) -> tuple[str, dict[str, Any]]:
-    """A method stem's algorithm and extra keywords: ``"low_rank_alt"`` -> ``("low_rank", {"alternate": True})``."""
+    """A method stem's algorithm and extra keywords: ``"low_rank_alt"`` -> ``("low_rank", {"alternate": True})``.
+
+    ``diloco_h<H>`` is ``diloco`` syncing every ``H`` steps: ``("diloco", {"sync_every": H})``.
+    """
+    period = diloco_period(stem)
+    if period is not None:
+        return "diloco", {"sync_every": period}
     name, keywords = ALGORITHM_VARIANTS.get(stem, (stem, {}))
     return name, dict(keywords)
+
+
+DILOCO_METHODS = ("diloco_h10", "diloco_h20", "diloco_h50")
+"""``diloco`` at the sync periods the labs accept by name (any ``diloco_h<H>`` resolves; these are listed)."""
+
+
+def diloco_period(stem: str) -> int | None:
+    """``"diloco_h20"`` -> ``20``; any other stem -> ``None``."""
+    head, _, period = stem.partition("_h")
+    return int(period) if head == "diloco" and period.isdigit() and int(period) > 0 else None
 
 
 def extra_low_rank_methods() -> list[str]:

@@ -73,7 +73,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     ALGORITHM_VARIANTS,
+    DILOCO_METHODS,
     LOW_RANK_RANKS,
+    diloco_period,
     extra_low_rank_methods,
     interleaved,
     machine,
@@ -131,7 +133,7 @@ def all_methods(ranks_per_host: int = 1) -> list[str]:
 
 def known_methods(ranks_per_host: int = 1) -> list[str]:
     """The methods the lab accepts: the default ones, the extra ones, and the hierarchical variants at any layout."""
-    extra = extra_low_rank_methods()
+    extra = [*extra_low_rank_methods(), *DILOCO_METHODS]
     variants = [f"{method}:{variant}" for method in extra for variant in ("flat", "hierarchical")]
     return list(dict.fromkeys([*all_methods(ranks_per_host), *EXTRA_METHODS, *extra, *all_methods(2), *variants]))
 
@@ -203,6 +205,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """Train a fresh model with ``method`` for the warm-up and the timed steps; return this rank's figures."""
     from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageImpl
     from lightning_bagua.engine.algorithms.auto import AutoImpl
+    from lightning_bagua.engine.algorithms.diloco import DiLoCoImpl
 
     model, loss_function = build_model(args)
     wrapped, optimizer, counter, hook_state = wrap(method, model, args.warmup)
@@ -240,7 +243,11 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         pick = auto.decision.algorithm
         # The pick's own full-precision warm-up (low_rank's) is not its step.
         warmup = max(warmup, getattr(pick, "warmup_steps", 0) + 1)
-    for step in range(warmup + args.steps):
+    # diloco communicates once a period: its step is timed over whole periods (the timed steps a multiple of H).
+    impl = getattr(wrapped, "bagua_algorithm_impl", None)
+    period = impl.config.sync_every if isinstance(impl, DiLoCoImpl) else 1
+    timed_steps = -(-args.steps // period) * period
+    for step in range(warmup + timed_steps):
         if step == warmup:
             bytes_before = counter.bytes_sent if counter is not None else 0
         if averaging is not None and step == averaging.warmup_steps:
@@ -253,7 +260,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     name = split_rank(method.partition(":")[0])[0]
     if counter is not None:
-        bytes_per_step: float | None = (counter.bytes_sent - bytes_before) / args.steps
+        bytes_per_step: float | None = (counter.bytes_sent - bytes_before) / timed_steps
     elif name in ("ddp", "ddp_adam"):
         bytes_per_step = parameter_bytes
     elif name == "ddp_fp16":
@@ -274,7 +281,9 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     return {
         "rank": args.rank,
         "method": method,
-        "median_s": statistics.median(times),
+        # For diloco the mean over whole sync periods, which carries the syncs: a median would leave them out.
+        "median_s": statistics.median(times) if period == 1 else statistics.fmean(times),
+        "step_statistic": "median" if period == 1 else f"mean over {timed_steps // period} periods of {period}",
         "mean_s": statistics.fmean(times),
         "bytes_per_step": bytes_per_step,
         "parameter_bytes": parameter_bytes,
@@ -634,7 +643,8 @@ def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}.")
     known = known_methods(args.ranks_per_host)
     methods = args.methods or all_methods(args.ranks_per_host)
-    unknown = sorted(set(methods) - set(known))
+    # diloco at any period by name: diloco_h<H>, with :flat or :hierarchical.
+    unknown = sorted(m for m in set(methods) - set(known) if diloco_period(m.partition(":")[0]) is None)
     if unknown:
         raise SystemExit(f"Unknown methods {unknown}; choose from {known}.")
     for rate in args.rates:

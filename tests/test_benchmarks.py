@@ -190,6 +190,9 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     assert "low_rank_r16" not in lab_module.all_methods()
     assert "ddp_powersgd_r16" not in lab_module.all_methods()
     assert "low_rank_r32" not in lab_module.known_methods()
+    # diloco by sync period: any diloco_h<H> resolves to sync_every=H.
+    assert {"diloco", "diloco_h10", "diloco_h20:hierarchical"} <= accepted
+    assert lab_module.resolve_algorithm("diloco_h7") == ("diloco", {"sync_every": 7})
     skip_without_lab_tools()
     out = tmp_path / "results"
     lab = [str(BENCHMARKS / "network_lab.py"), "--task", "digits", "--rates", "unshaped", "--rounds", "2"]
@@ -596,17 +599,19 @@ def test_step_breakdown_interleaves_steps_of_methods_built_together(tmp_path: Pa
     assert "--window 2 must be a positive divisor of --steps 5" in uneven.stderr
 
 
-def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "diloco"])
+def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path, algorithm: str) -> None:
     # One algorithm on two processes, one kill inside a training step: the undisturbed job, then the killed job,
-    # which torchrun restarts and which resumes from last.ckpt to the undisturbed weights, bit for bit.
-    command = ["--kills", "1", "--algorithms", "gradient_allreduce", "--layouts", "2", "--kinds", "mid_step"]
+    # which torchrun restarts and which resumes from last.ckpt to the undisturbed weights, bit for bit (diloco's
+    # replicas differ, but its schedule, outer state and merges in flight resume exactly).
+    command = ["--kills", "1", "--algorithms", algorithm, "--layouts", "2", "--kinds", "mid_step"]
     out = tmp_path / "results"
     completed = run(str(BENCHMARKS / "chaos.py"), *command, "--out", str(out), "--cache", str(tmp_path / "cache"))
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((out / "chaos_cpu.json").read_text())
     assert report["command"].startswith("python benchmarks/chaos.py --kills 1")
     [row] = report["summary"]
-    assert (row["algorithm"], row["layout"], row["runs"], row["kills"]) == ("gradient_allreduce", "2", 1, 1)
+    assert (row["algorithm"], row["layout"], row["runs"], row["kills"]) == (algorithm, "2", 1, 1)
     assert row["kills_by_kind"] == {"mid_step": 1}
     assert row["kills_missed_aim"] == 0
     assert row["restarts"] == 1
@@ -614,8 +619,8 @@ def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path) -> None:
     [job] = report["runs"]
     assert job["comparison"] == "bit-identical"
     assert job["checkpoints"] >= 1
-    assert "| gradient_allreduce | 2 | 1 | 1 | 1 |" in (out / "chaos_cpu.md").read_text()
-    assert list((tmp_path / "cache").glob("gradient_allreduce-2-cpu-0-*.pt"))
+    assert f"| {algorithm} | 2 | 1 | 1 | 1 |" in (out / "chaos_cpu.md").read_text()
+    assert list((tmp_path / "cache").glob(f"{algorithm}-2-cpu-0-*.pt"))
 
 
 def test_chaos_layouts_and_comparisons() -> None:

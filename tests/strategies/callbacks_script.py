@@ -39,6 +39,7 @@ ALGORITHMS = (
     "low_rank",
     "qadam",
     "async",
+    "diloco",
 )
 # One node: low_precision_decentralized's and low_rank's default hierarchical=True would reduce the node at full
 # precision, as Bagua does; flat, they run their compressed exchanges.
@@ -46,6 +47,8 @@ KEYWORDS: dict[str, dict] = {
     "async": {"sync_interval_ms": 5},
     "low_precision_decentralized": {"hierarchical": False},
     "low_rank": {"hierarchical": False, "warmup_steps": 1},
+    # A sync every other step, with an exchange in flight across a step boundary (and so across epoch ends).
+    "diloco": {"hierarchical": False, "sync_every": 2, "fragments": 2, "fragment_sync_delay": 1},
 }
 
 

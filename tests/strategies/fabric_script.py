@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str, int]] = {
     "async_warmup": ("async", {"warmup_steps": STEPS}, "sgd", 1),
     # Figures given in place of measurements: the pick, made when the model is wrapped, is the same in both loops.
     "auto": ("auto", {"figures": "low_rank_wins"}, "sgd", 1),
+    "diloco": ("diloco", {"sync_every": 2, "hierarchical": False, "quantization": "uint4"}, "sgd", 2),
 }
 
 

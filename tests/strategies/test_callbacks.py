@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).with_name("callbacks_script.py")
 EXACT = {"rtol": 0, "atol": 0}
 WORLD_SIZE = 2
 # Ranks keep their own weights: they must differ at the end, or the run did not really train decentralized.
-DIFFERENT_RANKS = ("decentralized", "low_precision_decentralized")
+DIFFERENT_RANKS = ("decentralized", "low_precision_decentralized", "diloco")
 # The engine operations that show each algorithm ran (Lightning gates DDP communication hooks to CUDA; the
 # engine registers its own, and its counter records what they sent).
 ALGORITHM_OPS = {
@@ -36,6 +36,7 @@ ALGORITHM_OPS = {
     "low_rank": "all_gather",
     "qadam": "all_reduce",
     "async": "all_reduce",
+    "diloco": "all_gather",
 }
 
 

@@ -178,6 +178,7 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
             "qadam",
             "async_warmup",
             "auto",
+            "diloco",
         ]
     )
     for rank, result in enumerate(results):
@@ -212,6 +213,8 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
         for loop in ("trainer", "fabric"):
             assert result["auto"][loop]["auto_pick"] == "low_rank(rank=16, hierarchical=False)"
     assert_ranks_identical([result["auto"]["fabric"] for result in results])
+    # diloco (with accumulation): only the outer exchanges communicate, and the replicas differ between them.
+    assert set(results[0]["diloco"]["fabric"]["bytes_by_op"]) == {"all_gather"}
 
 
 @pytest.fixture(scope="module")

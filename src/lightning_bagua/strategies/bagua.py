@@ -281,6 +281,10 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         if impl is not None and self._pause_for_validation:
             impl.stop()
             self._paused_for_validation = True
+        elif impl is not None and getattr(impl, "validates_outer_weights", False):
+            # diloco validates its synced weights, put aside again by the start() at the end of validation.
+            getattr(impl, "show_outer_weights")()  # noqa: B009 - not on the AlgorithmImpl interface
+            self._paused_for_validation = True
 
     @override
     def on_validation_end(self) -> None:

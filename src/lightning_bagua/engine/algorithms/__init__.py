@@ -20,6 +20,7 @@ from lightning_bagua.engine.algorithms.base import (
 )
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm, ByteGradState, bytegrad_hook
 from lightning_bagua.engine.algorithms.decentralized import DecentralizedAlgorithm
+from lightning_bagua.engine.algorithms.diloco import DiLoCoAlgorithm
 from lightning_bagua.engine.algorithms.gradient_allreduce import (
     GradientAllReduceAlgorithm,
     GradientAllReduceState,
@@ -41,6 +42,7 @@ __all__ = [
     "ByteGradAlgorithm",
     "ByteGradState",
     "DecentralizedAlgorithm",
+    "DiLoCoAlgorithm",
     "FlatWeights",
     "GradientAllReduceAlgorithm",
     "GradientAllReduceState",
