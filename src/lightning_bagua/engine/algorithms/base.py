@@ -226,6 +226,10 @@ class Algorithm(ABC):
     communicates_gradient_buckets: ClassVar[bool] = True
     """Whether the algorithm communicates DDP's gradient buckets, so that the bucket size matters (autotuning)."""
 
+    results_depend_on_buckets: ClassVar[bool] = True
+    """Whether the numbers the algorithm produces depend on how the gradients are bucketed (a codec's ranges are per
+    bucket), so that a checkpoint keeps the bucket layout to resume exactly."""
+
     ranks_hold_different_weights: ClassVar[bool] = False
     """Whether the ranks' weights (and so their optimizer states) differ between steps, as with weight-averaging
     algorithms; checkpoints then carry every rank's weights and optimizer state, not rank 0's alone."""

@@ -24,12 +24,13 @@ Fabric's unversioned ``"bagua_algorithm_state"`` (each module's per-rank algorit
 2 under ``"bagua"`` (written before the Fabric strategy moved it to its documented key).
 """
 
+import io
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_bagua.engine import BaguaDistributedDataParallel
@@ -42,6 +43,7 @@ __all__ = [
     "RankResume",
     "attach_entries",
     "average_state_dicts",
+    "entry_restores_something",
     "averaged_weights",
     "gather_module_entry",
     "gather_to_rank_zero",
@@ -108,8 +110,7 @@ def gather_module_entry(
     own: dict[str, Any] = {"algorithm_state": wrapped.bagua_state_dict()}
     if weights is not None:
         own.update(weights)
-    # Pickled to rank 0 through the default group; CPU copies travel on any backend and load on any device.
-    own = apply_to_collection(own, Tensor, lambda tensor: tensor.detach().cpu())
+    # Tensors reach rank 0 as CPU copies (see gather_to_rank_zero), which load on any device.
     gathered = gather_to_rank_zero(own, world_size)
     if gathered is None:
         return None
@@ -127,16 +128,106 @@ def gather_module_entry(
 
 
 def gather_to_rank_zero(own: Any, world_size: int) -> list[Any] | None:
-    """Gather every rank's picklable ``own`` to rank 0 through the default group.
+    """Gather every rank's picklable ``own`` to rank 0 through the default group, without ``torch.save``.
+
+    ``dist.gather_object`` pickles tensors through ``torch.save``, so a checkpoint would call it on every rank, and a
+    script that replaces ``torch.save`` (as Lightning's tests do) would break the gather. Here the tensors travel as
+    raw bytes in the same buffer as the rest, which plain ``pickle`` encodes: two collectives (the sizes, then the
+    buffers), whatever ``own`` holds.
 
     Returns:
         One object per rank on rank 0 (``[own]`` without a group of several ranks), ``None`` on the other ranks.
     """
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
-        dist.gather_object(own, gathered, dst=0)
-        return gathered
-    return [own]
+    if not (world_size > 1 and dist.is_available() and dist.is_initialized()):
+        return [own]
+    device = _object_device()
+    payload = _encode(own).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device))
+    longest = max(int(size.item()) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    is_zero = dist.get_rank() == 0
+    buffers = [torch.empty_like(padded) for _ in range(world_size)] if is_zero else None
+    dist.gather(padded, buffers, dst=0)
+    if buffers is None:
+        return None
+    return [_decode(buffer[: int(size.item())].cpu()) for buffer, size in zip(buffers, sizes, strict=True)]
+
+
+class _TensorPickler(pickle.Pickler):
+    """Pickle everything but dense tensors, which it notes by index for :func:`_encode` to append as bytes."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, Tensor) or obj.layout != torch.strided or obj.is_quantized:
+            return None
+        tensor = obj.detach().cpu().contiguous()
+        self.tensors.append(tensor)
+        return ("tensor", len(self.tensors) - 1, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, data: Tensor, offsets: list[int]) -> None:
+        super().__init__(file)
+        self._data = data
+        self._offsets = offsets
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, index, dtype, shape = pid
+        start, end = self._offsets[index], self._offsets[index + 1]
+        # Cloned first: a slice of the buffer need not be aligned for a wider dtype.
+        return self._data[start:end].clone().view(getattr(torch, dtype)).reshape(shape)
+
+
+def _encode(obj: Any) -> Tensor:
+    # Layout: [header length (8 bytes)][pickled (skeleton, tensor byte lengths)][tensor bytes, one after another].
+    file = io.BytesIO()
+    pickler = _TensorPickler(file)
+    pickler.dump(obj)
+    raw = [tensor.reshape(-1).view(torch.uint8) for tensor in pickler.tensors]
+    header = pickle.dumps((file.getvalue(), [chunk.numel() for chunk in raw]), protocol=pickle.HIGHEST_PROTOCOL)
+    prefix = torch.frombuffer(bytearray(len(header).to_bytes(8, "little") + header), dtype=torch.uint8)
+    return torch.cat([prefix, *raw])
+
+
+def _decode(buffer: Tensor) -> Any:
+    length = int.from_bytes(_bytes(buffer[:8]), "little")
+    skeleton, lengths = pickle.loads(_bytes(buffer[8 : 8 + length]))
+    offsets = [0]
+    for size in lengths:
+        offsets.append(offsets[-1] + size)
+    return _TensorUnpickler(io.BytesIO(skeleton), buffer[8 + length :], offsets).load()
+
+
+def _bytes(chunk: Tensor) -> bytes:
+    # A clone owns exactly its bytes, which its storage hands over through the buffer protocol.
+    return bytes(chunk.clone().untyped_storage())
+
+
+def _object_device() -> torch.device:
+    # NCCL moves CUDA tensors only; Gloo (and a mixed "cpu:gloo,cuda:nccl" group) takes CPU tensors.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def entry_restores_something(entry: ModuleEntry, wrapped: BaguaDistributedDataParallel) -> bool:
+    """Whether a module's entry restores anything: an algorithm state, per-rank weights, or a bucket layout that matters.
+
+    An algorithm whose results do not depend on how gradients are bucketed (``gradient_allreduce``) and that keeps
+    no state resumes from the weights and optimizer states alone, as under DDP, so its entry need not be written.
+
+    Args:
+        entry: the module's entry.
+        wrapped: the module.
+    """
+    if entry["ranks"] is not None or any(state.get("state") for state in entry["algorithm_states"]):
+        return True
+    return wrapped.bagua_algorithm.results_depend_on_buckets
 
 
 def make_entry(modules: Mapping[str, ModuleEntry], world_size: int) -> dict[str, Any]:
