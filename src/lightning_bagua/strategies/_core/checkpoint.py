@@ -25,6 +25,7 @@ Fabric's unversioned ``"bagua_algorithm_state"`` (each module's per-rank algorit
 """
 
 import io
+import logging
 import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
@@ -35,6 +36,8 @@ from torch import Tensor
 
 from lightning_bagua.engine import BaguaDistributedDataParallel
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "CHECKPOINT_KEY",
     "CHECKPOINT_VERSION",
@@ -42,9 +45,10 @@ __all__ = [
     "ModuleEntry",
     "RankResume",
     "attach_entries",
+    "average_nested",
     "average_state_dicts",
-    "entry_restores_something",
     "averaged_weights",
+    "entry_restores_something",
     "gather_module_entry",
     "gather_to_rank_zero",
     "make_entry",
@@ -72,11 +76,13 @@ class RankResume:
     """What one rank resumes a module from: its algorithm state and, where ranks' weights differ, its weights.
 
     Args:
-        algorithm_state: this rank's ``bagua_state_dict()``.
+        algorithm_state: this rank's ``bagua_state_dict()`` (rank 0's when resizing, for its bucket layout).
         state_dict: this rank's module weights, or ``None`` where every rank resumes from the shared ones.
         optimizer_states: this rank's optimizer states, in the framework's own layout, or ``None``.
         extra: this rank's other checkpoint entries that differ between ranks (under the Trainer, the callbacks'
             state and ``WeightAveraging``'s current weights); empty where none were saved.
+        resized_from: when the checkpoint was written by another number of processes, every saved rank's
+            ``bagua_state_dict()``, which :meth:`algorithm_state_for` re-shards; ``None`` otherwise.
     """
 
     def __init__(
@@ -85,11 +91,27 @@ class RankResume:
         state_dict: Any | None,
         optimizer_states: Any | None,
         extra: dict[str, Any] | None = None,
+        resized_from: list[dict[str, Any]] | None = None,
     ) -> None:
         self.algorithm_state = algorithm_state
         self.state_dict = state_dict
         self.optimizer_states = optimizer_states
         self.extra = extra or {}
+        self.resized_from = resized_from
+
+    def algorithm_state_for(self, wrapped: BaguaDistributedDataParallel) -> dict[str, Any]:
+        """Return the ``bagua_state_dict()`` this rank loads into ``wrapped``, re-sharded when resizing.
+
+        Args:
+            wrapped: the module, wrapped at this run's world size.
+
+        Returns:
+            The state for :meth:`~lightning_bagua.engine.BaguaDistributedDataParallel.load_bagua_state_dict`.
+        """
+        if self.resized_from is None:
+            return self.algorithm_state
+        states = [saved.get("state") or {} for saved in self.resized_from]
+        return {**self.algorithm_state, "state": wrapped.bagua_algorithm_impl.resize_state(states)}
 
 
 def gather_module_entry(
@@ -216,7 +238,7 @@ def _object_device() -> torch.device:
 
 
 def entry_restores_something(entry: ModuleEntry, wrapped: BaguaDistributedDataParallel) -> bool:
-    """Whether a module's entry restores anything: an algorithm state, per-rank weights, or a bucket layout that matters.
+    """Tell whether a module's entry restores anything: a state, per-rank weights, or a bucket layout that matters.
 
     An algorithm whose results do not depend on how gradients are bucketed (``gradient_allreduce``) and that keeps
     no state resumes from the weights and optimizer states alone, as under DDP, so its entry need not be written.
@@ -358,8 +380,11 @@ def module_entries(checkpoint: dict[str, Any], default_name: str) -> tuple[int, 
 def rank_resume(entry: ModuleEntry, name: str, algorithm: str, world_size: int, rank: int) -> RankResume:
     """Check that a module's entry can resume this run, and return this rank's part of it.
 
-    A run may change its number of processes only when the entry holds no per-rank state at all (no algorithm
-    state, no per-rank weights): then every rank takes rank 0's entry, whose bucket layout names parameters only.
+    A checkpoint written by another number of processes resizes (see the fault tolerance page of the docs): where
+    the ranks' weights differ, every rank resumes from their average (weights, optimizer states and the other
+    per-rank entries: floating-point tensors averaged, everything else rank 0's); the algorithm state is re-sharded
+    by the algorithm's :meth:`~lightning_bagua.engine.AlgorithmImpl.resize_state` once the module is wrapped. Rank 0
+    logs what the resize does.
 
     Args:
         entry: the module's entry.
@@ -372,7 +397,7 @@ def rank_resume(entry: ModuleEntry, name: str, algorithm: str, world_size: int, 
         This rank's part.
 
     Raises:
-        ValueError: another algorithm wrote it, or another number of processes with per-rank state.
+        ValueError: another algorithm wrote it.
     """
     if entry["algorithm"] != algorithm:
         raise ValueError(
@@ -380,19 +405,72 @@ def rank_resume(entry: ModuleEntry, name: str, algorithm: str, world_size: int, 
             f" this strategy uses {algorithm!r}. Resume with the same algorithm, or load the weights alone"
             " (LightningModule.load_from_checkpoint, or delete the checkpoint's 'bagua' entry) to switch."
         )
-    saved_world_size = len(entry["algorithm_states"])
-    if saved_world_size != world_size:
-        if entry["ranks"] is not None or any(state.get("state") for state in entry["algorithm_states"]):
-            raise ValueError(
-                f"The checkpoint holds the algorithm state of {name!r} for {saved_world_size} processes, but this run"
-                f" has {world_size}. Resume with {saved_world_size} processes, or load the weights alone"
-                " (LightningModule.load_from_checkpoint, or delete the checkpoint's 'bagua' entry) to start the"
-                " algorithm afresh."
-            )
-        rank = 0
-    own = entry["ranks"][rank] if entry["ranks"] is not None else {"state_dict": None, "optimizer_states": None}
-    # Entries written before the per-rank "extra" was saved hold weights and optimizer states only.
-    return RankResume(entry["algorithm_states"][rank], own["state_dict"], own["optimizer_states"], own.get("extra"))
+    states = entry["algorithm_states"]
+    if len(states) == world_size:
+        own = entry["ranks"][rank] if entry["ranks"] is not None else {"state_dict": None, "optimizer_states": None}
+        # Entries written before the per-rank "extra" was saved hold weights and optimizer states only.
+        return RankResume(states[rank], own["state_dict"], own["optimizer_states"], own.get("extra"))
+    if rank == 0:
+        _log_resize(name, algorithm, len(states), world_size, per_rank=entry["ranks"] is not None)
+    if entry["ranks"] is None:
+        return RankResume(states[0], None, None, resized_from=list(states))
+    ranks = entry["ranks"]
+    return RankResume(
+        states[0],
+        average_nested([saved["state_dict"] for saved in ranks]),
+        average_nested([saved["optimizer_states"] for saved in ranks]),
+        average_nested([saved.get("extra") or {} for saved in ranks]),
+        resized_from=list(states),
+    )
+
+
+def _log_resize(name: str, algorithm: str, saved_world_size: int, world_size: int, per_rank: bool) -> None:
+    from lightning_bagua.engine.algorithms.base import algorithm_class
+
+    try:
+        effect = algorithm_class(algorithm).resize_effect
+    except ValueError:  # not registered in this process: the load itself names the problem
+        effect = "its state is re-sharded by its resize_state"
+    weights = (
+        f"every rank resumes from the average of the {saved_world_size} ranks' weights and optimizer states"
+        if per_rank
+        else "every rank resumes from the shared weights and optimizer state"
+    )
+    log.warning(
+        "Resizing %r from %d to %d processes: %s; for the %r algorithm, %s.",
+        name,
+        saved_world_size,
+        world_size,
+        weights,
+        algorithm,
+        effect,
+    )
+
+
+def average_nested(values: list[Any]) -> Any:
+    """Average the ranks' copies of one object: floating-point tensors elementwise, everything else rank 0's.
+
+    Args:
+        values: one copy per rank, of the same structure (dicts, lists and tuples of tensors and other objects).
+
+    Returns:
+        The averaged object; ``None`` when any copy is ``None`` (a save filter left it out).
+    """
+    first = values[0]
+    if any(value is None for value in values):
+        return None
+    if isinstance(first, Tensor):
+        if first.is_floating_point() or first.is_complex():
+            return torch.stack([value.to(first.dtype) for value in values]).mean(dim=0)
+        return first
+    if isinstance(first, dict):
+        return {
+            key: average_nested([value[key] for value in values]) if all(key in value for value in values) else item
+            for key, item in first.items()
+        }
+    if isinstance(first, (list, tuple)) and all(len(value) == len(first) for value in values):
+        return type(first)(average_nested([value[index] for value in values]) for index in range(len(first)))
+    return first
 
 
 def average_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -112,7 +112,7 @@ def load_and_restore(
                     modules[key], key, name, strategy.world_size, strategy.global_rank
                 )
                 _restore_rank_weights(strategy, obj, resume, state, strict)
-                obj.load_bagua_state_dict(resume.algorithm_state)
+                obj.load_bagua_state_dict(resume.algorithm_state_for(obj))
     for wrapped in paused:
         wrapped.bagua_algorithm_impl.start()
     return remainder
