@@ -5,7 +5,8 @@
 ``last.ckpt`` to ``EPOCHS`` epochs, recording each rank's weights and algorithm state when training starts and its
 weights at the end; for the synchronous algorithms (and ``ddp``) it also fits the reference: a run at the new size
 from the checkpoint's weights and optimizer state (``low_rank`` also from its residuals split by the documented rule,
-computed here on its own), for ``EPOCHS - SAVED_EPOCHS`` epochs. One process group runs every case in turn.
+computed here on its own), for ``EPOCHS - SAVED_EPOCHS`` epochs. Under Fabric, ``FABRIC_CASES`` are saved after
+four steps on 2 processes and loaded at the new size. One process group runs every case in turn.
 """
 
 import argparse
@@ -34,6 +35,7 @@ CASES: dict[str, dict[str, Any] | None] = {
     "low_precision_decentralized": {"hierarchical": False},
     "async": {"sync_interval_ms": 5, "warmup_steps": 1},
 }
+FABRIC_CASES = ("low_rank", "decentralized")
 SYNCHRONOUS = ("ddp", "gradient_allreduce", "bytegrad", "low_rank", "qadam")
 
 
@@ -115,8 +117,38 @@ def main() -> None:
         trainer.fit(model, DataLoader(dataset, batch_size=BATCH, sampler=sampler), ckpt_path=ckpt_path)
         return trainer
 
+    def fabric_case(algorithm: str, path: Path, save: bool) -> dict[str, Any]:
+        # Fabric's save and load: four steps on 2 processes and a save, or a load at this size.
+        from lightning.fabric import Fabric
+
+        from lightning_bagua.strategies.fabric import BaguaStrategy as FabricBaguaStrategy
+
+        fabric = Fabric(
+            accelerator="cpu", devices=world_size, strategy=FabricBaguaStrategy(algorithm, **CASES[algorithm])
+        )
+        fabric.launch()
+        network = make_network()
+        model, optimizer = fabric.setup(network, make_optimizer(network.parameters()))
+        state = {"model": model, "optimizer": optimizer}
+        if save:
+            inputs, targets = make_dataset().tensors
+            for step in range(4):
+                rows = slice(BATCH * (2 * step + rank), BATCH * (2 * step + rank + 1))
+                fabric.backward(nn.functional.mse_loss(model(inputs[rows]), targets[rows]))
+                optimizer.step()
+                optimizer.zero_grad()
+            fabric.save(path, state)
+            return {}
+        fabric.load(path, state)
+        return {"weights": weights(model.module), "algorithm_state": model._forward_module.bagua_state_dict()}
+
     out = Path(args.out)
     results: dict[str, Any] = {}
+    for algorithm in FABRIC_CASES:
+        path = out / f"fabric_{algorithm}.ckpt"
+        result = fabric_case(algorithm, path, save=args.phase == "save")
+        if result:
+            results[f"fabric_{algorithm}"] = result
     for case in args.cases.split(","):
         directory = out / case
         if args.phase == "save":

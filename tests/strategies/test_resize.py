@@ -95,3 +95,23 @@ def test_low_rank_keeps_its_factors_and_the_sum_of_its_residuals(runs, size):
     for state in resumed:
         assert state["steps"] == saved[0]["steps"]
         torch.testing.assert_close(state["factors"], saved[0]["factors"], **EXACT)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("size", SIZES)
+def test_fabric_load_resizes_by_the_same_rules(runs, size):
+    entry = torch.load(runs / "fabric_decentralized.ckpt", weights_only=False)["bagua_algorithm_state"]
+    rank_weights = [rank["state_dict"] for rank in entry["modules"]["model"]["ranks"]]
+    assert any(not torch.equal(rank_weights[0][key], rank_weights[1][key]) for key in rank_weights[0])
+    entry = torch.load(runs / "fabric_low_rank.ckpt", weights_only=False)["bagua_algorithm_state"]
+    saved = [state["state"] for state in entry["modules"]["model"]["algorithm_states"]]
+    assert saved[0]["errors"]
+    results = _resumed(runs, size)
+    for result in results:
+        torch.testing.assert_close(
+            result["fabric_decentralized"]["weights"], average_state_dicts(rank_weights), **EXACT
+        )
+    resumed = [result["fabric_low_rank"]["algorithm_state"]["state"] for result in results]
+    for name in saved[0]["errors"]:
+        total = sum(state["errors"][name] for state in saved)
+        torch.testing.assert_close(sum(state["errors"][name] for state in resumed), total, **CLOSE)
