@@ -73,7 +73,7 @@ def filtered(tmp_path_factory):
 @pytest.mark.parametrize("algorithm", ["decentralized", "low_precision_decentralized", "async"])
 def test_save_filter_applies_to_each_ranks_weights_and_optimizer_state(filtered, algorithm):
     files, first_weight = filtered[algorithm]["files"], filtered[algorithm]["first_weight"]
-    for checkpoint in files.values():
+    for checkpoint in (files["first_weight"], files["unfiltered"]):
         # The reserved key the Fabric docs name; the Trainer strategy's key is not written by Fabric.
         assert "bagua" not in checkpoint
         entry = checkpoint["bagua_algorithm_state"]
@@ -85,9 +85,8 @@ def test_save_filter_applies_to_each_ranks_weights_and_optimizer_state(filtered,
     assert "model" not in nothing
     assert "optimizer" not in nothing
     assert nothing["step"] == 2
-    for rank in nothing["bagua_algorithm_state"]["modules"]["model"]["ranks"]:
-        assert rank["state_dict"] is None
-        assert rank["optimizer_states"] == {}
+    # As under Fabric's DDP, a filter that keeps none of the model's weights writes nothing of the model.
+    assert set(nothing) == {"step"}
 
     first = files["first_weight"]
     assert set(first["model"]) == {first_weight}

@@ -249,7 +249,8 @@ def test_fabric_save_killed_midway_leaves_the_previous_or_the_new_checkpoint_who
     assert on_disk["step"] in (1, 2)
     assert on_disk["ballast"].numel() == BALLAST_VALUES
     assert bool((on_disk["ballast"] == on_disk["step"]).all())
-    assert on_disk["bagua_algorithm_state"]["modules"]["model"]["algorithm"] == "gradient_allreduce"
+    # gradient_allreduce keeps no state that the weights and optimizer state do not hold: no entry, as under DDP.
+    assert "bagua_algorithm_state" not in on_disk
 
 
 def test_a_save_that_raises_keeps_the_previous_checkpoint_and_leaves_no_partial_file(tmp_path):

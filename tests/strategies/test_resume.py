@@ -109,7 +109,6 @@ def _resume(saved: dict, algorithm: str = "decentralized", world_size: int = 2, 
 @pytest.mark.parametrize(
     ("saved", "message"),
     [
-        (_version_1(world_size=4), "state of 'model' for 4 processes, but this run has 2. Resume with 4"),
         (_version_1(algorithm="bytegrad"), "training 'model' with the 'bytegrad' algorithm, but this strategy"),
         ({**_version_1(), "version": 7}, "has version 7; this release reads versions 1 and 2"),
     ],
@@ -126,6 +125,16 @@ def test_a_version_1_checkpoint_resumes_each_rank_from_its_own_part():
         assert resume.algorithm_state == {"algorithm": "decentralized", "state": {"rank": rank}}
         torch.testing.assert_close(resume.state_dict["w"], torch.full((1,), float(rank)), **EXACT)
         assert resume.optimizer_states == [rank]
+
+
+@pytest.mark.timeout(10)
+def test_per_rank_weights_resume_on_another_number_of_processes_from_their_average():
+    # Four ranks saved weights 0..3 and optimizer states [0]..[3]; two resume, each from their mean.
+    for rank in range(2):
+        resume = _resume(_version_1(world_size=4), rank=rank)
+        torch.testing.assert_close(resume.state_dict["w"], torch.full((1,), 1.5), **EXACT)
+        assert resume.optimizer_states == [0]  # not a tensor: rank 0's
+        assert resume.resized_from == _version_1(world_size=4)["algorithm_states"]
 
 
 @pytest.mark.timeout(10)

@@ -387,7 +387,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
             The checkpoint, with this rank's ``state_dict`` and ``optimizer_states``.
 
         Raises:
-            ValueError: when fitting, the checkpoint was written by another algorithm or another number of processes.
+            ValueError: when fitting, the checkpoint was written by another algorithm.
         """
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._bagua_resume = None
@@ -430,7 +430,7 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
             self.lightning_module.load_state_dict(own, strict=self.lightning_module.strict_loading)
         super().load_optimizer_state_dict(checkpoint)
         if resume is not None and wrapped is not None:
-            wrapped.load_bagua_state_dict(resume.algorithm_state)
+            wrapped.load_bagua_state_dict(resume.algorithm_state_for(wrapped))
 
     @override
     def on_exception(self, exception: BaseException) -> None:

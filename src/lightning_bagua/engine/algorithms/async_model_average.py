@@ -331,6 +331,17 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         """Return the warm-up counter (training forward passes so far) and the number of averaging rounds."""
         return {"forward_passes": self.forward_passes, "rounds": self.rounds}
 
+    def resize_state(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Keep the most advanced rank's counters, so that no rank's progress (warm-up, rounds) is lost.
+
+        Args:
+            saved: each saved rank's :meth:`state_dict`.
+
+        Returns:
+            The largest ``forward_passes`` and ``rounds`` saved.
+        """
+        return {key: max(int(state[key]) for state in saved) for key in ("forward_passes", "rounds")}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters, so that training resumes in the phase the checkpoint was taken in.
 
@@ -561,6 +572,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
     """
 
     ranks_hold_different_weights = True
+    resize_effect = "the largest counters are kept; every rank starts from the ranks' average weights"
     impl_class = AsyncModelAverageImpl
 
     def __init__(

@@ -202,6 +202,31 @@ class AlgorithmImpl(ABC):
                 " Was the checkpoint written with another algorithm?"
             )
 
+    def resize_state(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Return this rank's state at the current world size, from the states every rank of another run saved.
+
+        Called when resuming a checkpoint written by ``len(saved)`` ranks on a run of another size (rank and world
+        size from ``self.context.groups``); the result goes to :meth:`load_state_dict`. An implementation re-shards
+        by what its state means: shared state kept, residuals redistributed so that their sum over ranks is kept,
+        per-rank state that follows the ranks' weights rebuilt from the averaged weights.
+
+        Args:
+            saved: each saved rank's :meth:`state_dict`, by rank.
+
+        Returns:
+            This rank's state; ``{}`` by default, when every saved state is empty.
+
+        Raises:
+            ValueError: a saved state holds something this implementation does not know how to re-shard.
+        """
+        if any(saved):
+            raise ValueError(
+                f"{type(self).__name__} cannot resize the state {len(saved)} processes saved to"
+                f" {self.context.groups.world_size}: it does not implement `resize_state`. Resume with {len(saved)}"
+                " processes, or load the weights alone to start the algorithm afresh."
+            )
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads and buffers; the wrapper calls this once when it is closed."""
 
@@ -228,6 +253,14 @@ class Algorithm(ABC):
 
     communicates_gradient_buckets: ClassVar[bool] = True
     """Whether the algorithm communicates DDP's gradient buckets, so that the bucket size matters (autotuning)."""
+
+    resize_effect: ClassVar[str] = "it keeps no state between steps"
+    """What resuming at another world size does to the algorithm's state (:meth:`AlgorithmImpl.resize_state`), for the
+    message a resize logs."""
+
+    results_depend_on_buckets: ClassVar[bool] = True
+    """Whether the numbers the algorithm produces depend on how the gradients are bucketed (a codec's ranges are per
+    bucket), so that a checkpoint keeps the bucket layout to resume exactly."""
 
     ranks_hold_different_weights: ClassVar[bool] = False
     """Whether the ranks' weights (and so their optimizer states) differ between steps, as with weight-averaging

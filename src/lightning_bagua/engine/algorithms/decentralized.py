@@ -218,6 +218,17 @@ class DecentralizedImpl(AlgorithmImpl):
         state = self.state
         return {"forward_passes": state.forward_passes, "rounds": state.rounds, "due": state.due}
 
+    def resize_state(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Keep the schedule's counters, which every rank shares; the weights the exchanges start from are averaged.
+
+        Args:
+            saved: each saved rank's :meth:`state_dict`.
+
+        Returns:
+            Rank 0's counters.
+        """
+        return dict(saved[0])
+
     def settle(self) -> None:
         """Wait for the exchange in flight, if any, keeping its result for the end of the backward that consumes it.
 
@@ -331,6 +342,7 @@ class DecentralizedAlgorithm(Algorithm):
     """
 
     ranks_hold_different_weights = True
+    resize_effect = "the schedule's counters are kept; every rank starts from the ranks' average weights"
     impl_class = DecentralizedImpl
 
     # Weights travel as flat per-dtype buffers; the gradient buckets never leave the rank.

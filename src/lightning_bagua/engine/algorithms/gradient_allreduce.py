@@ -49,6 +49,8 @@ class GradientAllReduceAlgorithm(Algorithm):
         average: divide the sum by the number of ranks; ``False`` keeps the sum.
     """
 
+    # A full-precision sum is the same whatever the buckets, as under DDP, whose checkpoints keep no layout either.
+    results_depend_on_buckets = False
     impl_class = GradientAllReduceImpl
 
     def __init__(self, hierarchical: bool = False, average: bool = True) -> None:

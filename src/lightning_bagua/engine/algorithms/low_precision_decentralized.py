@@ -258,6 +258,20 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             ]
         return {"forward_passes": state.forward_passes, "due": state.due, "armed": state.armed, "copies": copies}
 
+    def resize_state(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Keep the shared counters and drop the ring copies, which the averaged weights replace.
+
+        Every rank resumes from the same averaged weights, so the next training forward pass builds its copies of
+        itself and its neighbours from them.
+
+        Args:
+            saved: each saved rank's :meth:`state_dict`.
+
+        Returns:
+            Rank 0's counters, with ``"copies": None``.
+        """
+        return {**saved[0], "copies": None}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, after the weights have been restored.
 
@@ -401,6 +415,9 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """
 
     ranks_hold_different_weights = True
+    resize_effect = (
+        "the counters are kept; every rank starts from the ranks' average weights and rebuilds its ring copies"
+    )
     single_node_effect = "each round averages the node's weights at full precision instead of the compressed ring"
     impl_class = LowPrecisionDecentralizedImpl
 

@@ -70,8 +70,7 @@ def state_to_save(
         key: entry
         for key, obj in state.items()
         if isinstance(obj, BaguaDistributedDataParallel)
-        and (entry := strategy._gather_module_entry(obj, partial(_rank_weights, strategy, key, obj, state, filters)))
-        is not None
+        and (entry := _module_entry(strategy, key, obj, state, filters)) is not None
     }
     state = bagua_checkpoint.attach_entries(
         state, entries, strategy.world_size, weights_key=lambda name: name, key=bagua_checkpoint.FABRIC_CHECKPOINT_KEY
@@ -113,10 +112,27 @@ def load_and_restore(
                     modules[key], key, name, strategy.world_size, strategy.global_rank
                 )
                 _restore_rank_weights(strategy, obj, resume, state, strict)
-                obj.load_bagua_state_dict(resume.algorithm_state)
+                obj.load_bagua_state_dict(resume.algorithm_state_for(obj))
     for wrapped in paused:
         wrapped.bagua_algorithm_impl.start()
     return remainder
+
+
+def _module_entry(
+    strategy: CheckpointingStrategy,
+    key: str,
+    wrapped: BaguaDistributedDataParallel,
+    state: dict[str, Any],
+    filters: dict[str, _Filter],
+) -> ModuleEntry | None:
+    # As under Fabric's DDP, a filter that keeps none of the module's weights writes nothing of the module; one that
+    # keeps some keeps the whole algorithm state, which only resumes whole. Every rank decides alike (the filter sees
+    # the same names on each), since gathering is collective.
+    keep = filters.get(key)
+    if keep is not None and _filtered(strategy.get_module_state_dict(wrapped), keep) is None:
+        return None
+    entry = strategy._gather_module_entry(wrapped, partial(_rank_weights, strategy, key, wrapped, state, filters))
+    return entry if entry is not None and bagua_checkpoint.entry_restores_something(entry, wrapped) else None
 
 
 def _rank_weights(

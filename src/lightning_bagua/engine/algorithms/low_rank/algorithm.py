@@ -3,6 +3,7 @@
 The bucket's trip itself (the state, the hook and the algorithm) is in :mod:`.hook`.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -83,6 +84,37 @@ class LowRankImpl(AlgorithmImpl):
             saved["left_factors"] = {name: _copy(factor) for name, factor in state.memory.left_factors.items()}
         return saved
 
+    def resize_state(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Keep the steps and the shared factors; split the ranks' summed error feedback evenly over the new ranks.
+
+        The ranks that compress (all, or the node leaders when two-level) each get ``sum(errors) / their number``,
+        so the residual the next exchange adds in is the saved one; the factors, the same on every rank after an
+        exchange, are the first saved ones. A rank that does not compress, or a run that compresses nothing, gets
+        none.
+
+        Args:
+            saved: each saved rank's :meth:`state_dict`.
+
+        Returns:
+            This rank's state.
+        """
+        groups = self.context.groups
+        compressors = groups.layout.num_nodes if groups.is_hierarchical else groups.world_size
+        compresses = not self.state.full_precision_only and (not groups.is_hierarchical or groups.is_node_leader)
+        keys = ["factors", "left_factors"] if self.state.alternate else ["factors"]
+        resized: dict[str, Any] = {"steps": int(saved[0]["steps"]), "errors": {}, **{key: {} for key in keys}}
+        if not compresses:
+            return resized
+        for state in saved:
+            for name, error in state["errors"].items():
+                total = resized["errors"].get(name)
+                resized["errors"][name] = error.float() if total is None else total + error.float()
+            for key in keys:
+                for name, factor in state.get(key, {}).items():
+                    resized[key].setdefault(name, factor)
+        resized["errors"] = {name: total / compressors for name, total in resized["errors"].items()}
+        return resized
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
 
@@ -150,6 +182,7 @@ class LowRankAlgorithm(Algorithm):
     """
 
     single_node_effect = "nothing is compressed: every bucket is all-reduced at full precision"
+    resize_effect = "the steps and factors are kept; the ranks' error feedback is summed and split evenly"
     impl_class = LowRankImpl
 
     def __init__(
