@@ -4,7 +4,7 @@ Two Gloo processes on the loopback train a small MLP under :func:`torchft_peer.t
 no delay, no mixing) for a few outer rounds, as the network lab's workers do (a default Gloo group first, then the
 peer). Then this process replays the same run alone, with both ranks' models, their inner SGD and the same
 batches, and the DiLoCo math written out: every ``H / fragments`` steps the next fragment's pseudo-gradient
-Δ = θ_outer − θ_local is averaged over the ranks, a Nesterov SGD per fragment steps θ_outer with it, and both ranks
+Δ = θ_outer - θ_local is averaged over the ranks, a Nesterov SGD per fragment steps θ_outer with it, and both ranks
 adopt θ_outer. It checks that
 
 1. right after each sync, the synced fragment's weights are bit-identical on both ranks;
@@ -129,7 +129,9 @@ def replay() -> tuple[list[list[torch.Tensor]], list[tuple[int, int]]]:
         outer_optimizers[fragment].zero_grad()
         with torch.no_grad():
             for f in local_fragments:
-                for local, global_parameter in zip(f[fragment].parameters(), outer_fragments[fragment].parameters()):
+                for local, global_parameter in zip(
+                    f[fragment].parameters(), outer_fragments[fragment].parameters(), strict=True
+                ):
                     local.copy_(global_parameter)
     return [[p.detach().clone() for p in m.parameters()] for m in models], syncs
 
@@ -143,12 +145,12 @@ def check(out: Path) -> list[str]:
         got = [(s["step"], s["fragment"]) for s in result["synced"]]
         if got != expected_syncs:
             failures.append(f"rank {rank} synced at (step, fragment) {got}, expected {expected_syncs}")
-    for first, second in zip(ranks[0]["synced"], ranks[1]["synced"]):
-        if not all(torch.equal(a, b) for a, b in zip(first["weights"], second["weights"])):
+    for first, second in zip(ranks[0]["synced"], ranks[1]["synced"], strict=False):
+        if not all(torch.equal(a, b) for a, b in zip(first["weights"], second["weights"], strict=True)):
             failures.append(f"fragment {first['fragment']} differs between the ranks right after step {first['step']}")
     for rank, result in enumerate(ranks):
         try:
-            for got_parameter, want in zip(result["final"], expected_final[rank]):
+            for got_parameter, want in zip(result["final"], expected_final[rank], strict=True):
                 torch.testing.assert_close(got_parameter, want, rtol=1e-5, atol=1e-6)
         except AssertionError as error:
             failures.append(f"rank {rank}'s final weights differ from the single-process replay: {error}")
@@ -167,7 +169,7 @@ def orchestrate() -> int:
     try:
         import torchft  # noqa: F401
     except ImportError:
-        print("torchft_peer_check: torchft is not importable by this interpreter; see requirements/benchmarks-torchft.txt")
+        print("torchft_peer_check: this interpreter cannot import torchft; see requirements/benchmarks-torchft.txt")
         return 2
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory)
