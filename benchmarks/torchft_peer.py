@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 from datetime import timedelta
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -109,8 +110,9 @@ def torchft_diloco(
 ) -> TorchftDiLoCo:
     """Train ``model`` under torchft's (Streaming) DiLoCo, one replica per rank, on Gloo.
 
-    Call it on every rank with the same arguments, with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and
-    ``WORLD_SIZE`` set and every rank's model initialised identically (same seed). Then train with
+    Call it on every rank with the same arguments, with ``MASTER_ADDR`` and ``MASTER_PORT`` set, and ``RANK`` and
+    ``WORLD_SIZE`` unless a default process group is up (its rank and size are used, its store is shared), and
+    every rank's model initialised identically (same seed). Then train with
     ``inner_optimizer`` as usual and call :meth:`TorchftDiLoCo.close` at the end.
 
     Args:
@@ -152,7 +154,10 @@ def torchft_diloco(
             "CPU its Manager.allreduce would send full precision silently. Use quantize=False here."
         )
     groups = split_fragments(model, fragments)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if dist.is_initialized():  # Lightning's launcher sets no RANK for the processes it starts
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     master_addr, master_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     address = own_address(master_addr, master_port)
     resources = _Resources(inner_optimizer)
@@ -213,7 +218,7 @@ def torchft_diloco(
     if rank == 0:
         log.info(
             "torchft %s DiLoCo: %d replicas, H=%d, %d fragments, delay %d, alpha %s, lighthouse %s",
-            torchft.__version__ if hasattr(torchft, "__version__") else "?",
+            version("torchft"),
             world_size,
             sync_every,
             fragments,
@@ -222,6 +227,48 @@ def torchft_diloco(
             lighthouse_address,
         )
     return wrapped
+
+
+def lightning_callback(**settings: Any) -> Any:
+    """Return a Lightning ``Callback`` that trains the module under :func:`torchft_diloco` with ``settings``.
+
+    Use it with ``strategy="ddp"``: at the start of training it switches off DDP's gradient all-reduce (DiLoCo's
+    inner steps are local) and wraps the module's one optimizer; at the end it closes torchft's servers.
+    """
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.nn.parallel import DistributedDataParallel
+
+    class TorchftDiLoCoCallback(Callback):
+        def __init__(self) -> None:
+            self.peer: TorchftDiLoCo | None = None
+
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            ddp = trainer.strategy.model
+            if not isinstance(ddp, DistributedDataParallel):
+                raise TypeError(f"the torchft callback needs strategy='ddp'; the module is wrapped in {type(ddp)}")
+            ddp.require_backward_grad_sync = False
+            if len(trainer.optimizers) != 1:
+                raise ValueError(
+                    f"torchft's DiLoCo takes one inner optimizer; the module has {len(trainer.optimizers)}"
+                )
+            self.peer = torchft_diloco(pl_module, trainer.optimizers[0], **settings)
+
+        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            if self.peer is None:
+                return
+            self.peer.close()
+            # The inner optimizer's hooks are the only sign that torchft ran: a run long enough to sync must have.
+            period = settings["sync_every"] // settings.get("fragments", 1)
+            if trainer.global_step >= period and self.peer.syncs == 0:
+                raise RuntimeError(f"torchft's DiLoCo never synced in {trainer.global_step} steps (every {period})")
+            if trainer.is_global_zero:
+                log.info(
+                    "torchft DiLoCo: %d syncs, %.2f MB all-reduced by each rank",
+                    self.peer.syncs,
+                    self.peer.communication_counter.bytes_sent / 1e6,
+                )
+
+    return TorchftDiLoCoCallback()
 
 
 def split_fragments(model: nn.Module, fragments: int) -> list[nn.Module]:
