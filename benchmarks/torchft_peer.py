@@ -18,6 +18,9 @@ trains torchft's DiLoCo exactly as it trains its other methods (``optimizer.zero
    an outer optimizer of its own (SGD, Nesterov momentum): with one outer optimizer over the whole model, a
    fragment's sync would also step the other fragments with the inner step's gradients still on them.
 
+Under Lightning (convergence.py), :func:`lightning_callback` does the same with ``strategy="ddp"``, whose gradient
+all-reduce it switches off.
+
 Every wait has ``timeout`` (collectives, quorum, connections), and a failed commit raises at once
 (``max_retries=0``) instead of torchft's retry-forever: a dead peer ends the run with a message.
 
@@ -45,7 +48,7 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = (
     "torchft is not installed in this environment. Give it an environment of its own: "
     "python3 -m venv .venv-torchft && .venv-torchft/bin/pip install torch==2.13.0 "
-    "&& .venv-torchft/bin/pip install -r requirements/benchmarks-torchft.txt -e . "
+    "&& .venv-torchft/bin/pip install -r requirements/benchmarks-torchft.txt -e .[test] "
     "then run the lab with .venv-torchft/bin/python."
 )
 # Every call gets a store prefix of its own: a lab builds the method once per round, in the same order on every rank.
