@@ -20,6 +20,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,8 +60,8 @@ def _cpu_features() -> str:
 
 
 @functools.cache
-def _ops() -> object | None:
-    """``torch.ops.lightning_bagua_codec`` once the kernels are built and loaded, else ``None`` (logged why)."""
+def _ops() -> Any:
+    """``torch.ops.lightning_bagua_codec`` (an operator namespace) once built and loaded, else ``None``."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         log.debug("The codec's CPU kernels are turned off by %s=0.", DISABLE_ENV)
         return None
@@ -80,7 +81,7 @@ def available() -> bool:
     return _ops() is not None
 
 
-def kernels() -> object:
+def kernels() -> Any:
     """The loaded operators; raises ``RuntimeError`` saying why when they cannot be built."""
     ops = _ops()
     if ops is None:
