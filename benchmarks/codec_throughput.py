@@ -1,7 +1,7 @@
 """Throughput of the MinMaxUInt8 codec (compress + decompress) against the device's own copy bandwidth.
 
     python benchmarks/codec_throughput.py                    # one GPU: Triton and torch backends
-    python benchmarks/codec_throughput.py --cpu --threads 1  # CPU: native, blocked and torch backends
+    python benchmarks/codec_throughput.py --cpu --threads 1  # CPU: native and torch backends
     python benchmarks/codec_throughput.py --cpu --sizes-mb 1 4 --no-save
 
 For a buffer of ``B`` bytes of float32 (``N = B / 4`` elements) split into ``k`` chunks, with ``t_c`` and ``t_d``
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument(
         "--backends",
         nargs="+",
-        choices=["torch", "native", "blocked", "triton"],
+        choices=["torch", "native", "triton"],
         help="default: every one the device has",
     )
     parser.add_argument("--warmup", type=int, default=3)
@@ -198,7 +198,7 @@ def main() -> None:
 
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     sizes = args.sizes_mb or ([4, 16, 64] if args.cpu else [4, 16, 64, 256, 1024])
-    backends = args.backends or (["native", "blocked", "torch"] if args.cpu else ["triton", "torch"])
+    backends = args.backends or (["native", "torch"] if args.cpu else ["triton", "torch"])
     args.inner = args.inner or (1 if args.cpu else 10)
     generator = torch.Generator(device).manual_seed(0)
 

@@ -26,7 +26,7 @@ EXT = DOCS / "_ext"
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # Modules whose import needs what a CPU test machine lacks; their examples, if any, cannot run here.
 NEEDS_CUDA = {
-    "lightning_bagua.engine._codec_triton": "imports triton, which exists only with CUDA",
+    "lightning_bagua.engine.codec._triton": "imports triton, which exists only with CUDA",
     "lightning_bagua.engine.algorithms._dcd_triton": "imports triton, which exists only with CUDA",
 }
 # Modules with examples today: if one of these stops running any, the examples were lost, not fixed.

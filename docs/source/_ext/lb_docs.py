@@ -13,6 +13,9 @@ Directives:
 ``codec-break-even``
     The measured codec throughput and the link speed below which ``bytegrad`` pays off, from
     ``codec_throughput_*.json``.
+``codec-paths``
+    Each fast path the codec keeps beside its torch reference, with its measured speed-up over the reference,
+    from ``codec_throughput_*.json`` and ``low_rank_host_cost_cpu.json``.
 ``benchmark-table``
     A summary of one results file (argument: its name without ``.json``). ``network_lab``, ``lm_step_time``,
     ``chaos``, ``step_breakdown`` and ``bucket_cap`` (the GPU lab's runs of bucket sizes) read the file named by
@@ -170,6 +173,9 @@ def _milliseconds(seconds: float) -> str:
     return f"{ms:,.0f} ms" if ms >= 10 else f"{ms:.2g} ms"
 
 
+KEPT_BACKENDS = ("torch", "native", "triton")  # results files may still hold rows of backends since removed
+
+
 def _codec_rows() -> list[tuple[str, str, dict[str, Any]]]:
     # (device, command, result) for each eager, single-chunk codec measurement in every codec results file.
     found = []
@@ -177,7 +183,7 @@ def _codec_rows() -> list[tuple[str, str, dict[str, Any]]]:
         data = _load(path.stem)
         device = "CPU" if data["settings"].get("cpu") else data["machine"].get("device", "GPU")
         for result in data["results"]:
-            if result["mode"] == "eager" and result["chunks"] == 1:
+            if result["mode"] == "eager" and result["chunks"] == 1 and result["backend"] in KEPT_BACKENDS:
                 found.append((device, data["command"], result))
     return found
 
@@ -204,6 +210,61 @@ class CodecBreakEven(SphinxDirective):
         header = ["device, codec backend", "buffer", "codec throughput (fp32 in)", "bytegrad pays off below"]
         note = _source_note(commands, "benchmarks/results/codec_throughput_*.json")
         return [table(header, rows, "Codec speed and the break-even link speed"), note]
+
+
+# Each fast path of the codec: (label, results file, backend timed in it, device type the path serves).
+CODEC_PATHS: tuple[tuple[str, str, str], ...] = (
+    ("C++ kernels (native), CPU tensors", "codec_throughput_cpu", "native"),
+    ("Triton kernels, CUDA tensors", "codec_throughput_gpu", "triton"),
+)
+
+
+class CodecPaths(SphinxDirective):
+    """Each fast path the codec keeps, and its measured speed-up over the torch reference."""
+
+    def run(self) -> list[nodes.Node]:
+        """Build the table from the codec's and low_rank's host-cost results."""
+        header, rows, commands, files = _codec_paths()
+        note = _source_note(commands, ", ".join(f"benchmarks/results/{file}" for file in files))
+        return [table(header, rows, "The codec's fast paths against its torch reference"), note]
+
+
+def _codec_paths() -> tuple[list[str], list[list[str]], list[str], list[str]]:
+    """Header, rows, commands and results files of the ``codec-paths`` table."""
+    rows, commands, files = [], [], []
+    for label, name, backend in CODEC_PATHS:
+        data = _load(name)
+        commands.append(data["command"])
+        files.append(f"{name}.json")
+        timed = {
+            (r["size_mb"], r["backend"]): r["input_gbps"]
+            for r in data["results"]
+            if r["mode"] == "eager" and r["chunks"] == 1
+        }
+        sizes = sorted({size for size, timed_backend in timed if timed_backend == backend})
+        gains = [timed[size, backend] / timed[size, "torch"] for size in sizes if (size, "torch") in timed]
+        device = data["machine"].get("device", "CPU") if name.endswith("gpu") else "CPU"
+        rows.append(
+            [
+                label,
+                f"{device}, {sizes[0]}-{sizes[-1]} MiB, compress + decompress",
+                f"{min(gains):.1f}x-{max(gains):.1f}x",
+            ]
+        )
+    host = _load("low_rank_host_cost_cpu")
+    commands.append(host["command"])
+    files.append("low_rank_host_cost_cpu.json")
+    median = {(r["task"], r["rank"], r["form"], r["setting"]): r["median_s"] for r in host["results"]}
+    gains = [t / median[(*key[:3], "qr_native")] for key, t in median.items() if key[3] == "qr_torch"]
+    rows.append(
+        [
+            "C++ kernels for low_rank's segment messages (SegmentLayout), CPU",
+            "one low_rank bucket's host time, every task and rank",
+            f"{min(gains):.1f}x-{max(gains):.1f}x",
+        ]
+    )
+    header = ["path", "measured on", "speed-up over the torch reference"]
+    return header, rows, commands, files
 
 
 def _engine_overhead() -> tuple[list[str], list[list[str]], list[str]]:
@@ -635,6 +696,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("traffic-table", TrafficTable)
     app.add_directive("wire-time-table", WireTimeTable)
     app.add_directive("codec-break-even", CodecBreakEven)
+    app.add_directive("codec-paths", CodecPaths)
     app.add_directive("benchmark-table", BenchmarkTable)
     app.connect("builder-inited", draw_codec_chart)
     app.connect("builder-inited", draw_benchmark_charts)

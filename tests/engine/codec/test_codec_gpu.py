@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
-from tests.engine.test_codec import (
+from tests.engine.codec.test_codec import (
     DTYPES,
     HEADER,
     codes_of,
@@ -168,7 +168,7 @@ def test_one_large_chunk_spreads_over_the_gpu(torch_codec, triton_codec):
 def test_both_compress_configs_agree_with_torch(torch_codec, triton_codec, dtype, num_chunks, where):
     # Inputs from the small-input threshold up take the large configuration, whose min/max pass loads the head of
     # each span with another eviction policy than its tail: a non-finite value in either part must still be seen.
-    from lightning_bagua.engine import _codec_triton
+    from lightning_bagua.engine.codec import _triton as _codec_triton
 
     threshold = _codec_triton.SMALL_COMPRESS_BYTES // torch.tensor([], dtype=dtype).element_size()
     for numel in (threshold - 1, threshold, 3 * threshold + 5):
@@ -228,3 +228,12 @@ def test_triton_decode_add_writes_what_decoding_then_adding_writes(triton_codec,
     shorter = base[: numel // 2 + 1].clone()
     triton_codec.decompress_add(encoded, shorter)
     assert torch.equal(shorter, expected[: numel // 2 + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", NUMELS)
+@pytest.mark.parametrize("chunks", CHUNKS)
+def test_triton_writes_the_references_bytes(torch_codec, triton_codec, dtype, numel, chunks):
+    # The same float32 operations in the same order: the bytes themselves, not a tolerance (no signed zeros here).
+    values = random_values(numel, 3.0, -1.0, seed=numel * chunks, dtype=dtype).to(DEVICE)
+    assert torch.equal(triton_codec.compress(values, chunks), torch_codec.compress(values, chunks))

@@ -1,17 +1,18 @@
-"""The MinMaxUInt8 codec on CPU (torch, native and blocked backends), against an independent float64 re-implementation.
+"""The MinMaxUInt8 codec on CPU (the torch reference and the native kernels), against an independent float64
+re-implementation of the formula.
 
-The native and blocked backends are also compared byte for byte with the torch backend.
+The native kernels are also compared byte for byte with the torch reference.
 """
 
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from lightning_bagua.engine import _codec_blocked, _codec_native
-from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.codec import MinMaxUInt8Codec, _cpu
 
 EPS = 1e-7
 HEADER = MinMaxUInt8Codec.HEADER_BYTES
@@ -60,7 +61,7 @@ def random_values(numel: int, scale: float, offset: float, seed: int, dtype: tor
     return values.to(dtype)
 
 
-@pytest.fixture(params=["torch", "native", "blocked"])
+@pytest.fixture(params=["torch", "native"])
 def codec(request):
     return MinMaxUInt8Codec(backend=request.param)
 
@@ -237,7 +238,7 @@ def test_compression_is_deterministic(codec):
     values = random_values(100_003, 1.0, 0.1, seed=11)
     first = codec.compress(values, 8)
     assert torch.equal(first, codec.compress(values.clone(), 8))
-    assert torch.equal(first, MinMaxUInt8Codec().compress(values, 8))  # "auto" is torch on CPU
+    assert torch.equal(first, MinMaxUInt8Codec().compress(values, 8))  # "auto" is native on CPU
 
 
 @pytest.mark.parametrize(("dtype", "ratio"), [(torch.float32, 0.25), (torch.float16, 0.5), (torch.bfloat16, 0.5)])
@@ -307,7 +308,7 @@ def test_non_contiguous_input(codec):
 def test_triton_backend_needs_triton_and_cuda():
     try:
         # The kernels, not just Triton: torch 2.2's Triton 2.2 imports, but has no `triton.language.extra.libdevice`.
-        import lightning_bagua.engine._codec_triton  # noqa: F401
+        import lightning_bagua.engine.codec._triton  # noqa: F401
     except ImportError:
         with pytest.raises(RuntimeError, match="'triton' backend was requested, but Triton cannot be imported"):
             MinMaxUInt8Codec(backend="triton")
@@ -330,7 +331,7 @@ def test_importing_and_using_the_codec_on_cpu_does_not_import_triton():
         "c = MinMaxUInt8Codec()\n"
         "c.decompress(c.compress(torch.ones(3)), 3, torch.float32)\n"
     )
-    assert not loads_module(code, "lightning_bagua.engine._codec_triton")
+    assert not loads_module(code, "lightning_bagua.engine.codec._triton")
 
 
 def _special_values(kind: str, numel: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -375,113 +376,108 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
     return torch.where(values.isnan(), torch.full_like(values, math.nan), values).view(torch.int32)
 
 
+def _total_order_zeros(values: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Per chunk ``(lo, hi)`` bits where a zero extreme takes IEEE's total order: -0.0 below +0.0."""
+    x = values.float()
+    length = -(-x.numel() // num_chunks)
+    rows = torch.cat([x, x[-1:].expand(num_chunks * length - x.numel())]).view(num_chunks, length)
+    lo, hi = rows.amin(dim=1), rows.amax(dim=1)
+    negative = (rows.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any(dim=1)
+    positive = (rows.view(torch.int32) == 0).any(dim=1)
+    lo = torch.where(lo == 0, torch.where(negative, -0.0, 0.0), lo)
+    hi = torch.where(hi == 0, torch.where(positive, 0.0, -0.0), hi)
+    return torch.stack([lo, hi], dim=1).view(torch.int32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "kind", ["random", "far from zero", "nan", "inf last", "constant", "zeros", "signed zeros", "zero region"]
 )
-# Sizes around the blocked backend's block, so that chunks end inside, at and just past a block.
-@pytest.mark.parametrize("numel", [1, 5, 1000, _codec_blocked.BLOCK - 1, _codec_blocked.BLOCK + 1, 300_001])
+# Sizes around the native decode_sum's block of 4096 and the 16 lanes of its range loop.
+@pytest.mark.parametrize("numel", [1, 5, 17, 1000, 4095, 4097, 300_001])
 @pytest.mark.parametrize("num_chunks", [1, 3, 8])
-def test_the_cpu_backends_write_and_decode_the_torch_backends_bytes(dtype, kind, numel, num_chunks):
-    torch_codec = MinMaxUInt8Codec(backend="torch")
+def test_the_native_kernels_write_and_decode_the_references_bytes(dtype, kind, numel, num_chunks):
+    torch_codec, codec = MinMaxUInt8Codec(backend="torch"), MinMaxUInt8Codec(backend="native")
     values = _special_values(kind, numel, seed=numel + num_chunks, dtype=dtype)
     encoded = torch_codec.compress(values, num_chunks)
-    sums = {}
-    for backend in ("native", "blocked"):
-        codec = MinMaxUInt8Codec(backend=backend)
-        written = codec.compress(values, num_chunks)
-        if kind in SIGNED_ZERO_KINDS:
-            # Where a chunk's extreme is a zero of both signs, which one a reduction returns depends on its order:
-            # the blocked and native backends settle it alike, torch's may pick the other. The values are equal.
-            assert torch.equal(written, MinMaxUInt8Codec(backend="blocked").compress(values, num_chunks)), backend
-            written, encoded = _unsigned_zero_ranges(written), _unsigned_zero_ranges(encoded)
-        assert torch.equal(written, encoded), backend
-        for out_dtype in {torch.float32, dtype}:
-            expected = torch_codec.decompress(encoded, numel, out_dtype)
-            decoded = codec.decompress(encoded, numel, out_dtype)
-            assert torch.equal(_bits(decoded), _bits(expected)), (backend, out_dtype)
-        assert torch.equal(
-            codec.decompress_rows(encoded).view(torch.int32), torch_codec.decompress_rows(encoded).view(torch.int32)
-        ), backend
-        # Both sum the rows in order (torch's sum pairs them), so they agree bit for bit with each other.
-        sums[backend] = _bits(codec.decompress_sum(encoded, torch.empty(encoded.shape[1] - HEADER)))
-    assert torch.equal(sums["native"], sums["blocked"])
+    written = codec.compress(values, num_chunks)
+    if kind in SIGNED_ZERO_KINDS:
+        # Where a chunk's extreme is a zero and it holds zeros of both signs, torch's reduction returns whichever
+        # its order meets; the native kernels follow IEEE's total order. The values are equal.
+        assert torch.equal(header_floats(written).view(torch.int32), _total_order_zeros(values, num_chunks))
+        written, encoded = _unsigned_zero_ranges(written), _unsigned_zero_ranges(encoded)
+    assert torch.equal(written, encoded)
+    for out_dtype in {torch.float32, dtype}:
+        expected = torch_codec.decompress(encoded, numel, out_dtype)
+        assert torch.equal(_bits(codec.decompress(encoded, numel, out_dtype)), _bits(expected)), out_dtype
+        base = random_values(numel, 1.0, 0.0, seed=1, dtype=out_dtype)
+        added = torch_codec.decompress_add(encoded, base.clone())
+        assert torch.equal(_bits(codec.decompress_add(encoded, base.clone())), _bits(added)), out_dtype
+    assert torch.equal(
+        codec.decompress_rows(encoded).view(torch.int32), torch_codec.decompress_rows(encoded).view(torch.int32)
+    )
 
 
-def test_auto_picks_the_native_kernels_for_float32_on_cpu(monkeypatch):
-    assert _codec_native.available()  # this machine (and CI) has a C compiler: the native path must really run
+def test_auto_picks_the_native_kernels_on_cpu(monkeypatch):
+    assert _cpu.available()  # this machine (and CI) has a C++ compiler and ninja: the native path must really run
     calls = []
-    monkeypatch.setattr(_codec_native, "compress", lambda *args: calls.append(args) or torch.zeros(1, 1))
+    monkeypatch.setattr(_cpu, "compress", lambda *args: calls.append(args) or torch.zeros(1, 1))
     MinMaxUInt8Codec().compress(torch.ones(10))
-    MinMaxUInt8Codec().compress(torch.ones(4 * _codec_blocked.BLOCK), num_chunks=8)
-    assert len(calls) == 2
+    MinMaxUInt8Codec().compress(torch.ones(1 << 16), num_chunks=8)
     MinMaxUInt8Codec().compress(torch.ones(10, dtype=torch.bfloat16))
-    assert len(calls) == 2
+    assert len(calls) == 3
+    MinMaxUInt8Codec(backend="torch").compress(torch.ones(10))
+    assert len(calls) == 3
 
 
-def test_auto_picks_the_blocked_backend_on_cpu_without_the_native_kernels(monkeypatch):
-    monkeypatch.setattr(_codec_native, "available", lambda: False)
-    calls = []
-    monkeypatch.setattr(_codec_blocked, "compress", lambda *args: calls.append(args) or torch.zeros(1, 1))
-    MinMaxUInt8Codec().compress(torch.ones(_codec_blocked.BLOCK))
-    assert len(calls) == 1
-    # Smaller chunks take the vectorised ops: the blocked kernels' per-chunk Python loop would dominate.
-    MinMaxUInt8Codec().compress(torch.ones(4 * _codec_blocked.BLOCK), num_chunks=8)
-    assert len(calls) == 1
-    # Half precision takes the blocked kernels whatever builds.
-    MinMaxUInt8Codec().compress(torch.ones(_codec_blocked.BLOCK, dtype=torch.float16))
-    assert len(calls) == 2
+def test_the_native_backend_refuses_non_cpu_tensors():
+    with pytest.raises(ValueError, match="'native' backend runs on CPU tensors"):
+        MinMaxUInt8Codec(backend="native")._kernels(torch.device("meta"))
 
 
-@pytest.mark.parametrize("backend", ["native", "blocked"])
-def test_the_cpu_backends_refuse_non_cpu_tensors(backend):
-    with pytest.raises(ValueError, match=f"'{backend}' backend runs on CPU tensors"):
-        MinMaxUInt8Codec(backend=backend)._kernels(torch.device("meta"), 1, torch.float32)
+def _run_fresh(code: str, tmp_path, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter whose torch extension cache is ``tmp_path``; return its stdout."""
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), **env}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=280, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
 
 
-def _fresh_native_build(monkeypatch, tmp_path, **env):
-    monkeypatch.setenv(_codec_native.CACHE_ENV, str(tmp_path))
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    _codec_native._library.cache_clear()
-
-
-def test_the_native_kernels_build_into_the_cache_and_load_from_it(monkeypatch, tmp_path):
-    _fresh_native_build(monkeypatch, tmp_path)
-    try:
-        assert _codec_native.available()
-        library = _codec_native.library_path()
-        assert library.parent == tmp_path
-        assert library.exists()
-        built = library.stat().st_mtime_ns
-        _codec_native._library.cache_clear()
-        assert _codec_native.available()
-        assert library.stat().st_mtime_ns == built  # loaded, not rebuilt
-    finally:
-        _codec_native._library.cache_clear()
+def test_the_native_kernels_build_into_torchs_extension_cache_and_load_from_it(tmp_path):
+    code = (
+        "from pathlib import Path\n"
+        "from lightning_bagua.engine.codec import _cpu\n"
+        "assert _cpu.available()\n"
+        f"[library] = Path({str(tmp_path)!r}).glob('lightning_bagua_codec_*/*.so')\n"
+        "print(library.stat().st_mtime_ns)\n"
+    )
+    built = _run_fresh(code, tmp_path)
+    assert _run_fresh(code, tmp_path) == built  # loaded, not rebuilt
 
 
 @pytest.mark.parametrize(
-    "env",
-    [{"CC": "no-such-compiler-lb"}, {_codec_native.DISABLE_ENV: "0"}],
-    ids=["no compiler", "turned off"],
+    "env", [{"CXX": "no-such-compiler-lb"}, {_cpu.DISABLE_ENV: "0"}], ids=["no compiler", "turned off"]
 )
-def test_without_the_native_kernels_auto_writes_the_same_bytes_and_native_says_why(monkeypatch, tmp_path, env):
+def test_without_the_native_kernels_auto_writes_the_same_bytes_and_native_says_why(tmp_path, env):
     values = random_values(1000, 3.0, 1.0, seed=8)
     expected = MinMaxUInt8Codec(backend="native").compress(values, 3)
-    _fresh_native_build(monkeypatch, tmp_path, **env)
-    monkeypatch.setattr("shutil.which", lambda name: None)
-    try:
-        assert not _codec_native.available()
-        assert torch.equal(MinMaxUInt8Codec().compress(values, 3), expected)
-        with pytest.raises(RuntimeError, match=r"'native' backend needs a C compiler.*backend='blocked' or 'auto'"):
-            MinMaxUInt8Codec(backend="native")
-    finally:
-        _codec_native._library.cache_clear()
+    torch.save(values, tmp_path / "values.pt")
+    code = (
+        "import pytest, torch\n"
+        "from lightning_bagua.engine.codec import MinMaxUInt8Codec, _cpu\n"
+        "assert not _cpu.available()\n"
+        f"values = torch.load({str(tmp_path / 'values.pt')!r})\n"
+        "with pytest.raises(RuntimeError, match=r\"'native' backend needs a C\\+\\+ compiler.*backend='torch'\"):\n"
+        "    MinMaxUInt8Codec(backend='native')\n"
+        "print(MinMaxUInt8Codec().compress(values, 3).view(-1).tolist())\n"
+    )
+    assert _run_fresh(code, tmp_path, **env) == str(expected.view(-1).tolist())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-@pytest.mark.parametrize("numel", [1, 999, _codec_blocked.BLOCK + 7])
+@pytest.mark.parametrize("numel", [1, 999, 4096 + 7])
 def test_decompress_sum_equals_decoding_then_summing(codec, rows, numel):
     # What bytegrad's reduction does: one row from each rank, summed; the padding column is left out.
     parts = [random_values(numel + 1, 10.0**i, float(i), seed=i) for i in range(rows)]
@@ -511,7 +507,7 @@ def test_decompress_sum_checks_its_output(codec):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("numel", [7, _codec_blocked.BLOCK + 3])
+@pytest.mark.parametrize("numel", [7, 4096 + 3])
 def test_decompress_add_adds_what_decompress_returns(codec, dtype, numel):
     values = random_values(numel, 2.0, 1.0, seed=4, dtype=dtype)
     encoded = codec.compress(values, 3)

@@ -1,10 +1,10 @@
 """Bagua's MinMaxUInt8 codec: 8-bit min/max quantisation of flat float buffers, chunk by chunk.
 
-Used by ``bytegrad`` (gradients), ``qadam`` (momentum) and ``low_precision_decentralized`` (weight differences).
-Four backends compute the same bytes: vectorised torch ops (CPU and CUDA, the reference), fused C kernels for
-float32 on CPU (:mod:`lightning_bagua.engine._codec_native`, built with the system's C compiler on first use),
-cache-blocked torch ops for CPU (:mod:`lightning_bagua.engine._codec_blocked`) and a pair of Triton kernels for
-CUDA (:mod:`lightning_bagua.engine._codec_triton`, imported only when first needed).
+Used by ``bytegrad`` (gradients), ``qadam`` (momentum), ``low_precision_decentralized`` (weight differences) and
+``low_rank`` (its factors, through ``_segments``). The torch ops of ``_reference`` define the bytes on every
+device; two fast paths write the same bytes where measurements show they pay (the Performance page's "codec
+paths"): C++ kernels for CPU tensors (``_cpu.cpp``, built by torch's extension tooling on first use) and Triton
+kernels for CUDA tensors (``_triton``, imported only when first needed).
 """
 
 import functools
@@ -16,18 +16,14 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from lightning_bagua.engine import _codec_blocked, _codec_native
-from lightning_bagua.engine._codec_params import decode_params as _decode_params
-from lightning_bagua.engine._codec_params import encode_params as _encode_params
-from lightning_bagua.engine._codec_params import quantise_rows_ as _quantise_rows_
-from lightning_bagua.engine._codec_params import range_header as _range_header
+from lightning_bagua.engine.codec import _cpu, _reference
 
 __all__ = ["CodecBackend", "MinMaxUInt8Codec"]
 
 log = logging.getLogger(__name__)
 
-CodecBackend = Literal["auto", "torch", "native", "blocked", "triton"]
-_BACKENDS = ("auto", "torch", "native", "blocked", "triton")
+CodecBackend = Literal["auto", "torch", "native", "triton"]
+_BACKENDS = ("auto", "torch", "native", "triton")
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -69,29 +65,27 @@ class MinMaxUInt8Codec:
     - A constant chunk (``hi == lo``) gets all-zero codes and decodes exactly to the constant (the formula
       alone would lose constants far from zero to float32 rounding and those below ``eps`` to zero).
 
-    Backends: ``"torch"`` runs vectorised torch ops on any device (several passes over the data, the reference);
-    ``"native"`` runs fused C kernels on float32 CPU tensors (one pass finds the ranges, then one pass writes headers
-    and codes; decoding is one pass, fused with a sum or an addition), built on first use with the
-    system's C compiler, and hands float16 and bfloat16 to the blocked ops; ``"blocked"`` runs the same torch ops on
-    CPU tensors one cache-sized block at a time, in preallocated scratch (the input is read twice, once for the
-    range and once to quantise, and each block goes through every step while in cache); ``"triton"`` runs fused CUDA
-    kernels (a split min/max pass, then one quantising pass that also writes the headers; decoding is one pass),
-    which needs Triton and CUDA tensors; ``"auto"`` picks Triton for CUDA tensors when Triton imports, the C kernels
-    for float32 CPU tensors when they build (``LIGHTNING_BAGUA_NATIVE_CODEC=0`` turns them off), the blocked ops for
-    other CPU tensors, torch otherwise. All do the same IEEE float32 operations per chunk (correctly rounded
-    division, round-half-even), so they write the same bytes, and each can decode the others'; torch, native and
-    blocked decode to the same values, Triton's may differ in the last ulp (the kernel fuses ``q * a + b``). One
-    exception: where a chunk's smallest or largest value is a zero and it holds zeros of both signs, the header
-    carries whichever zero the backend's reduction returned, which depends on the reduction's order (native and
-    blocked settle it alike, torch may return the other); the decoded values are the same.
+    Backends: ``"torch"`` runs vectorised torch ops on any device (several passes over the data): the reference,
+    whose bytes the others write. ``"native"`` runs C++ kernels on CPU tensors (one pass finds each chunk's range,
+    one writes headers and codes; decoding is one pass, fused with a sum or an addition; float16 and bfloat16 are
+    converted to float32 around them), built on first use by ``torch.utils.cpp_extension``. ``"triton"`` runs fused
+    CUDA kernels (a split min/max pass, then one quantising pass that also writes the headers; decoding is one
+    pass), which needs Triton and CUDA tensors. ``"auto"`` picks Triton for CUDA tensors when Triton imports, the
+    C++ kernels for CPU tensors when they build (``LIGHTNING_BAGUA_NATIVE_CODEC=0`` turns them off), torch
+    otherwise. All do the same IEEE float32 operations per chunk (correctly rounded division, round-half-even), so
+    they write the same bytes, and each can decode the others'; torch and native decode to the same values,
+    Triton's may differ in the last ulp (the kernel fuses ``q * a + b``). One exception: where a chunk's smallest
+    or largest value is a zero and it holds zeros of both signs, the header carries whichever zero the backend's
+    reduction returned (native follows IEEE's total order, -0.0 below +0.0; torch's and Triton's depend on their
+    reductions' order); the decoded values are the same.
 
     Decoding can be fused with what follows it: :meth:`decompress_sum` sums decoded rows (a reduction over the
     rows several ranks sent) and :meth:`decompress_add` adds decoded values into a buffer, without holding the
-    decoded rows in memory on the blocked backend.
+    decoded rows in memory on the native and Triton backends.
 
     Args:
         eps: added to the range, so that a constant chunk gets a finite scale; must be positive.
-        backend: ``"auto"``, ``"torch"``, ``"native"``, ``"blocked"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"``.
 
     Raises:
         ValueError: for a non-positive ``eps`` or an unknown backend.
@@ -119,7 +113,7 @@ class MinMaxUInt8Codec:
         if backend == "triton":
             _triton_kernels()
         if backend == "native":
-            _codec_native.kernels()
+            _cpu.kernels()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(eps={self.eps!r}, backend={self.backend!r})"
@@ -171,10 +165,10 @@ class MinMaxUInt8Codec:
             # Nothing to encode: headers of zeros (lo = hi = 0.0) and no codes.
             return torch.zeros((num_chunks, self.HEADER_BYTES), dtype=torch.uint8, device=tensor.device)
         tensor = tensor.contiguous()
-        kernels = self._kernels(tensor.device, length, tensor.dtype)
+        kernels = self._kernels(tensor.device)
         if kernels is not None:
             return kernels.compress(tensor, num_chunks, length, self.eps, self.HEADER_BYTES)
-        return self._compress_torch(tensor, num_chunks, length)
+        return _reference.compress(tensor, num_chunks, length, self.eps, self.HEADER_BYTES)
 
     def decompress_rows(self, encoded: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """Decode every row of ``encoded``, padding included.
@@ -243,7 +237,7 @@ class MinMaxUInt8Codec:
             return out
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device, length, torch.float32)
+        kernels = self._kernels(encoded.device)
         if kernels is not None and hasattr(kernels, "decode_sum"):
             kernels.decode_sum(encoded, out, self.eps, self.HEADER_BYTES)
         else:
@@ -266,7 +260,7 @@ class MinMaxUInt8Codec:
             return out
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device, length, out.dtype)
+        kernels = self._kernels(encoded.device)
         if kernels is not None and hasattr(kernels, "decode_add"):
             kernels.decode_add(encoded, out, self.eps, self.HEADER_BYTES)
         else:
@@ -281,27 +275,23 @@ class MinMaxUInt8Codec:
                 f" {tuple(out.shape)} on {out.device}."
             )
 
-    def _kernels(self, device: torch.device, length: int, dtype: torch.dtype) -> ModuleType | None:
-        """The kernels for chunks of ``length`` elements of ``dtype`` on ``device``, or ``None`` for torch's ops."""
+    def _kernels(self, device: torch.device) -> ModuleType | None:
+        """The fast kernels for tensors on ``device``, or ``None`` for the reference's torch ops."""
         if self.backend == "torch":
             return None
         if self.backend == "triton":
             if device.type != "cuda":
                 raise ValueError(f"The codec's 'triton' backend needs CUDA tensors, got a tensor on {device}.")
             return _triton_kernels()
-        if self.backend in ("native", "blocked"):
+        if self.backend == "native":
             if device.type != "cpu":
                 raise ValueError(
-                    f"The codec's {self.backend!r} backend runs on CPU tensors, got a tensor on {device}."
+                    f"The codec's 'native' backend runs on CPU tensors, got a tensor on {device}."
                     " Use backend='auto' (Triton on CUDA when it imports) or 'torch'."
                 )
-            return _codec_native if self.backend == "native" else _codec_blocked
+            return _cpu
         if device.type == "cpu":
-            if dtype == torch.float32 and _codec_native.available():
-                return _codec_native
-            # The blocked kernels loop over chunks in Python: below a block per chunk, the vectorised ops are faster
-            # (``benchmarks/codec_throughput.py --cpu --chunks 8 256 --backends torch blocked``).
-            return _codec_blocked if length >= _codec_blocked.BLOCK else None
+            return _cpu if _cpu.available() else None
         return _triton_kernels() if device.type == "cuda" and _triton_available() else None
 
     def _check_encoded(self, encoded: Tensor, dtype: torch.dtype) -> tuple[int, int]:
@@ -320,76 +310,11 @@ class MinMaxUInt8Codec:
             return
         if encoded.stride(1) != 1:
             encoded = encoded.contiguous()
-        kernels = self._kernels(encoded.device, encoded.shape[1] - self.HEADER_BYTES, out.dtype)
+        kernels = self._kernels(encoded.device)
         if kernels is not None:
             kernels.decode(encoded, out, numel, self.eps, self.HEADER_BYTES)
         else:
-            self._decode_torch(encoded, out, numel)
-
-    # The Triton kernels never record autograd; no_grad here only, as entering it costs host time.
-    @torch.no_grad()
-    def _compress_torch(self, tensor: Tensor, num_chunks: int, length: int) -> Tensor:
-        numel = tensor.numel()
-        padded = num_chunks * length
-        if numel == padded and tensor.dtype == torch.float32:
-            values = tensor
-        else:
-            values = torch.empty(padded, dtype=torch.float32, device=tensor.device)
-            values[:numel].copy_(tensor)
-            if padded > numel:
-                # Indexing, not .item(): no host synchronisation on CUDA.
-                values[numel:].copy_(values[numel - 1].expand(padded - numel))
-        rows = values.view(num_chunks, length)
-        # NaN propagates into lo and hi. On CPU, amin + amax (vectorised) beat aminmax along a dim several times over.
-        lo, hi = torch.aminmax(rows, dim=1) if rows.is_cuda else (rows.amin(dim=1), rows.amax(dim=1))
-        finite, scale, lower = _encode_params(lo, hi, self.eps)
-
-        codes = _quantise_rows_(rows.clone(), scale, lower)
-
-        encoded = torch.empty((num_chunks, self.HEADER_BYTES + length), dtype=torch.uint8, device=tensor.device)
-        payload = encoded[:, self.HEADER_BYTES :]
-        payload.copy_(codes)
-        # Non-finite rows held NaN codes (cast to uint8 arbitrarily); constant rows ignore their codes. On CPU a
-        # check is free and skips a pass; on CUDA it would synchronise with the host.
-        zero_rows = ~finite | (hi == lo)
-        if rows.is_cuda:
-            payload.masked_fill_(zero_rows.unsqueeze(1), 0)
-        elif zero_rows.any():
-            payload[zero_rows] = 0
-        encoded[:, :8].copy_(_range_header(lo, hi, finite))
-        encoded[:, 8 : self.HEADER_BYTES].zero_()
-        return encoded
-
-    @torch.no_grad()
-    def _decode_torch(self, encoded: Tensor, out: Tensor, numel: int) -> None:
-        length = encoded.shape[1] - self.HEADER_BYTES
-        if length == 0:
-            return
-        full_rows, rest = divmod(numel, length)
-        used = encoded[: full_rows + (1 if rest else 0)]
-        # A fresh copy: a row's header need not be 4-byte aligned in ``encoded``.
-        header = torch.empty((used.shape[0], 8), dtype=torch.uint8, device=used.device)
-        header = header.copy_(used[:, :8]).view(torch.float32)
-        scale, offset = _decode_params(header[:, 0], header[:, 1], self.eps)
-        scale, offset = scale.unsqueeze(1), offset.unsqueeze(1)
-        codes = used[:, self.HEADER_BYTES :]
-        if full_rows:
-            dest = out[: full_rows * length].view(full_rows, length)
-            _affine(codes[:full_rows], scale[:full_rows], offset[:full_rows], dest)
-        if rest:
-            last = torch.empty((1, rest), dtype=out.dtype, device=out.device)
-            _affine(codes[full_rows:, :rest], scale[full_rows:], offset[full_rows:], last)
-            out[full_rows * length : numel].copy_(last.view(-1))
-
-
-def _affine(codes: Tensor, scale: Tensor, offset: Tensor, dest: Tensor) -> None:
-    """``dest = codes * scale + offset``, computed in float32 (rows broadcast ``scale`` and ``offset``)."""
-    # Three same-dtype passes: addcmul straight from uint8 takes a slow mixed-dtype path on CPU (3x slower).
-    if dest.dtype == torch.float32:
-        dest.copy_(codes)
-        dest.mul_(scale).add_(offset)
-    else:
-        dest.copy_(codes.to(torch.float32).mul_(scale).add_(offset))
+            _reference.decode(encoded, out, numel, self.eps, self.HEADER_BYTES)
 
 
 def _check_num_chunks(num_chunks: int) -> None:
@@ -401,11 +326,11 @@ def _check_num_chunks(num_chunks: int) -> None:
 def _import_triton_kernels() -> tuple[ModuleType | None, str]:
     """Import the Triton kernels once: ``(module, "")``, or ``(None, why)`` when Triton cannot be imported."""
     try:
-        from lightning_bagua.engine import _codec_triton
+        from lightning_bagua.engine.codec import _triton
     except ImportError as error:
         log.debug("Triton is unavailable (%s); the codec runs on torch ops.", error)
         return None, str(error)
-    return _codec_triton, ""
+    return _triton, ""
 
 
 def _triton_available() -> bool:

@@ -1,0 +1,154 @@
+"""The codec's CPU kernels (``_cpu.cpp``), built by torch's C++ extension tooling on first use.
+
+``torch.utils.cpp_extension.load`` compiles the source with the C++ compiler torch finds (``$CXX``, else ``c++``)
+and ninja, into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
+rebuilds it when the source or flags change, and lets one process build while the others wait. The build is named
+by a digest of this CPU's feature flags: it targets the widest vectors the CPU has (``-march=native``; AVX-512
+halves the quantising loop's time against AVX2), so a cache shared by different machines never hands one the
+others' instructions.
+
+The kernels work on float32; float16 and bfloat16 are converted around them with torch's ops, which is exact
+going in (the reference upcasts first too) and rounds once coming out, as the reference does. Without a compiler
+or ninja, or with ``LIGHTNING_BAGUA_NATIVE_CODEC=0``, :func:`available` is ``False`` and the codec runs the
+reference's torch ops, which write the same bytes.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DISABLE_ENV",
+    "available",
+    "compress",
+    "decode",
+    "decode_add",
+    "decode_sum",
+    "decode_sum_segments",
+    "encode_segments",
+    "kernels",
+]
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "LIGHTNING_BAGUA_NATIVE_CODEC"
+SOURCE = Path(__file__).with_name("_cpu.cpp")
+
+# No contraction of a multiply and an add into one rounding, nor any reassociation: the reference's float32
+# operations. (-fno-math-errno and -fno-trapping-math only let nearbyint inline and vectorise.)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-march=native"]
+
+
+def _cpu_features() -> str:
+    """The CPU's architecture and, on Linux, its feature flags (what ``-march=native`` compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return f"{platform.machine()} {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+@functools.cache
+def _ops() -> Any:
+    """``torch.ops.lightning_bagua_codec`` (an operator namespace) once built and loaded, else ``None``."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        log.debug("The codec's CPU kernels are turned off by %s=0.", DISABLE_ENV)
+        return None
+    from torch.utils import cpp_extension
+
+    name = f"lightning_bagua_codec_{hashlib.sha256(_cpu_features().encode()).hexdigest()[:12]}"
+    try:
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS, is_python_module=False)
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:
+        log.debug("The codec's CPU kernels could not be built or loaded (%s); using torch's ops.", error)
+        return None
+    return torch.ops.lightning_bagua_codec
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them on the first call)."""
+    return _ops() is not None
+
+
+def kernels() -> Any:
+    """The loaded operators; raises ``RuntimeError`` saying why when they cannot be built."""
+    ops = _ops()
+    if ops is None:
+        raise RuntimeError(
+            "The codec's 'native' backend needs a C++ compiler and ninja to build its kernels on first use"
+            f" (torch.utils.cpp_extension), and {DISABLE_ENV} not 0. Install them, or use backend='torch' or 'auto'."
+        )
+    return ops
+
+
+@torch.no_grad()
+def compress(tensor: Tensor, num_chunks: int, length: int, eps: float, header_bytes: int) -> Tensor:
+    """Encode the contiguous 1-D CPU ``tensor`` (``numel >= 1``) into ``(num_chunks, header_bytes + length)`` rows."""
+    encoded = torch.empty((num_chunks, header_bytes + length), dtype=torch.uint8)
+    kernels().compress(tensor.float(), num_chunks, length, eps, header_bytes, encoded)
+    return encoded
+
+
+@torch.no_grad()
+def decode(encoded: Tensor, out: Tensor, numel: int, eps: float, header_bytes: int) -> None:
+    """Decode the first ``numel`` elements of ``encoded`` (row-major, padding included) into the flat ``out``."""
+    if out.dtype == torch.float32:
+        kernels().decode(encoded, out, numel, eps, header_bytes, False)
+        return
+    decoded = torch.empty(numel, dtype=torch.float32)
+    kernels().decode(encoded, decoded, numel, eps, header_bytes, False)
+    out[:numel].copy_(decoded)
+
+
+@torch.no_grad()
+def decode_add(encoded: Tensor, out: Tensor, eps: float, header_bytes: int) -> None:
+    """``out += decoded`` for the first ``out.numel()`` elements of ``encoded``, decoded in ``out``'s dtype."""
+    if out.dtype == torch.float32:
+        kernels().decode(encoded, out, out.numel(), eps, header_bytes, True)
+        return
+    # The reference adds values rounded to out's dtype first.
+    decoded = torch.empty(out.numel(), dtype=out.dtype)
+    decode(encoded, decoded, out.numel(), eps, header_bytes)
+    out.add_(decoded)
+
+
+@torch.no_grad()
+def decode_sum(encoded: Tensor, out: Tensor, eps: float, header_bytes: int) -> None:
+    """``out = row_0 + row_1 + ...`` (in this order, in float32) over the first ``out.numel()`` codes of every row."""
+    kernels().decode_sum(encoded, out, eps, header_bytes)
+
+
+@torch.no_grad()
+def encode_segments(
+    flat: Tensor, start: Tensor, real: Tensor, length: Tensor, offset: Tensor, eps: float, header_bytes: int,
+    message: Tensor,
+) -> None:  # fmt: skip
+    """Write row ``r`` (header, then ``length[r]`` codes of ``flat[start[r]:]``) at byte ``offset[r]`` of ``message``.
+
+    ``flat`` is contiguous float32; the index tensors are int64, one entry per row, and every ``real[r] >= 1``: the
+    codes are those of ``real[r]`` elements, padded with the last one's code.
+    """
+    kernels().encode_segments(flat, start, real, length, offset, eps, header_bytes, message)
+
+
+@torch.no_grad()
+def decode_sum_segments(
+    messages: Tensor, start: Tensor, real: Tensor, offset: Tensor, eps: float, header_bytes: int, out: Tensor
+) -> None:
+    """``out[start[r] : start[r] + real[r]]`` = row ``r``'s decoded codes summed over ``messages``' rows, in order.
+
+    ``messages`` is ``(participants, bytes)`` uint8 with contiguous rows; row ``r`` of a message is at its byte
+    ``offset[r]``; ``out`` is contiguous float32.
+    """
+    kernels().decode_sum_segments(messages, start, real, offset, eps, header_bytes, out)
