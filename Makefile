@@ -16,10 +16,10 @@ FLOOR_VENV ?= .venv-floor
 
 $(VENV)/.installed: pyproject.toml setup.py requirements/base.txt requirements/test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# The CachedDataset tests run a real redis-server (Debian's package).
-	if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+	# The CachedDataset tests run a real redis-server, and the codec's CPU kernels build with ninja (Debian's packages).
+	if { ! command -v redis-server || ! command -v ninja; } >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
 		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server ninja-build; \
 	fi
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
