@@ -13,10 +13,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_bagua.engine._codec_segments import SegmentLayout, segment_backend
 from lightning_bagua.engine._cuda_graphs import BucketGraphs
 from lightning_bagua.engine.algorithms.low_rank._factors import ALIGNMENT, TensorSlot, initial_factor, offsets_of
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
+from lightning_bagua.engine.codec._segments import SegmentLayout, segment_backend
 
 __all__ = [
     "BucketPlan",
