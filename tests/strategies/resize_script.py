@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_bagua.engine.algorithms.auto import AutoFigures
+
 SAVED_EPOCHS = 2
 EPOCHS = 4
 BATCHES_PER_EPOCH = 2
@@ -34,6 +36,18 @@ CASES: dict[str, dict[str, Any] | None] = {
     "decentralized": {"hierarchical": False},
     "low_precision_decentralized": {"hierarchical": False},
     "async": {"sync_interval_ms": 5, "warmup_steps": 1},
+    # Synced at step 3 and saved at step 4: the replicas differ, and θ_outer has taken an outer step.
+    "diloco": {"sync_every": 3, "hierarchical": False},
+    # Step times given in place of measurements: the pick (low_rank) is made at once, on every layout alike.
+    "auto": {
+        "figures": AutoFigures(
+            step_s={
+                "gradient_allreduce": 0.010,
+                "bytegrad(hierarchical=False)": 0.009,
+                "low_rank(rank=16, hierarchical=False)": 0.005,
+            }
+        )
+    },
 }
 FABRIC_CASES = ("low_rank", "decentralized")
 SYNCHRONOUS = ("ddp", "gradient_allreduce", "bytegrad", "low_rank", "qadam")
@@ -159,6 +173,9 @@ def main() -> None:
         model = Regression(case)
         trainer = fit(case, EPOCHS, [record], model, checkpoint_path)
         result: dict[str, Any] = {**record.start, "final": weights(model), "global_step": trainer.global_step}
+        if case == "auto":
+            decision = trainer.strategy.auto_decision
+            result["auto_pick"] = None if decision is None else decision.to_dict()
         if case in SYNCHRONOUS:
             checkpoint = torch.load(checkpoint_path, weights_only=False)
             reference = Regression(case, optimizer_state=checkpoint["optimizer_states"][0])

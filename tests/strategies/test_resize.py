@@ -85,6 +85,41 @@ def test_differing_replicas_resume_from_their_average(runs, case, size):
 
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("size", SIZES)
+def test_diloco_keeps_its_outer_weights_and_resumes_its_replicas_from_their_average(runs, size):
+    saved = _checkpoint(runs, "diloco")["bagua"]["modules"]["model"]
+    rank_weights = [rank["state_dict"] for rank in saved["ranks"]]
+    assert any(not torch.equal(rank_weights[0][key], rank_weights[1][key]) for key in rank_weights[0])
+    states = [state["state"] for state in saved["algorithm_states"]]
+    torch.testing.assert_close(states[0]["outer"], states[1]["outer"], **EXACT)  # θ_outer is shared
+    for result in _resumed(runs, size):
+        torch.testing.assert_close(result["diloco"]["weights"], average_state_dicts(rank_weights), **EXACT)
+        resumed = result["diloco"]["algorithm_state"]["state"]
+        assert resumed["steps"] == states[0]["steps"]
+        torch.testing.assert_close(resumed["outer"], states[0]["outer"], **EXACT)
+        torch.testing.assert_close(resumed["outer_optimizers"], states[0]["outer_optimizers"], **EXACT)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("size", SIZES)
+def test_auto_decides_again_on_another_number_of_processes(runs, size):
+    saved = [state["state"] for state in _checkpoint(runs, "auto")["bagua"]["modules"]["model"]["algorithm_states"]]
+    assert saved[0]["decision"]["label"] == "low_rank(rank=16, hierarchical=False)"
+    assert saved[0]["layout"] == [1, 2]
+    for result in _resumed(runs, size):
+        # The saved pick is dropped where the layout changed: auto starts measuring again (four steps are too few to
+        # finish on several ranks), and one process runs gradient_allreduce at once.
+        start = result["auto"]["algorithm_state"]["state"]
+        assert start["layout"] == [1, size]
+        pick = result["auto"]["auto_pick"]
+        if size == 1:
+            assert pick is not None and pick["algorithm"] == "gradient_allreduce" and pick["layout"] == [1, 1]
+        else:
+            assert start["decision"] is None
+            assert pick is None or pick["layout"] == [1, size]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("size", SIZES)
 def test_low_rank_keeps_its_factors_and_the_sum_of_its_residuals(runs, size):
     saved = [state["state"] for state in _checkpoint(runs, "low_rank")["bagua"]["modules"]["model"]["algorithm_states"]]
     assert saved[0]["errors"]  # past the warm-up: there is a residual to keep

@@ -617,6 +617,7 @@ class AutoAlgorithm(Algorithm):
     """
 
     impl_class = AutoImpl
+    resize_effect = "the saved pick and its state are dropped, and auto measures and decides again for the new layout"
     # The two-level groups are created so that the hierarchical candidates can run; whether one runs is measured.
     hierarchical = True
     warns_about_node_layout = False

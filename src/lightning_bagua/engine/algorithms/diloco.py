@@ -18,6 +18,7 @@ Design:
   node, so that every rank takes the same outer step and holds the same ``θ_outer``.
 """
 
+import copy
 import logging
 import time
 from collections.abc import Sequence
@@ -313,7 +314,8 @@ class DiLoCoImpl(AlgorithmImpl):
             "steps": self.steps,
             "step_open": self.step_open,
             "outer": [fragment.outer.detach().cpu().clone() for fragment in self.fragments],
-            "outer_optimizers": [fragment.optimizer.state_dict() for fragment in self.fragments],
+            # Copies, as for θ_outer: torch's state_dict holds the live momentum, which the next outer step changes.
+            "outer_optimizers": [copy.deepcopy(fragment.optimizer.state_dict()) for fragment in self.fragments],
             "residuals": [
                 None if fragment.residual is None else fragment.residual.cpu().clone() for fragment in self.fragments
             ],
