@@ -23,7 +23,10 @@ More methods, not run by default (name them with ``--methods``; ``benchmarks/tim
 - ``low_rank_r1``, ``_r4``, ``_r8``: the engine's ``low_rank`` algorithm at rank 1, 4 or 8, where the engine has it
   (``_r16`` by name, not by default);
   ``low_rank_alt_r1``, ``_r4``, ``_r8`` the same with ``alternate=True`` (one factor per step, ACP-SGD);
-- ``auto``: ``BaguaStrategy(algorithm="auto")``, its measuring steps part of the run; the result holds its pick.
+- ``auto``: ``BaguaStrategy(algorithm="auto")``, its measuring steps part of the run; the result holds its pick;
+- ``diloco_h<H>``, ``torchft_diloco_h<H>``: the engine's ``diloco`` (flat), and torchft's DiLoCo
+  (``benchmarks/torchft_peer.py``: ``strategy="ddp"`` with the peer's Lightning callback, torchft in an environment
+  of its own) at the same H and fragment settings, full precision (torchft quantizes only with Triton on CUDA).
 
 PowerSGD and ``low_rank`` compress after the same uncompressed start, a twentieth of the steps (at least 2).
 
@@ -94,11 +97,15 @@ from harness import (
     CONTEXT,
     DILOCO_METHODS,
     LOW_RANK_RANKS,
+    TORCHFT_METHODS,
+    TORCHFT_NOTE,
+    diloco_period,
     extra_low_rank_methods,
     resolve_algorithm,
     split_rank,
     task_loss,
     task_model,
+    torchft_settings,
     write_report,
 )
 from harness import machine as lab_machine
@@ -165,7 +172,12 @@ def available_methods() -> list[str]:
 
 def accepted_methods() -> list[str]:
     """What ``--methods`` accepts: :func:`available_methods` and ``low_rank`` at the lab's extra ranks (``_r16``)."""
-    return [*available_methods(), *extra_low_rank_methods(), "auto"]
+    return [*available_methods(), *extra_low_rank_methods(), "auto", *TORCHFT_METHODS]
+
+
+def is_accepted(method: str) -> bool:
+    """Whether ``--methods`` takes ``method``: :func:`accepted_methods`, or diloco or torchft's at any ``_h<H>``."""
+    return method in accepted_methods() or diloco_period(method) is not None or torchft_settings(method) is not None
 
 
 def is_hook_method(method: str) -> bool:
@@ -389,8 +401,16 @@ def job(args: argparse.Namespace) -> None:
     settings = SETTINGS[args.task]
     seed_everything(args.seed, workers=True)
     module, train_set, test_set = build_task(args.task, args.method, settings, args.steps)
-    if args.method in {"ddp", "ddp_adam"}:
+    callbacks: list[Any] = []
+    peer_settings = torchft_settings(args.method)
+    if peer_settings is not None:  # torchft's DiLoCo: DDP whose all-reduce the peer's callback switches off
+        import torchft_peer
+
+        torchft_peer.require_torchft()  # before any process starts
         strategy: Any = "ddp"
+        callbacks.append(torchft_peer.lightning_callback(**peer_settings))
+    elif args.method in {"ddp", "ddp_adam"}:
+        strategy = "ddp"
     elif is_hook_method(args.method):
         strategy = hook_strategy(args.method, args.steps)
     else:
@@ -409,7 +429,7 @@ def job(args: argparse.Namespace) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
-        callbacks=[curve],
+        callbacks=[curve, *callbacks],
         **(evaluate if args.eval_every else {"limit_val_batches": 0}),
     )
     train_loader = DataLoader(train_set, batch_size=settings["batch"], shuffle=True)
@@ -430,6 +450,11 @@ def job(args: argparse.Namespace) -> None:
             # The last point is the final test: the same held-out set, scored once after the last step.
             final = {"step": trainer.global_step, "acc": result["test_acc"], "loss": result["test_loss"]}
             result["curve"] = [*points, final]
+        if peer_settings is not None:
+            (peer,) = (callback.peer for callback in callbacks)
+            sent = peer.communication_counter.bytes_sent
+            result["torchft"] = {**peer_settings, "syncs": peer.syncs, "bytes_sent": sent}
+            result["note"] = TORCHFT_NOTE
         decision = getattr(trainer.strategy, "auto_decision", None)
         if decision is not None:  # auto: its pick and the figures behind it; its measuring steps are in the curve
             result["auto"] = decision.to_dict()
@@ -647,7 +672,9 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=ALL_TASKS)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=accepted_methods())
+    parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), help="the methods (diloco_h<H>, torchft_diloco_h<H> at any H)"
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1 (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="each task's short run and one seed")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every task (default: per task)")
@@ -666,6 +693,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seeds = 1
     if args.steps is None and args.job:
         parser.error("--job needs --steps")
+    unknown = [method for method in args.methods if not is_accepted(method)]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {accepted_methods()} (diloco_h<H> at any H too)")
     args.argv = arguments
     return args
 

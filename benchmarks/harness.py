@@ -70,6 +70,35 @@ def diloco_period(stem: str) -> int | None:
     return int(period) if head == "diloco" and period.isdigit() and int(period) > 0 else None
 
 
+TORCHFT_METHODS = ("torchft_diloco", *(f"torchft_{method}" for method in DILOCO_METHODS))
+"""torchft's DiLoCo (``benchmarks/torchft_peer.py``) by name: ``torchft_diloco_h<H>`` mirrors ``diloco_h<H>``."""
+TORCHFT_NOTE = (
+    "torchft's DiLoCo, full precision: torchft quantizes outer gradients only with Triton on CUDA (diloco sends uint8)"
+)
+TORCHFT_FLAT_NOTE = "flat: one torchft replica per rank (torchft's peer has no hierarchical layout)"
+
+
+def torchft_settings(method: str) -> dict[str, Any] | None:
+    """``"torchft_diloco_h20"`` -> the peer's keywords at our ``diloco``'s defaults, H=20; other names -> ``None``.
+
+    ``sync_every``, ``fragments``, ``fragment_sync_delay`` and ``fragment_update_alpha`` are the ones the labs'
+    ``diloco_h<H>`` runs with (the algorithm's defaults; ``torchft_diloco`` alone takes its default H too).
+    """
+    import inspect
+
+    head, _, period = method.partition("_h")
+    if head != "torchft_diloco" or (method != head and not (period.isdigit() and int(period) > 0)):
+        return None
+    from lightning_bagua.engine.algorithms.diloco import DiLoCoAlgorithm
+
+    shared = ("sync_every", "fragments", "fragment_sync_delay", "fragment_update_alpha")
+    parameters = inspect.signature(DiLoCoAlgorithm.__init__).parameters
+    settings: dict[str, Any] = {name: parameters[name].default for name in shared}
+    if period:
+        settings["sync_every"] = int(period)
+    return settings
+
+
 def extra_low_rank_methods() -> list[str]:
     """``low_rank``, its variants and DDP's PowerSGD at ``EXTRA_LOW_RANK_RANKS`` (PowerSGD only without ``low_rank``).
 

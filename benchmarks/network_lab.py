@@ -24,6 +24,11 @@ with its error, shown as "failed", and the rest goes on.
   with several ranks per host, each algorithm that takes ``hierarchical`` runs twice instead, as
   ``name:flat`` and ``name:hierarchical`` (reduce inside the host, communicate between hosts' leaders only).
 - ``ddp_adam`` (DDP with Adam, qadam's baseline) and ``ddp_powersgd_r1`` (= ``ddp_powersgd``) on request.
+- ``torchft_diloco_h<H>`` (``torchft_diloco``: H=100) on request: torchft's DiLoCo (``benchmarks/torchft_peer.py``,
+  torchft in an environment of its own) at ``diloco_h<H>``'s H and fragment settings, timed over whole periods as
+  diloco is, its bytes from the peer's counter; full precision (torchft quantizes only with Triton on CUDA) and one
+  replica per rank (flat) at any layout, both recorded in the row's ``note``. Without torchft it fails with how to
+  install it, and the rest goes on.
 
 The model is the lab's MLP (``--width``, ``--depth``) or, with ``--task``, the network of a task of
 ``benchmarks/convergence.py`` (``digits``, ``charlm``, ``bytemlp``) on random inputs of its shapes.
@@ -75,6 +80,9 @@ from harness import (
     ALGORITHM_VARIANTS,
     DILOCO_METHODS,
     LOW_RANK_RANKS,
+    TORCHFT_FLAT_NOTE,
+    TORCHFT_METHODS,
+    TORCHFT_NOTE,
     diloco_period,
     extra_low_rank_methods,
     interleaved,
@@ -84,6 +92,7 @@ from harness import (
     split_rank,
     task_loss,
     task_model,
+    torchft_settings,
     write_report,
 )
 
@@ -135,7 +144,8 @@ def known_methods(ranks_per_host: int = 1) -> list[str]:
     """The methods the lab accepts: the default ones, the extra ones, and the hierarchical variants at any layout."""
     extra = [*extra_low_rank_methods(), *DILOCO_METHODS]
     variants = [f"{method}:{variant}" for method in extra for variant in ("flat", "hierarchical")]
-    return list(dict.fromkeys([*all_methods(ranks_per_host), *EXTRA_METHODS, *extra, *all_methods(2), *variants]))
+    known = [*all_methods(ranks_per_host), *EXTRA_METHODS, *extra, *all_methods(2), *variants, *TORCHFT_METHODS]
+    return list(dict.fromkeys(known))
 
 
 def layout_name(hosts: int, ranks_per_host: int, from_hosts: bool = False, task: str = "mlp") -> str:
@@ -177,6 +187,12 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     if method == "single":
         return model, optimizer, None, None
+    peer_settings = torchft_settings(method)
+    if peer_settings is not None:  # torchft's DiLoCo, one replica per rank: its counter counts what it all-reduced
+        import torchft_peer
+
+        peer = torchft_peer.torchft_diloco(model, optimizer, **peer_settings)
+        return peer, optimizer, peer.communication_counter, None
     name, rank = split_rank(base)
     if name in ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_adam"):
         ddp = DistributedDataParallel(model, bucket_cap_mb=10)
@@ -246,6 +262,9 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     # diloco communicates once a period: its step is timed over whole periods (the timed steps a multiple of H).
     impl = getattr(wrapped, "bagua_algorithm_impl", None)
     period = impl.config.sync_every if isinstance(impl, DiLoCoImpl) else 1
+    peer_settings = torchft_settings(method)
+    if peer_settings is not None:
+        period = peer_settings["sync_every"]
     timed_steps = -(-args.steps // period) * period
     for step in range(warmup + timed_steps):
         if step == warmup:
@@ -295,6 +314,9 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         "auto_trial_steps": trial_steps if auto is not None else None,
         "auto_trial_s": trial_s if auto is not None else None,
         "auto_decision": None if auto is None or auto.decision is None else auto.decision.to_dict(),
+        # torchft: why it sends full precision, the layout it ran, and its committed syncs.
+        **({} if peer_settings is None else {"note": TORCHFT_NOTE, "torchft_syncs": wrapped.syncs}),
+        "torchft_settings": peer_settings,
     }
 
 
@@ -538,6 +560,16 @@ def measure(
                 "bytes_per_round": first.get("bytes_per_round"),
                 # [nodes, ranks per node, where that came from] as the engine saw it; None outside the engine.
                 "engine_layout": first.get("engine_layout"),
+                # torchft: why it sends full precision (and, with several ranks per host, runs flat), what it ran.
+                **(
+                    {
+                        "note": first["note"] if args.ranks_per_host == 1 else f"{first['note']}; {TORCHFT_FLAT_NOTE}",
+                        "torchft_settings": first["torchft_settings"],
+                        "torchft_syncs": [results[0]["torchft_syncs"] for results in rounds],
+                    }
+                    if first.get("torchft_settings")
+                    else {}
+                ),
                 # auto, per round: the pick (rank 0's, every rank's alike) and its measuring time (slowest rank).
                 **(
                     {
@@ -643,8 +675,9 @@ def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}.")
     known = known_methods(args.ranks_per_host)
     methods = args.methods or all_methods(args.ranks_per_host)
-    # diloco at any period by name: diloco_h<H>, with :flat or :hierarchical.
-    unknown = sorted(m for m in set(methods) - set(known) if diloco_period(m.partition(":")[0]) is None)
+    # diloco at any period by name: diloco_h<H>, with :flat or :hierarchical; torchft_diloco_h<H> likewise.
+    by_name = {m for m in methods if diloco_period(m.partition(":")[0]) is not None or torchft_settings(m) is not None}
+    unknown = sorted(set(methods) - set(known) - by_name)
     if unknown:
         raise SystemExit(f"Unknown methods {unknown}; choose from {known}.")
     for rate in args.rates:

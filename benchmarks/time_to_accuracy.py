@@ -553,7 +553,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rates = list(preset["rates"]) if args.rates is None else args.rates
     args.methods = methods_to_run() if args.methods is None else args.methods
     known = convergence.accepted_methods()
-    unknown = [m for m in args.methods if m not in known]
+    unknown = [m for m in args.methods if not convergence.is_accepted(m)]
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {known}")
     baselines = {convergence.baseline_of(m) for m in args.methods}

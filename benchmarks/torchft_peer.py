@@ -274,6 +274,18 @@ def lightning_callback(**settings: Any) -> Any:
     return TorchftDiLoCoCallback()
 
 
+def require_torchft() -> None:
+    """Raise the ImportError that says how to install torchft when it is not importable; import nothing else.
+
+    Raises:
+        ImportError: torchft is missing, with how to install it.
+    """
+    try:
+        import torchft  # noqa: F401
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+
+
 def split_fragments(model: nn.Module, fragments: int) -> list[nn.Module]:
     """Split ``model``'s parameterised modules, in order, into ``fragments`` contiguous groups of about equal size.
 

@@ -152,3 +152,52 @@ def test_lightning_callback_trains_under_torchft_with_ddp_allreduce_off(tmp_path
     # 10 steps, a fragment every 2: 5 syncs. The fragment synced at the last step is identical on both ranks; the
     # other one took two local steps since its sync, on each rank's own batches: DDP did not average them.
     assert "SYNCS 5 AGREE True False" in completed.stdout, completed.stdout[-4000:]
+
+
+def benchmark(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module; the labs put ``benchmarks/`` on the path themselves."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lab_method_names_take_diloco_defaults_and_any_period():
+    from lightning_bagua.engine.algorithms.diloco import DiLoCoAlgorithm
+
+    harness = benchmark("harness")
+    ours = DiLoCoAlgorithm()
+    assert harness.torchft_settings("torchft_diloco_h8") == {
+        "sync_every": 8,
+        "fragments": ours.fragments,
+        "fragment_sync_delay": ours.fragment_sync_delay,
+        "fragment_update_alpha": ours.fragment_update_alpha,
+    }
+    assert harness.torchft_settings("torchft_diloco")["sync_every"] == ours.sync_every
+    for other in ("diloco_h8", "torchft_diloco_h0", "torchft_diloco_hx", "torchft_diloco_h8:flat", "torchft"):
+        assert harness.torchft_settings(other) is None, other
+    lab = benchmark("network_lab")
+    assert {"torchft_diloco", "torchft_diloco_h20"} <= set(lab.known_methods())
+    convergence = benchmark("convergence")
+    assert convergence.is_accepted("torchft_diloco_h8")
+    assert convergence.is_accepted("diloco_h8")
+    assert not convergence.is_accepted("torchft_diloco_h8:flat")
+    assert convergence.baseline_of("torchft_diloco_h8") == "ddp"
+    with pytest.raises(SystemExit):
+        convergence.parse_args(["--methods", "torchft_diloco_hx"])
+
+
+def test_labs_fail_a_torchft_method_with_the_install_hint_when_torchft_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # importing it fails, installed or not
+    lab = benchmark("network_lab")
+    model = mlp([4, 8, 1])
+    # The lab's worker reports what wrap raises as the method's failure and the lab goes on with the others.
+    with pytest.raises(ImportError, match=r"torchft is not installed.*requirements/benchmarks-torchft.txt"):
+        lab.wrap("torchft_diloco_h8", model, 3)
+    # convergence.py's job refuses before Lightning starts its second process; run_job records that as a failure.
+    convergence = benchmark("convergence")
+    args = convergence.parse_args(["--job", "--task", "digits", "--method", "torchft_diloco_h8", "--steps", "4"])
+    with pytest.raises(ImportError, match=r"torchft is not installed"):
+        convergence.job(args)
