@@ -112,7 +112,9 @@ def test_auto_decides_again_on_another_number_of_processes(runs, size):
         assert start["layout"] == [1, size]
         pick = result["auto"]["auto_pick"]
         if size == 1:
-            assert pick is not None and pick["algorithm"] == "gradient_allreduce" and pick["layout"] == [1, 1]
+            assert pick is not None
+            assert pick["algorithm"] == "gradient_allreduce"
+            assert pick["layout"] == [1, 1]
         else:
             assert start["decision"] is None
             assert pick is None or pick["layout"] == [1, size]
