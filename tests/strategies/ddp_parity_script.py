@@ -34,6 +34,8 @@ CASES: dict[str, dict[str, Any] | None] = {
     "decentralized": {"hierarchical": False},
     "low_precision_decentralized": {"hierarchical": False},
     "async": {"sync_interval_ms": 5},
+    "diloco": {"sync_every": 2, "hierarchical": False},
+    "auto": {"trial_steps": 1, "max_trial_steps": 6},
 }
 
 
