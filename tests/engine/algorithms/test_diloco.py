@@ -325,3 +325,53 @@ def test_resize_keeps_the_shared_state_and_the_residuals_sum():
     assert state["pending"] == [[0, 7]]
     torch.testing.assert_close(state["residuals"][0] * 3, torch.full((4,), 1.0))
     assert math.isclose(float(state["outer"][0].sum()), 4.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On a GPU: the side stream, the exchange thread and pinned host memory (offload) against the same reference.
+
+
+def _train_on_cuda(rank: int, world_size: int, kwargs: dict, steps: int) -> dict:
+    device = torch.device("cuda", rank)
+    model = make_model().to(device)
+    optimizer = inner_optimizer(model)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], Algorithm.init("diloco", **kwargs))
+    for step in range(steps):
+        optimizer.zero_grad()
+        inputs, targets = batch_for(rank, step)
+        nn.functional.mse_loss(ddp(inputs.to(device)), targets.to(device)).backward()
+        optimizer.step()
+    ddp(batch_for(rank, 10_000)[0].to(device))  # the next step's forward closes the last step: its boundary runs
+    impl = ddp.bagua_algorithm_impl
+    assert isinstance(impl, DiLoCoImpl)
+    result = {
+        "weights": flat(list(model.parameters())).cpu(),
+        "outer": [f.outer.detach().cpu().clone() for f in impl.fragments],
+        "outer_pinned": [f.outer.is_pinned() for f in impl.fragments] if kwargs.get("offload") else None,
+        "syncs": impl.stats.syncs,
+    }
+    ddp.close()
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize(("quantization", "atol"), [(None, 1e-5), ("uint8", 2e-3)])
+def test_streamed_diloco_on_one_gpu_matches_the_reference(offload, quantization, atol):
+    kwargs = {
+        "sync_every": 4,
+        "fragments": 2,
+        "fragment_sync_delay": 1,
+        "fragment_update_alpha": 0.25,
+        "quantization": quantization,
+        "offload": offload,
+        **FLAT,
+    }
+    (result,) = run_processes(_train_on_cuda, 1, kwargs, 9, backend="nccl")
+    assert result["syncs"] >= 4
+    if offload:
+        assert all(result["outer_pinned"]), "offload keeps θ_outer in pinned host memory"
+    expected = reference(1, 9, **kwargs)
+    torch.testing.assert_close(result["weights"], expected["weights"][0], rtol=1e-4, atol=atol)
+    for got, want in zip(result["outer"], expected["outer"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=atol)
