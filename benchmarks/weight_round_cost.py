@@ -114,8 +114,8 @@ def time_copies(args: argparse.Namespace, device: torch.device, clock: Clock) ->
 class TwoPassAdd(MinMaxUInt8Codec):
     """The codec without its one-pass ``decode_add`` kernel: ``decompress_add`` decodes, then adds."""
 
-    def _kernels(self, device: torch.device, length: int, dtype: torch.dtype) -> Any:
-        kernels = super()._kernels(device, length, dtype)
+    def _kernels(self, device: torch.device) -> Any:
+        kernels = super()._kernels(device)
         if kernels is None or not hasattr(kernels, "decode_add"):
             return kernels
         return SimpleNamespace(**{name: getattr(kernels, name) for name in ("compress", "decode")})
