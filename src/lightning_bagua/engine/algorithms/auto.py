@@ -53,10 +53,10 @@ ranks' weights equal, so that switching between them at a step boundary is safe.
 DEFAULT_LOW_RANK = 16
 """The rank of the default ``low_rank`` candidate: the smallest within 1% of DDP's loss in the measured tables."""
 
-# Message sizes for the link figures, in bytes: one latency-bound, one bandwidth-bound (capped by the model's
-# gradients, so a small model measures no more than it sends).
+# Message sizes for the link figures, in bytes: one latency-bound, one bandwidth-bound (the model's gradients,
+# within these bounds: on a slow link each large all-reduce costs about a DDP step, so it is no larger than one).
 _SMALL_MESSAGE = 4 * 1024
-_MIN_LARGE_MESSAGE = 256 * 1024
+_MIN_LARGE_MESSAGE = 64 * 1024
 _LARGE_MESSAGE = 4 * 1024**2
 _REPEATS = 3
 _CHECKPOINT_VERSION = 1
@@ -716,7 +716,8 @@ def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> di
     medians = []
     for size in (_SMALL_MESSAGE, large):
         tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-        dist.all_reduce(tensor, group=group)  # connects and warms the path
+        if size == _SMALL_MESSAGE:
+            dist.all_reduce(tensor, group=group)  # connects the path; the large size needs no call of its own
         times = []
         for _ in range(_REPEATS):
             if device.type == "cuda":
