@@ -101,6 +101,8 @@ from harness import (
     TORCHFT_NOTE,
     diloco_period,
     extra_low_rank_methods,
+    machine,
+    pyplot,
     resolve_algorithm,
     split_rank,
     task_loss,
@@ -108,7 +110,6 @@ from harness import (
     torchft_settings,
     write_report,
 )
-from harness import machine as lab_machine
 
 log = logging.getLogger(__name__)
 
@@ -569,13 +570,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def chart(report: dict[str, Any], path: Path) -> bool:
     """Accuracy per method and task, mean with min-max whiskers, and the baseline's mean as a line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no chart")
+    plt = pyplot()
+    if plt is None:
         return False
     tasks = list(dict.fromkeys(row["task"] for row in report["summary"]))
     figure, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
@@ -605,11 +601,6 @@ def chart(report: dict[str, Any], path: Path) -> bool:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
-
-
-def machine() -> dict[str, Any]:
-    """The labs' machine record without the processor, as this report has always had it."""
-    return {key: value for key, value in lab_machine().items() if key != "processor"}
 
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Measure how long a job takes to exit after one of its ranks is killed with SIGKILL, per launcher.
 
-The job is ``tests/strategies/fit_script.py`` (a small regression model, ``BaguaStrategy``, Gloo on CPU, 2
+The job is ``tests/strategies/scripts/fit_script.py`` (a small regression model, ``BaguaStrategy``, Gloo on CPU, 2
 processes) started by Lightning's own launcher (``python script.py`` with ``devices=2``), by
 ``python -m lightning_bagua.launch`` and by ``torchrun``. Rank 1 kills itself with SIGKILL in the middle of an
 epoch, after writing the time of its death; the figure is the time from that moment until the launching command
@@ -30,7 +30,7 @@ else:  # run as a script, or imported with ``benchmarks/`` on the path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "dead_rank_exit.json"
-SCRIPT = REPO / "tests" / "strategies" / "fit_script.py"
+SCRIPT = REPO / "tests" / "strategies" / "scripts" / "fit_script.py"
 LAUNCHERS = ("lightning", "lightning_bagua.launch", "torchrun")
 KILLED_RANK = 1
 # Epochs of 3 steps and 4 epochs; rank 1 dies at step 8, in the middle of the third epoch.
@@ -161,7 +161,7 @@ def main() -> None:
     report = {
         "benchmark": "seconds from one rank's SIGKILL (mid-epoch) to the exit of the whole 2-process job",
         "command": "python benchmarks/dead_rank_exit.py",
-        "job": f"tests/strategies/fit_script.py {' '.join(TRAINING_ARGS)}, gradient_allreduce, gloo, CPU",
+        "job": f"tests/strategies/scripts/fit_script.py {' '.join(TRAINING_ARGS)}, gradient_allreduce, gloo, CPU",
         "killed_rank": KILLED_RANK,
         "kill_at_step": KILL_AT_STEP,
         "python": platform.python_version(),

@@ -82,7 +82,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import SOCKETS_ENV, DecoderLM, rotated
+from harness import SOCKETS_ENV, DecoderLM, pyplot, rotated
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
@@ -873,12 +873,8 @@ def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def chart(loaded: dict[str, Any], path: Path) -> None:
     """Bar charts of the median step per method, one panel per link, with the rounds' range."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     labels = links(loaded)
     methods = [m for m in METHODS if any(m in data["methods"] for data in loaded.values())]

@@ -13,6 +13,7 @@ lab imports another for these pieces. It imports torch at load, Lightning on fir
 """
 
 import json
+import logging
 import os
 import platform
 import socket
@@ -24,6 +25,8 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -250,6 +253,19 @@ def machine() -> dict[str, Any]:
         # Other work on the machine slows the unshaped and 10 Gbit/s runs most: recorded, not hidden.
         "load_average_1_5_15": os.getloadavg(),
     }
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` (and a warning) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no chart")
+        return None
+    return plt
 
 
 def write_report(out: Path, stem: str, report: dict[str, Any], table: str) -> None:

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import SOCKETS_ENV, DecoderLM, rotated
+from harness import SOCKETS_ENV, DecoderLM, pyplot, rotated
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
@@ -249,12 +249,8 @@ def markdown(results: list[dict[str, Any]], regimes: list[str], methods: list[st
 
 
 def chart(results: list[dict[str, Any]], regimes: list[str], methods: list[str], path: Path, devices: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     figure, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4.5), squeeze=False)
     by_key = {(r["regime"], r["method"]): r for r in results}

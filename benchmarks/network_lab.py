@@ -87,6 +87,7 @@ from harness import (
     extra_low_rank_methods,
     interleaved,
     machine,
+    pyplot,
     random_batch,
     resolve_algorithm,
     split_rank,
@@ -633,12 +634,8 @@ def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str]
 
 
 def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axis = plt.subplots(figsize=(10, 5))
     width = 0.8 / max(1, len(methods))

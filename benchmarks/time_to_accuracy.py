@@ -55,6 +55,7 @@ curve, every lab row, every failure, and the combined table), ``time_to_accuracy
 """
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -70,7 +71,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import convergence
 import network_lab
-from harness import machine, resolve_algorithm, split_rank, write_report
+from harness import machine, pyplot, resolve_algorithm, split_rank, write_report
 
 log = logging.getLogger(__name__)
 
@@ -396,6 +397,7 @@ def markdown(report: dict[str, Any]) -> str:
                 for method in methods:
                     cells = [_overhead_cell(by_key[(rate, method)]) for rate in rates]
                     lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += bars_markdown(report)
     failures = report["curve_failures"] + report["lab_failures"]
     if failures:
         lines += ["", "Failures (shown in the tables, not left out):", ""]
@@ -405,15 +407,104 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Not among the fixed methods auto is judged against: itself, the local-SGD methods, and async, whose replicas
+# average in the background (auto leaves out by design every method whose weights are not DDP's).
+_NOT_FIXED = ("auto", "diloco_", "torchft_", "async")
+# A lab run of this many steps is what auto's measuring cost is a share of.
+_RUN_STEPS = 1000
+
+
+def _final_loss(report: dict[str, Any], task: str, method: str) -> float | None:
+    curve = report["curves"].get(f"{task}/{curve_of(method)}")
+    return curve["curve"][-1]["loss"] if curve and curve.get("curve") else None
+
+
+def _ratio(value: float | None, reference: float | None) -> str:
+    return f"{value / reference:.2f}x" if value is not None and reference else "-"
+
+
+def _fastest(rows: list[dict[str, Any]], keep: Any) -> dict[str, Any] | None:
+    """The row of ``rows`` that ``keep`` accepts with the shortest time to target, if any reached it."""
+    return min((r for r in rows if keep(r["method"]) and "time_to_target_s" in r), key=lambda r: r["time_to_target_s"],
+               default=None)  # fmt: skip
+
+
+def bars_markdown(report: dict[str, Any]) -> list[str]:
+    """The checks of auto and diloco against the methods a user would pick instead, per task, layout and rate.
+
+    auto: its time to target (measuring included) over the best fixed method's and over DDP's, and its measuring
+    cost beyond the pick's own steps as a share of a 1,000-step run. diloco: its time over the fastest
+    ``low_rank``'s, DDP's and torchft's DiLoCo's; its step (averaged over whole sync periods) over the
+    no-communication step; its final held-out loss over DDP's.
+    """
+    rows = report["combined"]
+    singles = {
+        (r["task"], r["layout"], r["rate"]): r["median_step_s"] for r in report["lab"] if r["method"] == "single"
+    }
+    auto_rows, diloco_rows = [], []
+    for row in rows:
+        if "median_step_s" not in row or not row["method"].startswith(("auto", "diloco_")):
+            continue
+        where = (row["task"], row["layout"], row["rate"])
+        cell = [r for r in rows if (r["task"], r["layout"], r["rate"]) == where]
+        time_s = row.get("time_to_target_s")
+        ddp = _fastest(cell, lambda method: method == "ddp")
+        ddp_s = ddp["time_to_target_s"] if ddp else None
+        shown = f"{time_s:.3g} s" if time_s is not None else row["status"]
+        if row["method"] == "auto":
+            best = _fastest(cell, lambda method: not method.startswith(_NOT_FIXED))
+            extra = row["auto_trial_s"] - row["auto_trial_steps"] * row["median_step_s"]
+            share = extra / (_RUN_STEPS * row["median_step_s"])
+            best_text = f"{best['method']} {best['time_to_target_s']:.3g} s" if best else "-"
+            auto_rows.append(
+                f"| {' | '.join(map(str, where))} | {row['auto_pick']} | {row['auto_trial_steps']:g} steps,"
+                f" {row['auto_trial_s']:.2g} s | {shown} | {best_text} |"
+                f" {_ratio(time_s, best and best['time_to_target_s'])} | {_ratio(time_s, ddp_s)} | {share:.1%} |"
+            )
+        else:
+            low_rank = _fastest(cell, lambda method: method.startswith("low_rank_"))
+            torchft = _fastest(cell, lambda method: method.startswith("torchft_"))
+            low_rank_text = _ratio(time_s, low_rank and low_rank["time_to_target_s"])
+            if low_rank:
+                low_rank_text += f" ({low_rank['method']})"
+            loss, ddp_loss = _final_loss(report, row["task"], row["method"]), _final_loss(report, row["task"], "ddp")
+            ddp_acc = report["curves"].get(f"{row['task']}/ddp", {}).get("final_acc_pct")
+            acc = f"{row['final_acc_pct'] - ddp_acc:+.2f}" if ddp_acc is not None and "final_acc_pct" in row else "-"
+            diloco_rows.append(
+                f"| {' | '.join(map(str, where))} | {row['method']} | {shown} | {low_rank_text} |"
+                f" {_ratio(time_s, ddp_s)} | {_ratio(time_s, torchft and torchft['time_to_target_s'])} |"
+                f" {_ratio(row['median_step_s'], singles.get(where))} | {_ratio(loss, ddp_loss)} | {acc} |"
+            )
+    lines: list[str] = []
+    if auto_rows:
+        lines += [
+            "", "### auto against the fixed methods", "",
+            "Time to target with its measuring steps counted; best fixed: the fastest other per-step method of the"
+            f" cell; measuring share: its cost beyond the pick's own steps over a {_RUN_STEPS:,}-step run's time.",
+            "",
+            "| task | layout | rate | pick | measuring | time to target | best fixed | vs best | vs ddp | share |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *auto_rows,
+        ]  # fmt: skip
+    if diloco_rows:
+        lines += [
+            "", "### diloco against low_rank, DDP and torchft's DiLoCo", "",
+            "Time to target over the fastest low_rank's (named), DDP's and torchft's DiLoCo's at the same H; step:"
+            " the median step over whole sync periods over the no-communication step; loss: the final held-out loss"
+            " over DDP's at the same steps; accuracy: the final held-out accuracy less DDP's, in points.",
+            "",
+            "| task | layout | rate | method | time to target | vs low_rank | vs ddp | vs torchft | step vs single"
+            " | loss vs ddp | accuracy vs ddp |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *diloco_rows,
+        ]  # fmt: skip
+    return lines
+
+
 def chart(report: dict[str, Any], path: Path) -> bool:
     """Learning curves with the target (top row) and time to target per rate (one row per layout), per task."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no chart")
+    plt = pyplot()
+    if plt is None:
         return False
     settings = report["settings"]
     tasks, layouts = settings["tasks"], settings["layouts"] if settings["lab"] else []
@@ -543,8 +634,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-lab", dest="lab", action="store_false", help="learning curves only (no root needed)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one training run may take")
     parser.add_argument("--out", default=str(RESULTS), help="results folder (default: benchmarks/results)")
+    parser.add_argument("--render", default=None, help="write the tables and chart of this results file; run nothing")
     arguments = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(arguments)
+    if args.render is not None:
+        return args
     preset = QUICK if args.quick else FULL
     args.seeds = preset["seeds"] if args.seeds is None else args.seeds
     args.rounds = preset["rounds"] if args.rounds is None else args.rounds
@@ -573,6 +667,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.render is not None:
+        results = Path(args.render)
+        report = json.loads(results.read_text())
+        (results.parent / f"{results.stem}.md").write_text(markdown(report))
+        chart(report, results.parent / f"{results.stem}.png")
+        return
     orchestrate(args)
 
 

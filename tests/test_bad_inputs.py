@@ -3,7 +3,7 @@ that fails leaves nothing half-written.
 
 Three kinds of case: checks in this process (the strategy's, the algorithms', the optimizer's and the launcher's
 arguments, all before any process group exists), the engine on three real Gloo processes (one process pair for
-all its cases), and Lightning runs of ``tests/strategies/bad_input_script.py`` in their own processes.
+all its cases), and Lightning runs of ``tests/strategies/scripts/bad_input_script.py`` in their own processes.
 """
 
 import contextlib
@@ -35,7 +35,7 @@ from lightning_bagua.launch import main as launch_main
 from tests.distributed import free_port, run_processes
 
 ROOT = Path(__file__).resolve().parents[1]
-BAD_INPUT_SCRIPT = ROOT / "tests" / "strategies" / "bad_input_script.py"
+BAD_INPUT_SCRIPT = ROOT / "tests" / "strategies" / "scripts" / "bad_input_script.py"
 
 
 def _params() -> list[nn.Parameter]:

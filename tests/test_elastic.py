@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from tests.distributed import _process_tree
-from tests.strategies.elastic_script import ALGORITHMS
+from tests.strategies.scripts.elastic_script import ALGORITHMS
 from tests.strategies.test_bagua import python_path
 from tests.test_launch import LAUNCH_VARIABLES
 from tests.test_multinode import ROOT, on_host, two_hosts
 
-SCRIPT = Path(__file__).parent / "strategies" / "elastic_script.py"
+SCRIPT = Path(__file__).parent / "strategies" / "scripts" / "elastic_script.py"
 RENDEZVOUS_PORT = 29571
 WAIT_S = 120
 

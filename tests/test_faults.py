@@ -2,8 +2,8 @@
 ``--max_restarts=1`` and ``ckpt_path="last"`` the job restarts from its last checkpoint and ends where an
 uninterrupted run ends.
 
-The jobs are the death-to-exit benchmark's (``benchmarks/dead_rank_exit.py``): ``tests/strategies/fit_script.py``
-on 2 Gloo processes, rank 1 killing itself at step 8 of 12.
+The jobs are the death-to-exit benchmark's (``benchmarks/dead_rank_exit.py``):
+``tests/strategies/scripts/fit_script.py`` on 2 Gloo processes, rank 1 killing itself at step 8 of 12.
 """
 
 import re

@@ -30,7 +30,7 @@ from tests.test_launch import LAUNCH_VARIABLES
 
 ROOT = Path(__file__).parents[1]
 
-HOST_LAYOUT_WORKER = Path(__file__).parent / "host_layout_worker.py"
+HOST_LAYOUT_WORKER = Path(__file__).parent / "scripts" / "host_layout_worker.py"
 MODES = ["namespaces", "loopback"]
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from tests.distributed import free_port
 
 ROOT = Path(__file__).parents[2]
-SCRIPT = Path(__file__).with_name("script_0_1_0.py")
+SCRIPT = Path(__file__).parent / "scripts" / "script_0_1_0.py"
 
 
 def test_the_0_1_0_module_paths_import_the_current_classes():

@@ -15,10 +15,10 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_bagua import BaguaStrategy, LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
-from tests.data import fit_sampler_script as script
+from tests.data.scripts import fit_sampler_script as script
 from tests.distributed import free_port, run_job
 
-SCRIPT = Path(__file__).with_name("fit_sampler_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "fit_sampler_script.py"
 
 
 def skewed_lengths(count: int, seed: int = 0) -> list[int]:
@@ -472,7 +472,7 @@ def test_trainer_keeps_and_uses_the_batch_sampler_and_fuse_step(tmp_path, use_di
 
 
 def test_fabric_keeps_the_sampler_and_it_takes_the_ranks_from_the_process_group(tmp_path):
-    fabric_script = Path(__file__).with_name("fabric_sampler_script.py")
+    fabric_script = Path(__file__).parent / "scripts" / "fabric_sampler_script.py"
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         env.pop(name, None)

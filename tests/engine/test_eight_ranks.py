@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import assert_ranks_identical, run_processes
-from tests.engine import test_bytegrad, test_data_parallel, test_decentralized
-from tests.engine import test_low_precision_decentralized as test_lpd
+from tests.engine import test_data_parallel
+from tests.engine.algorithms import test_bytegrad, test_decentralized
+from tests.engine.algorithms import test_low_precision_decentralized as test_lpd
 
 WORLD_SIZE = 8
 # Ranks per node of each layout; None is the flat algorithm over all eight ranks.

@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, Subset
 from lightning_bagua import BaguaStrategy
 from lightning_bagua.engine import GradientAllReduceAlgorithm
 from tests.distributed import assert_ranks_identical, free_port, run_job
-from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
-SCRIPT = Path(__file__).with_name("fit_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "fit_script.py"
 ROOT = Path(__file__).parents[2]
 MAX_STEPS = 4
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}

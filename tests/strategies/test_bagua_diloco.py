@@ -29,3 +29,11 @@ def test_diloco_fits_and_trains_local_replicas(tmp_path, extra):
         # Only the outer exchanges crossed between the ranks: no gradient was all-reduced.
         assert set(result["bytes_by_op"]) == {"all_gather"}
         assert result["calls"]["all_gather"] >= 2
+        validated = result["seen"].get("validated_in_fit", [])
+        assert len(validated) == (2 if "--val-check-interval" in extra else 0)
+    # Validation inside fit saw θ_outer, the same on every rank, while the ranks' training replicas differed.
+    first, second = (result["seen"].get("validated_in_fit", []) for result in results)
+    for shown, other in zip(first, second, strict=True):
+        torch.testing.assert_close(shown["shown"], other["shown"], rtol=0, atol=0)
+        assert not torch.equal(shown["local"], other["local"])
+        assert not torch.equal(shown["shown"], shown["local"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed import run_torchrun
-from tests.strategies.callbacks_script import (
+from tests.strategies.scripts.callbacks_script import (
     ALGORITHMS,
     BATCHES_PER_EPOCH,
     CALLBACK_SETS,
@@ -21,7 +21,7 @@ from tests.strategies.callbacks_script import (
     lightning_has_ema,
 )
 
-SCRIPT = Path(__file__).with_name("callbacks_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "callbacks_script.py"
 EXACT = {"rtol": 0, "atol": 0}
 WORLD_SIZE = 2
 # Ranks keep their own weights: they must differ at the end, or the run did not really train decentralized.

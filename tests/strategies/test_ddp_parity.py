@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_torchrun
-from tests.strategies.ddp_parity_script import CASES, EPOCHS
+from tests.strategies.scripts.ddp_parity_script import CASES, EPOCHS
 
-SCRIPT = Path(__file__).with_name("ddp_parity_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity_script.py"
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ from lightning_bagua.engine.autotune import DEFAULT_BUCKET_SIZES_MB
 from lightning_bagua.strategies.fabric import BaguaStrategy
 from tests.distributed import assert_ranks_identical, free_port, run_job
 from tests.engine.test_telemetry import scatter_gather_step
-from tests.strategies.fit_script import make_network
+from tests.strategies.scripts.fit_script import make_network
 from tests.strategies.test_bagua import param_bytes, reference_state
 from tests.strategies.test_telemetry_autotune import TELEMETRY_COLUMNS
 
-SCRIPT = Path(__file__).with_name("fabric_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "fabric_script.py"
 EXACT = {"rtol": 0.0, "atol": 0.0}
 # fp32 data parallelism against one process on the union of the batches: the sums run in another order.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}

@@ -5,7 +5,7 @@ import gc
 import torch
 from torch import nn
 
-from lightning_bagua.strategies._core.fabric_engines import WrappedEngines
+from lightning_bagua.strategies._fabric.engines import WrappedEngines
 
 
 class FakeGroups:

@@ -18,7 +18,7 @@ from benchmarks.dead_rank_exit import EXIT_DEADLINE_S, KILLED_RANK, run_job
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("fabric_fault_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "fabric_fault_script.py"
 KILL_AT_STEP = 6
 _STRATEGY_NOTE = re.compile(rf"Failed rank\(s\): {KILLED_RANK} ")
 

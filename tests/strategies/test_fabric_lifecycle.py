@@ -8,7 +8,7 @@ import torch
 
 from tests.distributed import assert_ranks_identical, free_port, run_job
 
-SCRIPT = Path(__file__).with_name("fabric_lifecycle_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "fabric_lifecycle_script.py"
 
 
 def run_script(out: Path, mode: str, *args: str) -> list[dict]:

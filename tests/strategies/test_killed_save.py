@@ -20,12 +20,12 @@ import torch
 
 from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO, LastCheckpointLinks, save_atomically
 from tests.distributed import free_port
-from tests.strategies.kill_during_save import KILL_AFTER_BYTES
-from tests.strategies.killed_save_script import BALLAST_VALUES, LINK_BALLAST_VALUES
+from tests.strategies.scripts.kill_during_save import KILL_AFTER_BYTES
+from tests.strategies.scripts.killed_save_script import BALLAST_VALUES, LINK_BALLAST_VALUES
 
 ROOT = Path(__file__).parents[2]
-TRAINER_SCRIPT = Path(__file__).with_name("killed_save_script.py")
-FABRIC_SCRIPT = Path(__file__).with_name("fabric_lifecycle_script.py")
+TRAINER_SCRIPT = Path(__file__).parent / "scripts" / "killed_save_script.py"
+FABRIC_SCRIPT = Path(__file__).parent / "scripts" / "fabric_lifecycle_script.py"
 
 
 def run(script: Path, *args: str, tmp_path: Path) -> tuple[int, str]:

@@ -14,9 +14,16 @@ import pytest
 import torch
 
 from tests.distributed import run_torchrun, torchrun
-from tests.strategies.midepoch_script import BATCH, BATCHES_PER_EPOCH, CASES, CHECKPOINT_EVERY, EPOCHS, KILL_AT_STEP
+from tests.strategies.scripts.midepoch_script import (
+    BATCH,
+    BATCHES_PER_EPOCH,
+    CASES,
+    CHECKPOINT_EVERY,
+    EPOCHS,
+    KILL_AT_STEP,
+)
 
-SCRIPT = Path(__file__).with_name("midepoch_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "midepoch_script.py"
 WORLD_SIZE = 2
 BAGUA_CASES = ["gradient_allreduce", "bytegrad", "low_rank", "gradient_allreduce_workers"]
 # The last checkpoint before the kill, and where in its epoch it was taken.
@@ -83,7 +90,7 @@ def test_lightnings_ddp_restarts_the_epoch_and_does_not_match(undisturbed, tmp_p
     assert difference > 1e-4
 
 
-FABRIC_SCRIPT = Path(__file__).with_name("fabric_midepoch_script.py")
+FABRIC_SCRIPT = Path(__file__).parent / "scripts" / "fabric_midepoch_script.py"
 
 
 def _launch_fabric(out: Path, *args: str) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """A script that catches an error and runs again behaves as with Lightning's DDP; a rank that raises alone still
 ends the job.
 
-The jobs are ``tests/strategies/recover_script.py`` on 2 Gloo processes, started by the framework's own launcher
+The jobs are ``tests/strategies/scripts/recover_script.py`` on 2 Gloo processes, started by the framework's own launcher
 through the dead-rank benchmark's runner (``benchmarks/dead_rank_exit.py``), which also finds any process left
 behind.
 """
@@ -15,7 +15,7 @@ from benchmarks.dead_rank_exit import EXIT_DEADLINE_S, run_job
 
 from lightning_bagua.engine import available_algorithms
 
-SCRIPT = Path(__file__).with_name("recover_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "recover_script.py"
 
 
 @pytest.mark.timeout(600)

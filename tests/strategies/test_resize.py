@@ -12,9 +12,9 @@ import torch
 
 from lightning_bagua.strategies._core.checkpoint import average_state_dicts
 from tests.distributed import run_torchrun
-from tests.strategies.resize_script import BATCHES_PER_EPOCH, CASES, EPOCHS, SYNCHRONOUS
+from tests.strategies.scripts.resize_script import BATCHES_PER_EPOCH, CASES, EPOCHS, SYNCHRONOUS
 
-SCRIPT = Path(__file__).with_name("resize_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "resize_script.py"
 SIZES = (1, 3, 4)
 SAVED = 2
 # The same math from the same state; only the order of a few float sums may differ: the resumed run's first bucket

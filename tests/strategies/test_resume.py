@@ -13,9 +13,9 @@ import torch
 
 from lightning_bagua.strategies._core.checkpoint import average_state_dicts, module_entries, rank_resume
 from tests.distributed import run_torchrun
-from tests.strategies.resume_script import BATCHES_PER_EPOCH, CASES, EPOCHS
+from tests.strategies.scripts.resume_script import BATCHES_PER_EPOCH, CASES, EPOCHS
 
-SCRIPT = Path(__file__).with_name("resume_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "resume_script.py"
 EXACT = {"rtol": 0, "atol": 0}
 WORLD_SIZE = 2
 

@@ -11,10 +11,10 @@ from torch import nn
 from lightning_bagua import BaguaStrategy
 from lightning_bagua.engine.autotune import DEFAULT_BUCKET_SIZES_MB
 from tests.distributed import assert_ranks_identical, free_port, run_job
-from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 from tests.strategies.test_bagua import TOLERANCE, param_bytes
 
-SCRIPT = Path(__file__).with_name("telemetry_fit_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "telemetry_fit_script.py"
 TELEMETRY_COLUMNS = [
     "bagua/bytes_sent",
     "bagua/bytes_received",

@@ -12,9 +12,9 @@ import torch
 
 from lightning_bagua.strategies._core.checkpoint import FABRIC_CHECKPOINT_KEY
 from tests.distributed import run_torchrun
-from tests.strategies.user_algorithm_script import CHECKPOINT_STEP, PERIOD, STEPS
+from tests.strategies.scripts.user_algorithm_script import CHECKPOINT_STEP, PERIOD, STEPS
 
-SCRIPT = Path(__file__).with_name("user_algorithm_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "user_algorithm_script.py"
 EXACT = {"rtol": 0, "atol": 0}
 
 

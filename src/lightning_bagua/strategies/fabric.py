@@ -36,14 +36,14 @@ from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
 from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
-from lightning_bagua.strategies._core import fabric_checkpoint
 from lightning_bagua.strategies._core.arguments import reduce_over_all_processes, telemetry_metrics
 from lightning_bagua.strategies._core.checkpoint_io import AtomicTorchCheckpointIO
 from lightning_bagua.strategies._core.data_resume import DataState
-from lightning_bagua.strategies._core.fabric_autotune import FabricAutotuning
-from lightning_bagua.strategies._core.fabric_engines import WrappedEngines, updates
 from lightning_bagua.strategies._core.faults import fail_at_exit, install_failure_hook
 from lightning_bagua.strategies._core.strategy import BaguaStrategyCore
+from lightning_bagua.strategies._fabric import checkpoint as fabric_checkpoint
+from lightning_bagua.strategies._fabric.autotune import FabricAutotuning
+from lightning_bagua.strategies._fabric.engines import WrappedEngines, updates
 
 __all__ = ["BaguaStrategy"]
 

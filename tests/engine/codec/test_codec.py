@@ -534,3 +534,27 @@ def test_native_codes_equal_the_torch_codes_on_both_sides_of_its_int32_path(rati
         native.decompress(encoded, values.numel(), torch.float32),
         torch_codec.decompress(encoded, values.numel(), torch.float32),
     )
+
+
+def test_a_lock_left_by_a_dead_build_is_removed_and_a_live_one_waited_for(tmp_path, monkeypatch, caplog):
+    import threading
+    import time
+
+    stale = tmp_path / "stale.lock"
+    stale.touch()
+    old = time.time() - _cpu._STALE_LOCK_S - 5
+    os.utime(stale, (old, old))
+    with caplog.at_level("WARNING", logger=_cpu.__name__):
+        _cpu._clear_stale_lock(stale)
+    assert not stale.exists()
+    assert "did not finish" in caplog.text
+    assert str(stale) in caplog.text
+    # A young lock is another process's build: wait until it releases, and leave its file to it.
+    live = tmp_path / "live.lock"
+    live.touch()
+    releaser = threading.Timer(1.0, live.unlink)
+    releaser.start()
+    started = time.monotonic()
+    _cpu._clear_stale_lock(live)
+    releaser.join()
+    assert time.monotonic() - started >= 0.9

@@ -2,8 +2,10 @@
 
 ``torch.utils.cpp_extension.load`` compiles the source with the C++ compiler torch finds (``$CXX``, else ``c++``)
 and ninja, into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
-rebuilds it when the source or flags change, and lets one process build while the others wait. The build is named
-by a digest of this CPU's feature flags: it targets the widest vectors the CPU has (``-march=native``; AVX-512
+rebuilds it when the source or flags change, and lets one process build while the others wait (a lock that a
+killed build left behind is removed once it is older than any build takes). The build is named
+by a digest of this CPU's feature flags and the source's path (so two checkouts never rebuild over each other's
+build): it targets the widest vectors the CPU has (``-march=native``; AVX-512
 halves the quantising loop's time against AVX2), so a cache shared by different machines never hands one the
 others' instructions.
 
@@ -19,6 +21,8 @@ import logging
 import os
 import platform
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,8 @@ SOURCE = Path(__file__).with_name("_cpu.cpp")
 
 # No contraction of a multiply and an add into one rounding, nor any reassociation: the reference's float32
 # operations. (-fno-math-errno and -fno-trapping-math only let nearbyint inline and vectorise.)
+# A build takes under a minute on a loaded two-core machine; a lock older than this is a dead build's.
+_STALE_LOCK_S = 300.0
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-march=native"]
 
 
@@ -67,13 +73,45 @@ def _ops() -> Any:
         return None
     from torch.utils import cpp_extension
 
-    name = f"lightning_bagua_codec_{hashlib.sha256(_cpu_features().encode()).hexdigest()[:12]}"
+    # One build per CPU and per source file: two checkouts on one machine would otherwise rebuild over each other.
+    digest = hashlib.sha256(f"{_cpu_features()}|{SOURCE.resolve()}".encode()).hexdigest()[:12]
+    name = f"lightning_bagua_codec_{digest}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_directory = Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS, is_python_module=False)
+        build_directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(build_directory / "lock")
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=_FLAGS,
+            build_directory=str(build_directory),
+            is_python_module=False,
+        )
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:
         log.debug("The codec's CPU kernels could not be built or loaded (%s); using torch's ops.", error)
         return None
     return torch.ops.lightning_bagua_codec
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Wait for a build another process holds; remove its lock when it is older than any build takes.
+
+    torch's extension loader waits on this lock without a deadline, and a process killed while building leaves
+    it behind: every later process would wait forever.
+    """
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return  # released while we looked
+        if age > _STALE_LOCK_S:
+            log.warning(
+                "Removing %s, left %.0f s ago by a build of the codec's CPU kernels that did not finish.", lock, age
+            )
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
 
 
 def available() -> bool:

@@ -1,6 +1,6 @@
 """Fit with ``ModelCheckpoint(save_last=True)`` on two CPU processes, optionally killing rank 0 inside a save.
 
-Run as ``python tests/strategies/killed_save_script.py --dir CKPT --out DIR --max-epochs N [--kill-at K]
+Run as ``python tests/strategies/scripts/killed_save_script.py --dir CKPT --out DIR --max-epochs N [--kill-at K]
 [--resume]`` with the repository on PYTHONPATH; Lightning's own launcher starts rank 1. Every checkpoint carries a
 ballast of about 128 MB whose every value is the epoch it was saved at plus one, so that a torn file is told from a
 whole one. ``--kill-at K`` kills rank 0 in the middle of writing its K-th ``last`` checkpoint (see
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.strategies.fit_script import BATCH, make_dataset, make_network
-from tests.strategies.kill_during_save import kill_at_link, kill_during_write
+from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network
+from tests.strategies.scripts.kill_during_save import kill_at_link, kill_during_write
 
 BALLAST_VALUES = 32 * 1024 * 1024
 LINK_BALLAST_VALUES = 1024

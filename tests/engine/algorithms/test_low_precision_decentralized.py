@@ -27,8 +27,8 @@ from lightning_bagua.engine.algorithms.low_precision_decentralized import (
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.optim import fuse_optimizer
 from tests.distributed import run_processes
+from tests.engine.algorithms.test_decentralized import batch_for, fake_context, make_model, snapshot
 from tests.engine.codec.test_codec import loads_module
-from tests.engine.test_decentralized import batch_for, fake_context, make_model, snapshot
 
 STEPS = 4
 LR = 0.1

@@ -1,6 +1,6 @@
 """Run one misconfigured fit with BaguaStrategy; ``tests/test_bad_inputs.py`` runs it and reads the error.
 
-``python tests/strategies/bad_input_script.py CASE --out DIR``: nothing may be written to ``DIR`` unless the fit
+``python tests/strategies/scripts/bad_input_script.py CASE --out DIR``: nothing may be written to ``DIR`` unless the fit
 succeeds, so a test can tell that a failure left nothing half-written.
 """
 
@@ -28,7 +28,7 @@ def main() -> None:
     import lightning.pytorch as pl
 
     from lightning_bagua import BaguaStrategy
-    from tests.strategies.fit_script import BATCH, FEATURES, make_dataset
+    from tests.strategies.scripts.fit_script import BATCH, FEATURES, make_dataset
 
     class Regression(pl.LightningModule):
         def __init__(self, hidden: int) -> None:

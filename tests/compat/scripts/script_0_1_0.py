@@ -1,7 +1,7 @@
 """A training script written against lightning-bagua 0.1.0's README and tests, unchanged but for CPU devices.
 
-Run as ``python tests/compat/script_0_1_0.py ALGORITHM OUT_FILE``; Lightning's launcher re-runs it for the second
-process. Rank 0 writes the parameters' norms to ``OUT_FILE``.
+Run as ``python tests/compat/scripts/script_0_1_0.py ALGORITHM OUT_FILE``; Lightning's launcher re-runs it for
+the second process. Rank 0 writes the parameters' norms to ``OUT_FILE``.
 """
 
 import sys

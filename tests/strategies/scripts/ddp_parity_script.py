@@ -53,7 +53,7 @@ def main() -> None:
 
     from lightning_bagua import BaguaStrategy, QAdamOptimizer
     from lightning_bagua.strategies.fabric import BaguaStrategy as FabricBaguaStrategy
-    from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+    from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
     def optimizer_for(case: str, parameters: Any) -> torch.optim.Optimizer:
         return QAdamOptimizer(parameters, lr=0.01, warmup_steps=2) if case == "qadam" else make_optimizer(parameters)

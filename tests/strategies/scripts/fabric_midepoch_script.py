@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.strategies.midepoch_script import BATCH, CASES, CHECKPOINT_EVERY, EPOCHS, FEATURES, NoisyDataset
+from tests.strategies.scripts.midepoch_script import BATCH, CASES, CHECKPOINT_EVERY, EPOCHS, FEATURES, NoisyDataset
 
 
 def main() -> None:

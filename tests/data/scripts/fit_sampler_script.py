@@ -1,6 +1,6 @@
 """Fit with a load-balancing sampler (or batch sampler) under BaguaStrategy; each rank saves what it was given.
 
-Run as ``python tests/data/fit_sampler_script.py --out DIR --mode sampler|batch_sampler``; Lightning's launcher
+Run as ``python tests/data/scripts/fit_sampler_script.py --out DIR --mode sampler|batch_sampler``; Lightning's launcher
 re-runs it for the second process. The samplers are built here without ``num_replicas``/``rank``, before any process
 group exists, so the strategy has to fill those in. Each rank writes ``DIR/rank{r}.pt``.
 """

@@ -1,6 +1,6 @@
 """A script that catches an error every rank raises inside a run and runs again, for each algorithm in turn.
 
-``python tests/strategies/recover_script.py --out DIR --framework trainer|fabric [--strategy bagua|ddp]``, with
+``python tests/strategies/scripts/recover_script.py --out DIR --framework trainer|fabric [--strategy bagua|ddp]``, with
 the repository on PYTHONPATH: the framework's own launcher starts the second process, as in a user's script. For
 each algorithm of ``available_algorithms()`` (once, with ``--strategy ddp``, Lightning's own DDP as the
 reference) the script runs a fit whose every rank raises ``ValueError`` at batch 2, catches it, and runs a second
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
 FAIL_AT_BATCH = 2
 TRAINER_PLACES = ("training_step", "callback", "dataloader", "validation")

@@ -35,7 +35,7 @@ def main() -> None:
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     from lightning_bagua import BaguaStrategy
-    from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+    from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
     out = Path(args.out)
     world_size = int(os.environ["WORLD_SIZE"])

@@ -1,6 +1,6 @@
 """Fit the regression model of fit_script.py with telemetry and/or autotuning, logging to a CSVLogger.
 
-Run as ``python tests/strategies/telemetry_fit_script.py --out DIR [--telemetry] [--max-steps N]``; autotuning
+Run as ``python tests/strategies/scripts/telemetry_fit_script.py --out DIR [--telemetry] [--max-steps N]``; autotuning
 follows ``BAGUA_AUTOTUNE`` as a user's run would. Rank 0's logger writes ``DIR/csv/version_0/metrics.csv``; each
 rank writes ``DIR/rank{r}.pt``.
 """
@@ -26,7 +26,7 @@ def main() -> None:
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_bagua import BaguaStrategy
-    from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+    from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
     class Regression(pl.LightningModule):
         def __init__(self) -> None:

@@ -56,7 +56,7 @@ def main() -> None:
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     from lightning_bagua import BaguaStrategy, QAdamOptimizer
-    from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+    from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
     class Regression(pl.LightningModule):
         def __init__(self, optimizer: str) -> None:

@@ -1,6 +1,6 @@
 """Train with the Fabric BaguaStrategy (and, for comparison, the Trainer's) on two CPU processes; tests run this.
 
-Run as ``python tests/strategies/fabric_script.py --out DIR --mode MODE[,MODE...]`` with the repository on
+Run as ``python tests/strategies/scripts/fabric_script.py --out DIR --mode MODE[,MODE...]`` with the repository on
 PYTHONPATH: the first ``Fabric(strategy="bagua", devices=2).launch()`` starts the second process, exactly as in a
 user's script, and creates the process group every later Fabric and Trainer in the script joins. Each rank writes
 ``DIR/rank{r}.pt``.
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
 STEPS = 4
 

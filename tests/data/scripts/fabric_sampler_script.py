@@ -1,6 +1,6 @@
 """Iterate a load-balancing sampler's loader under Fabric on two CPU processes; each rank saves what it got.
 
-Run as ``python tests/data/fabric_sampler_script.py --out DIR``: ``fabric.launch()`` starts the second process.
+Run as ``python tests/data/scripts/fabric_sampler_script.py --out DIR``: ``fabric.launch()`` starts the second process.
 The sampler is built without ``num_replicas``/``rank``; Fabric must keep it instead of swapping in a
 DistributedSampler, and it takes the ranks from the process group on first use.
 """

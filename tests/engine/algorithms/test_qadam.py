@@ -20,7 +20,7 @@ from lightning_bagua.engine.algorithms.qadam import (
 )
 from lightning_bagua.engine.communication import CommunicationCounter, OrderedExecutor
 from tests.distributed import assert_ranks_identical, run_processes
-from tests.engine.test_bytegrad import expected_bytes, simulate_scatter_gather
+from tests.engine.algorithms.test_bytegrad import expected_bytes, simulate_scatter_gather
 from tests.engine.test_data_parallel import batch_for, make_model
 
 HYPER = {"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-8, "weight_decay": 0.01}

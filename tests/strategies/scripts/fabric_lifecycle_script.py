@@ -1,6 +1,6 @@
 """Fabric BaguaStrategy around the edges of a run: exiting, loading into a running algorithm, filtered saves.
 
-Run as ``python tests/strategies/fabric_lifecycle_script.py --out DIR --mode MODE`` with the repository on
+Run as ``python tests/strategies/scripts/fabric_lifecycle_script.py --out DIR --mode MODE`` with the repository on
 PYTHONPATH: the first ``Fabric(..., devices=2).launch()`` starts the second process, as in a user's script. Each rank
 writes ``DIR/rank{r}.pt`` before the mode's last act (``destroy_group`` ends with the interpreter's exit, which is what
 it tests).
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.strategies.fabric_script import cpu_state, fabric_strategy, new_fabric, rank_loader, train_steps
-from tests.strategies.fit_script import make_network, make_optimizer
-from tests.strategies.kill_during_save import kill_during_write
-from tests.strategies.killed_save_script import BALLAST_VALUES
+from tests.strategies.scripts.fabric_script import cpu_state, fabric_strategy, new_fabric, rank_loader, train_steps
+from tests.strategies.scripts.fit_script import make_network, make_optimizer
+from tests.strategies.scripts.kill_during_save import kill_during_write
+from tests.strategies.scripts.killed_save_script import BALLAST_VALUES
 
 KEEP_UNTIL_EXIT: list[Any] = []
 

@@ -66,7 +66,7 @@ def main() -> None:
 
     from lightning_bagua import BaguaStrategy, QAdamOptimizer
     from lightning_bagua.engine import BaguaDistributedDataParallel
-    from tests.strategies.fit_script import BATCH, make_dataset, make_network, make_optimizer
+    from tests.strategies.scripts.fit_script import BATCH, make_dataset, make_network, make_optimizer
 
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])

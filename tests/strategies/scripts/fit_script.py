@@ -1,7 +1,7 @@
 """Fit a small regression model with BaguaStrategy and save what each rank saw; tests run this as a script.
 
 Lightning's own launcher re-runs this file once per extra local process, exactly as for a user's script, so it
-has to work as ``python tests/strategies/fit_script.py --out DIR ...``. Each rank writes ``DIR/rank{r}.pt``.
+has to work as ``python tests/strategies/scripts/fit_script.py --out DIR ...``. Each rank writes ``DIR/rank{r}.pt``.
 """
 
 import argparse
@@ -74,6 +74,10 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def flat_weights(module: nn.Module) -> torch.Tensor:
+    return torch.cat([parameter.detach().flatten().cpu() for parameter in module.parameters()])
+
+
 def main() -> None:
     args = parse_args()
     if args.package == "lightning":
@@ -104,6 +108,7 @@ def main() -> None:
                 Path(args.kill_marker).write_text(json.dumps({"rank": self.global_rank, "time": time.time()}))
                 os.kill(os.getpid(), signal.SIGKILL)
             inputs, targets = batch
+            self.local_weights = flat_weights(self)
             loss = nn.functional.mse_loss(self(inputs), targets)
             self.seen["fit_model"] = type(self.trainer.strategy.model).__name__
             if args.manual:
@@ -116,6 +121,10 @@ def main() -> None:
 
         def validation_step(self, batch, batch_idx):
             self.seen["validate_model"] = type(self.trainer.strategy.model).__name__
+            if batch_idx == 0 and self.trainer.state.fn == "fit":
+                # The weights validation sees inside fit, beside the training replica's at the last training batch.
+                shown = {"shown": flat_weights(self), "local": self.local_weights}
+                self.seen.setdefault("validated_in_fit", []).append(shown)
             self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
 
         def configure_optimizers(self):

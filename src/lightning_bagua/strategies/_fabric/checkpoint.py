@@ -1,4 +1,4 @@
-"""Fabric's save and load with each process's Bagua state, in the format of :mod:`.checkpoint`.
+"""Fabric's save and load with each process's Bagua state, in the format of ``strategies/_core/checkpoint.py``.
 
 Process 0 writes the file Fabric saves, so each wrapped module's per-process state is gathered to it and stored under
 ``"bagua_algorithm_state"``; loading gives each process its own entry back. The strategy's ``save_checkpoint`` and

@@ -1,0 +1,1 @@
+"""Scripts the data tests launch in their own processes."""

@@ -1,0 +1,1 @@
+"""Scripts the top-level tests launch in their own processes or network namespaces."""

@@ -1,0 +1,1 @@
+"""Scripts the strategy tests launch in their own processes (torchrun, Lightning, or python)."""
