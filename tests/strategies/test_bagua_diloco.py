@@ -30,10 +30,12 @@ def test_diloco_fits_and_trains_local_replicas(tmp_path, extra):
         assert set(result["bytes_by_op"]) == {"all_gather"}
         assert result["calls"]["all_gather"] >= 2
         validated = result["seen"].get("validated_in_fit", [])
-        assert len(validated) == (2 if "--val-check-interval" in extra else 0)
-    # Validation inside fit saw θ_outer, the same on every rank, while the ranks' training replicas differed.
+        assert len(validated) == (STEPS * 2 // 3 if "--val-check-interval" in extra else 0)  # every 3rd of 12 batches
+    # Validation inside fit saw θ_outer, the same on every rank, while the ranks' training replicas differed (at a
+    # validation right after a sync they are θ_outer too, so not at every one).
     first, second = (result["seen"].get("validated_in_fit", []) for result in results)
     for shown, other in zip(first, second, strict=True):
         torch.testing.assert_close(shown["shown"], other["shown"], rtol=0, atol=0)
-        assert not torch.equal(shown["local"], other["local"])
-        assert not torch.equal(shown["shown"], shown["local"])
+    if first:
+        assert any(not torch.equal(shown["local"], other["local"]) for shown, other in zip(first, second, strict=True))
+        assert any(not torch.equal(shown["shown"], shown["local"]) for shown in first)
