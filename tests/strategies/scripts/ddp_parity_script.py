@@ -21,22 +21,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+# Run as a script, the repository root is not on the path yet: the shared cases need it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from tests.strategies.scripts.cases import EVERY_ALGORITHM
+
 EPOCHS = 4
 BATCHES_PER_EPOCH = 2
 
 # name: the algorithm's keywords (None: Lightning's own DDP)
-CASES: dict[str, dict[str, Any] | None] = {
-    "ddp": None,
-    "gradient_allreduce": {},
-    "bytegrad": {"hierarchical": False},
-    "low_rank": {"hierarchical": False, "warmup_steps": 1},
-    "qadam": {"hierarchical": False},
-    "decentralized": {"hierarchical": False},
-    "low_precision_decentralized": {"hierarchical": False},
-    "async": {"sync_interval_ms": 5},
-    "diloco": {"sync_every": 2, "hierarchical": False},
-    "auto": {"trial_steps": 1, "max_trial_steps": 6},
-}
+CASES = EVERY_ALGORITHM
 
 
 def main() -> None:

@@ -19,22 +19,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+# Run as a script, the repository root is not on the path yet: the shared cases need it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from lightning_bagua.engine.algorithms.auto import AutoFigures
+from tests.strategies.scripts.cases import EVERY_ALGORITHM
 
 SAVED_EPOCHS = 2
 EPOCHS = 4
 BATCHES_PER_EPOCH = 2
 QADAM_WARMUP_STEPS = 6  # steps 1-5 warm up: the resumed run (from step 4) crosses the switch to compression
 
-# name: the algorithm's keywords (None: Lightning's own DDP)
 CASES: dict[str, dict[str, Any] | None] = {
-    "ddp": None,
-    "gradient_allreduce": {},
-    "bytegrad": {"hierarchical": False},
-    "low_rank": {"hierarchical": False, "warmup_steps": 1},
-    "qadam": {"hierarchical": False},
-    "decentralized": {"hierarchical": False},
-    "low_precision_decentralized": {"hierarchical": False},
+    **EVERY_ALGORITHM,
     "async": {"sync_interval_ms": 5, "warmup_steps": 1},
     # Synced at step 3 and saved at step 4: the replicas differ, and θ_outer has taken an outer step.
     "diloco": {"sync_every": 3, "hierarchical": False},
