@@ -76,8 +76,13 @@ def _ops() -> Any:
     # One build per CPU and per source file: two checkouts on one machine would otherwise rebuild over each other.
     digest = hashlib.sha256(f"{_cpu_features()}|{SOURCE.resolve()}".encode()).hexdigest()[:12]
     name = f"lightning_bagua_codec_{digest}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_directory = Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+    # Where torch's loader would build it: $TORCH_EXTENSIONS_DIR/<name>, else a per-Python folder of its cache.
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        root = str(
+            Path(cpp_extension.get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+        )
+    build_directory = Path(root) / name
     try:
         build_directory.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(build_directory / "lock")
