@@ -3,11 +3,10 @@
 ``torch.utils.cpp_extension.load`` compiles the source with the C++ compiler torch finds (``$CXX``, else ``c++``)
 and ninja, into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
 rebuilds it when the source or flags change, and lets one process build while the others wait (a lock that a
-killed build left behind is removed once it is older than any build takes). The build is named
-by a digest of this CPU's feature flags and the source's path (so two checkouts never rebuild over each other's
-build): it targets the widest vectors the CPU has (``-march=native``; AVX-512
-halves the quantising loop's time against AVX2), so a cache shared by different machines never hands one the
-others' instructions.
+killed build left behind is removed once it is older than any build takes). The build is named by a digest of
+this CPU's feature flags and the source's path, so that two checkouts never rebuild over each other's build: it
+targets the widest vectors the CPU has (``-march=native``; AVX-512 halves the quantising loop's time against
+AVX2), so a cache shared by different machines never hands one the others' instructions.
 
 The kernels work on float32; float16 and bfloat16 are converted around them with torch's ops, which is exact
 going in (the reference upcasts first too) and rounds once coming out, as the reference does. Without a compiler
@@ -48,9 +47,9 @@ SOURCE = Path(__file__).with_name("_cpu.cpp")
 
 # No contraction of a multiply and an add into one rounding, nor any reassociation: the reference's float32
 # operations. (-fno-math-errno and -fno-trapping-math only let nearbyint inline and vectorise.)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-march=native"]
 # A build takes under a minute on a loaded two-core machine; a lock older than this is a dead build's.
 _STALE_LOCK_S = 300.0
-_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-march=native"]
 
 
 def _cpu_features() -> str:
@@ -76,7 +75,8 @@ def _ops() -> Any:
     # One build per CPU and per source file: two checkouts on one machine would otherwise rebuild over each other.
     digest = hashlib.sha256(f"{_cpu_features()}|{SOURCE.resolve()}".encode()).hexdigest()[:12]
     name = f"lightning_bagua_codec_{digest}"
-    # Where torch's loader would build it: $TORCH_EXTENSIONS_DIR/<name>, else a per-Python folder of its cache.
+    # torch's layout, given explicitly so that the lock's path is known: $TORCH_EXTENSIONS_DIR/<name>, else a
+    # per-Python folder of torch's cache (named "cpu" whatever torch was built for: these are CPU kernels).
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
         root = str(
