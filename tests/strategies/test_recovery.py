@@ -48,7 +48,8 @@ _RAISED_ALONE = "lightning_bagua: rank {rank} of 2 raised alone: rank(s) {other}
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_that_raises_alone_ends_the_job_naming_itself(tmp_path, rank):
-    # The script catches the error and would fit again; the other rank waits for this one in a collective.
+    # The script catches the error and would fit again; the other rank waits for this one in a collective. It learns
+    # of the error before the raising rank exits, so no launcher's kill can cut its note off.
     marker = tmp_path / "death.json"
     result = run_job(
         "lightning",
@@ -65,4 +66,6 @@ def test_a_rank_that_raises_alone_ends_the_job_naming_itself(tmp_path, rank):
     assert result.death_to_exit_s < EXIT_DEADLINE_S, result.output[-4000:]
     assert _RAISED_ALONE.format(rank=rank, other=1 - rank) in result.output, result.output[-6000:]
     assert re.search(r"InjectedError: training_step failed at batch 2", result.output), result.output[-6000:]
+    peer_note = rf"rank {1 - rank} of 2 saw a collective fail\. Other ranks that raised: rank {rank} \(InjectedError"
+    assert re.search(peer_note, result.output), result.output[-6000:]
     assert not (tmp_path / "out").exists(), "the job went on after a rank raised alone"

@@ -1,10 +1,12 @@
 """Joining the process group without long hangs, and failing with a message that names the ranks at fault."""
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ __all__ = [
     "CHILDREN_GRACE_S",
     "DIAGNOSIS_WINDOW_S",
     "SHARED_FAILURE_WINDOW_S",
+    "TOLD_WINDOW_S",
     "FailureReport",
     "agree_on_attempt",
     "destroy_process_group_at_exit",
@@ -36,6 +39,7 @@ __all__ = [
     "install_failure_hook",
     "join_failed_message",
     "leave_the_job",
+    "mark_told",
     "next_failure_scope",
     "under_torchelastic",
     "wait_for_store",
@@ -52,6 +56,9 @@ SHARED_FAILURE_WINDOW_S = 20.0
 Ranks that raise the same error do so within a step of each other; a rank that is still silent after this long is
 waiting for the failed one in a collective, so the failed rank raised alone.
 """
+
+TOLD_WINDOW_S = DIAGNOSIS_WINDOW_S + 5.0
+"""How long a rank that raised alone waits for its peers to print their notes: their diagnosis window, and some."""
 
 CHILDREN_GRACE_S = 3.0
 """How long a failed script's main process lets the ranks it started exit on their own before it kills them."""
@@ -291,19 +298,51 @@ def next_failure_scope() -> int:
     return next(_SCOPES)
 
 
-def leave_the_job(exception: BaseException, rank: int, launcher: Any) -> NoReturn:
-    """End the children ``launcher`` started, print ``exception`` (with its notes), and end this process (exit code 1).
+def leave_the_job(exception: BaseException, rank: int, waiting: list[int], scope: int, launcher: Any) -> NoReturn:
+    """Print ``exception`` (with its notes), let the other ranks learn of it, and end this process (exit code 1).
 
     For a rank that raised alone: its peers wait for it in a collective that cannot fail while this process lives,
-    so a script that caught the error and went on would leave them waiting for the whole timeout. Once this process
-    is gone their collectives fail at once, and every launcher ends the job.
+    so a script that caught the error and went on would leave them waiting for the whole timeout.
+
+    1. Print the error: it is the job's cause, so it comes first, and a launcher may kill this process later.
+    2. Shut down this rank's connections but the store's: the peers' collectives fail now, while the store is still
+       up to take their reports.
+    3. Wait, for at most :data:`TOLD_WINDOW_S`, until every rank in ``waiting`` has said in the store that it
+       printed its note (:func:`mark_told`), which names this rank and its error. A launcher that ends the job as
+       soon as one process exits (Lightning's kills every process within 5 s; torchrun's agent sooner) would
+       otherwise cut the peers off before they say it.
+    4. End the ranks ``launcher`` started that are still alive, and this process.
 
     Args:
         exception: what this rank raised, with a note that says why the process ends.
         rank: this process's rank.
+        waiting: the ranks that reported no failure (:attr:`FailureReport.silent`): they wait for this one.
+        scope: this run's number (:func:`next_failure_scope`).
         launcher: the strategy's launcher, or ``None``.
     """
-    _end_process(exception, launcher, f"rank {rank} raised alone")
+    _print_exception(exception)
+    store = default_store() if dist.is_available() and dist.is_initialized() else None
+    _close_peer_connections(keep_port=_store_port(store))
+    if store is not None:
+        told = [f"{_FAILURE_KEY}/{scope}/{other}/told" for other in waiting]
+        deadline = time.monotonic() + TOLD_WINDOW_S
+        with contextlib.suppress(Exception):  # a store that died with its host has nobody left to wait for
+            store.set_timeout(timedelta(seconds=TOLD_WINDOW_S))
+            while not all(store_has_key(store, key) for key in told) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    end_launched_children(launcher, f"rank {rank} raised alone", grace_s=CHILDREN_GRACE_S)
+    _exit_now()
+
+
+def mark_told(rank: int, scope: int) -> None:
+    """Say in the store that this rank printed its note on a failure of run ``scope`` (see :func:`leave_the_job`).
+
+    Args:
+        rank: this process's rank.
+        scope: the run's number, as given to :func:`diagnose_failure`.
+    """
+    with contextlib.suppress(Exception):  # nobody waits for it if the store is gone
+        default_store().set(f"{_FAILURE_KEY}/{scope}/{rank}/told", "1")
 
 
 def fail_at_exit(exception: BaseException, rank: int, launcher: Any) -> NoReturn:
@@ -324,9 +363,41 @@ def fail_at_exit(exception: BaseException, rank: int, launcher: Any) -> NoReturn
 
 def _end_process(exception: BaseException, launcher: Any, reason: str) -> NoReturn:
     end_launched_children(launcher, reason)
+    _print_exception(exception)
+    _exit_now()
+
+
+def _print_exception(exception: BaseException) -> None:
     sys.stdout.flush()
     traceback.print_exception(exception)
     sys.stderr.flush()
+
+
+def _store_port(store: dist.Store | None) -> int | None:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store.port if isinstance(store, dist.TCPStore) else None
+
+
+def _close_peer_connections(keep_port: int | None) -> None:
+    # Destroying the process group closes nothing while the model (its reducer) and the failed call's frames still
+    # hold it, and Gloo's abort leaves its sockets open: shutting the sockets down is what makes the peers' pending
+    # receives fail. The store's connections stay up for the peers' reports. Shut down on a duplicate descriptor,
+    # so that no descriptor of the process is freed for reuse under the threads that still own the original.
+    for entry in os.scandir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        with contextlib.suppress(OSError, ValueError):
+            fd = int(entry.name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            with socket.socket(fileno=os.dup(fd)) as duplicate:
+                if duplicate.family not in (socket.AF_INET, socket.AF_INET6) or duplicate.type != socket.SOCK_STREAM:
+                    continue
+                local, remote = duplicate.getsockname()[1], duplicate.getpeername()[1]  # unconnected: OSError
+                if keep_port not in (local, remote):
+                    duplicate.shutdown(socket.SHUT_RDWR)
+
+
+def _exit_now() -> NoReturn:
     logging.shutdown()
     os._exit(1)
 
@@ -379,8 +450,9 @@ class FailureReport:
         if self.alone:
             return (
                 f"{head} raised alone: rank(s) {silent} reported no failure within {self.window_s:g} s, so they are"
-                " waiting for this rank in a collective and cannot learn of the error. This process ends (exit code"
-                " 1), so that their collectives fail at once instead of waiting out the timeout."
+                " waiting for this rank in a collective and cannot learn of the error. This process closes its"
+                " connections and ends (exit code 1), so that their collectives fail at once instead of waiting out"
+                " the timeout."
             )
         if not self.collective:
             return None

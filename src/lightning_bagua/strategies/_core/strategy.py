@@ -339,7 +339,11 @@ class BaguaStrategyCore(_CoreBase):
         if hasattr(exception, "add_note"):
             exception.add_note(note)
         if report.alone:
-            faults.leave_the_job(exception, self.global_rank, self.launcher)
+            faults.leave_the_job(exception, self.global_rank, report.silent, self._failure_scope, self.launcher)
         log.error(note)
+        faults.mark_told(self.global_rank, self._failure_scope)
         if report.collective:
-            faults.end_launched_children(self.launcher, f"a collective failed on rank {self.global_rank}")
+            # A rank that raised alone prints its error and exits once told; those still running then are stuck.
+            faults.end_launched_children(
+                self.launcher, f"a collective failed on rank {self.global_rank}", grace_s=faults.CHILDREN_GRACE_S
+            )
