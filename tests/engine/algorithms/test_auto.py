@@ -128,6 +128,8 @@ def test_candidates_follow_the_layout():
         ({"max_trial_steps": 3}, ValueError, r"max_trial_steps=3.*at least 4"),
         ({"trial_steps": -1}, ValueError, r"`trial_steps` must be at least 1"),
         ({"trial_steps": 2.5}, TypeError, r"`trial_steps` must be a int"),
+        ({"min_trial_s": -1}, ValueError, r"`min_trial_s` must be a number of seconds >= 0, got -1"),
+        ({"min_trial_s": "1s"}, ValueError, r"`min_trial_s` must be .* got '1s'.*Pass 0"),
     ],
 )
 def test_bad_input_fails_at_construction(kwargs, error, match):
@@ -158,8 +160,7 @@ def test_factors_match_the_results_files():
 # -- real processes ---------------------------------------------------------------------------------------------------
 
 
-# A link this slow leaves no step to compute within DDP's, and compression given as free keeps the pruning bound at
-# zero whatever the machine's load: no candidate is skipped, every one is timed.
+# Given links, so that no collective times them; with _time_every_candidate no candidate is skipped.
 SLOW_LINK = AutoFigures(
     links={"all": {"latency_s": 1e-3, "bandwidth_Bps": 1e3}},
     compress_s={
@@ -170,9 +171,16 @@ SLOW_LINK = AutoFigures(
 )
 
 
+def _time_every_candidate() -> None:
+    """In this process, make every candidate's lower bound zero: none is skipped, whatever the machine's load."""
+    AutoImpl._bound = lambda self, index: (0.0, "compute")  # type: ignore[method-assign]
+
+
 def _measure_and_train(
     rank: int, world_size: int, ranks_per_node: int | None, steps: int, figures: AutoFigures | None = None
 ) -> dict[str, Any]:
+    if figures is not None:
+        _time_every_candidate()
     model = wrap(AutoAlgorithm(trial_steps=1, max_trial_steps=12, figures=figures), ranks_per_node)
     train(model, rank, steps)
     impl = model.bagua_algorithm_impl
@@ -283,6 +291,58 @@ def test_resize_state_keeps_the_decision_so_the_load_decides_again():
     assert impl.resize_state([]) == {}
 
 
+BYTEGRAD_LABEL, LOW_RANK_LABEL = "bytegrad(hierarchical=False)", "low_rank(rank=16, hierarchical=False)"
+
+
+def _trial_plan(rank: int, world_size: int, ddp_step_s: float, bandwidth: float) -> dict[str, Any]:
+    """The plan after gradient_allreduce's timed steps at ``ddp_step_s``, then after bytegrad's at 20 ms.
+
+    Each rank works it out from the same figures, as rank 0 does alone in training.
+    """
+    model = wrap(AutoAlgorithm())
+    impl = model.bagua_algorithm_impl
+    assert isinstance(impl, AutoImpl)
+    impl._figures = AutoFigures(
+        step_s={"gradient_allreduce": ddp_step_s},
+        links={"all": {"latency_s": 0.0, "bandwidth_Bps": bandwidth}},
+        gradient_bytes={"float32": sum(p.numel() * 4 for p in model.module.parameters())},
+        compress_s=dict.fromkeys(impl.labels, 0.0),
+    )
+    impl._queue, impl._times, impl._trial_steps = None, {0: [ddp_step_s] * 3}, 4
+    first = impl._next_trial()
+    impl._figures.step_s[BYTEGRAD_LABEL] = 0.020
+    second = impl._next_trial() if first[0] != 0 else None
+    result = {"labels": impl.labels, "first": first, "second": second, "skipped": dict(impl._figures.skipped)}
+    model.close()
+    return result
+
+
+def test_short_steps_are_timed_more_times_within_the_budget():
+    # 2 ms steps: 0.25 s would take 125 of them; an even share of 48 steps over 3 candidates leaves 15 timed each.
+    (result,) = run_processes(_trial_plan, 1, 0.002, 1e12)
+    assert result["first"] == (0, 15)  # gradient_allreduce first times 12 more of its own
+    (result,) = run_processes(_trial_plan, 1, 0.100, 1e12)
+    assert result["first"][1] == 3  # 3 steps of 100 ms fill min_trial_s already
+
+
+def test_candidates_run_by_their_bound_and_skip_once_the_link_bound_loses():
+    # 100 ms DDP steps at this bandwidth: 90 ms of them communication at most, so 10 ms of compute. bytegrad's
+    # bound, 1.75x steps of one byte per element at the bandwidth (22.5 ms), is the lowest and runs first. Once
+    # it measures 20 ms (35 ms to DDP's loss), low_rank cannot win: this small model's factors are 3/4 of its
+    # gradient bytes, 69 ms at the bandwidth, though it would win against DDP's 100 ms.
+    numel = sum(p.numel() for p in make_model().parameters())
+    bandwidth = 4 * numel / 0.090
+    result = run_processes(_trial_plan, 2, 0.100, bandwidth)[0]  # two ranks: DDP's step communicates
+    labels = result["labels"]
+    assert result["first"] == (labels.index(BYTEGRAD_LABEL), 3)
+    assert result["second"] == (-1, 3)
+    assert re.fullmatch(
+        r"even at its link bound, 1\.12x steps of 68\.8 ms each lose to bytegrad\(hierarchical=False\)'s"
+        r" 35\.0 ms per DDP step",
+        result["skipped"][LOW_RANK_LABEL],
+    ), result["skipped"]
+
+
 def _world_of_one(rank: int, world_size: int) -> dict[str, Any]:
     model = wrap("auto")
     impl = model.bagua_algorithm_impl
@@ -311,6 +371,7 @@ def _pick_against_named(rank: int, world_size: int, forced: int | None) -> dict[
 
         measured = auto_module.decide
         auto_module.decide = lambda candidates, figures: (forced, *measured(candidates, figures)[1:])
+    _time_every_candidate()
     model = wrap(AutoAlgorithm(trial_steps=1, max_trial_steps=12, figures=SLOW_LINK))
     impl = model.bagua_algorithm_impl
     assert isinstance(impl, AutoImpl)

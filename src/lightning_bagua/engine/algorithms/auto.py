@@ -5,14 +5,19 @@
    Rank 0 also counts the gradient bytes by dtype and times what its device pays for each candidate's compression
    (the 8-bit codec on the gradients, the rank-``r`` projections on the matrix shapes).
 2. ``gradient_allreduce`` runs first for ``trial_steps`` timed steps (after one untimed step that settles the
-   switch). A candidate that cannot win even if its communication were free, ``f_c * (T_ddp - comm_ddp + compress_c)
-   >= T_ddp``, is skipped, as are those past the ``max_trial_steps`` budget; every other candidate then runs its
-   own steps, in the phase it would run in (``low_rank`` exchanges factors from its first trial step).
-3. Each rank's median step per candidate is combined by an all-reduce of the maximum (a step is as slow as its
-   slowest rank). Rank 0 predicts each candidate's time to DDP's loss, ``T_c * f_c`` with ``f_c`` the steps to
-   DDP's target as a multiple of DDP's (:mod:`._auto_factors`), picks the smallest (the earlier candidate on a tie;
-   ``gradient_allreduce`` unless another beats it), and broadcasts it; every rank builds that algorithm, with the
-   keywords it was timed with, and runs exactly it from then on.
+   switch). Where those took under ``min_trial_s``, it and every candidate are timed for more steps, ``k =
+   ceil(min_trial_s / T_ddp)``, within an even share of the ``max_trial_steps`` budget.
+3. Each candidate's step ``T_c`` is the maximum over ranks of each rank's median (a step is as slow as its slowest
+   rank); its predicted time to DDP's loss is ``T_c * f_c``, with ``f_c`` the steps to DDP's target as a multiple
+   of DDP's (:mod:`._auto_factors`).
+4. The other candidates run in the order of a lower bound of that time, ``f_c * max(T_ddp - comm_ddp +
+   compress_c, bytes_c / B)``: a step takes at least its compute and at least its bytes at the tier's bandwidth.
+   Before each, rank 0 skips it if its bound already loses to the best time measured so far, or if it would
+   overrun the budget; every other candidate runs its own steps, in the phase it would run in (``low_rank``
+   exchanges factors from its first trial step).
+5. Rank 0 picks the smallest predicted time (the earlier candidate on a tie; ``gradient_allreduce`` unless another
+   beats it) and broadcasts it; every rank builds that algorithm, with the keywords it was timed with, and runs
+   exactly it from then on.
 """
 
 import logging
@@ -59,6 +64,8 @@ _SMALL_MESSAGE = 4 * 1024
 _MIN_LARGE_MESSAGE = 64 * 1024
 _LARGE_MESSAGE = 4 * 1024**2
 _REPEATS = 3
+# The most timed steps per candidate, as a multiple of trial_steps, however short the steps.
+_MAX_STEPS_PER_TRIAL = 8
 _CHECKPOINT_VERSION = 1
 
 
@@ -278,9 +285,10 @@ class AutoImpl(AlgorithmImpl):
         self._optimizers: list[Optimizer] = []
         self._started = False
         self._figures = AutoFigures()
-        self._schedule: list[int] = [0]
-        self._position = 0  # index into the schedule
-        self._steps_here = 0  # steps the current candidate has run (the first is not timed)
+        self._trying = 0  # the candidate on trial
+        self._steps_here = 0  # steps it has run (the first after a switch is not timed)
+        self._timed_steps = algorithm.trial_steps  # timed steps per candidate, set after gradient_allreduce's
+        self._queue: list[int] | None = None  # rank 0: the candidates still to try, the most promising first
         self._times: dict[int, list[float]] = {}
         self._last_boundary: float | None = None
         self._trial_steps = 0
@@ -460,7 +468,7 @@ class AutoImpl(AlgorithmImpl):
         return AutoFigures() if given is None else AutoFigures.from_dict(given.to_dict())
 
     def _restart_trials(self) -> None:
-        self._schedule, self._position, self._steps_here = [0], 0, 0
+        self._trying, self._steps_here, self._timed_steps, self._queue = 0, 0, self.auto.trial_steps, None
         self._times, self._last_boundary, self._trial_steps, self._measure_s = {}, None, 0, 0.0
         self._figures = self._given_figures()
         self._switch(0, trial=True)
@@ -474,19 +482,17 @@ class AutoImpl(AlgorithmImpl):
         elapsed = now - self._last_boundary
         self._trial_steps += 1
         self._measure_s += elapsed
-        index = self._schedule[self._position]
+        index = self._trying
         if self._steps_here > 0:  # the first step after a switch settles it (buffers, factors) and is not timed
             self._times.setdefault(index, []).append(elapsed)
         self._steps_here += 1
-        if self._steps_here > self.auto.trial_steps:
-            if self._position == 0:
-                self._plan_trials()
-            self._position += 1
-            self._steps_here = 0
-            if self._position < len(self._schedule):
-                self._switch(self._schedule[self._position], trial=True)
-            else:
-                self._finish_trials()
+        if self._steps_here > self._timed_steps:
+            following = self._end_trial(index)
+            if following is None:
+                self._decide_and_adopt()
+            elif following != index:  # the same one again: gradient_allreduce times more of its short steps
+                self._trying, self._steps_here = following, 0
+                self._switch(following, trial=True)
         self._last_boundary = time.perf_counter()
 
     def _measure_start_up(self) -> None:
@@ -519,48 +525,80 @@ class AutoImpl(AlgorithmImpl):
             dist.barrier(group=groups.flat)
         return links
 
-    def _plan_trials(self) -> None:
-        """After gradient_allreduce's steps: rank 0 drops the candidates that cannot win or do not fit the budget."""
+    def _end_trial(self, index: int) -> int | None:
+        """Record the candidate's step (the slowest rank's median); rank 0 says what runs next, for every rank."""
         groups = self.context.groups
-        ddp_step = self._max_over_ranks([statistics.median(self._times.get(0, [math.inf]))])[0]
-        keep = torch.zeros(len(self.candidates), dtype=torch.int64)
+        self._figures.step_s[self.labels[index]] = self._max_over_ranks([statistics.median(self._times[index])])[0]
+        order = torch.tensor([-1, self._timed_steps], dtype=torch.int64)
         if groups.rank == 0:
-            link = self._figures.links["all"]
-            total = sum(self._figures.gradient_bytes.values())
-            n = groups.world_size
-            ddp_comm = link["latency_s"] + 2 * (n - 1) / n * total / link["bandwidth_Bps"]
-            compute = max(ddp_step - ddp_comm, 0.0)
-            budget = self.auto.max_trial_steps - (self.auto.trial_steps + 1)
-            bounds = {
-                index: _factor(self.candidates[index])
-                * (compute + self._figures.compress_s.get(self.labels[index], 0.0))
-                for index in range(1, len(self.candidates))
-            }
-            # The most promising first, so that the budget drops the least promising.
-            for index in sorted(bounds, key=lambda index: (bounds[index], index)):
-                label, bound = self.labels[index], bounds[index]
-                if bound >= ddp_step:
-                    factor = _factor(self.candidates[index])
-                    self._figures.skipped[label] = (
-                        f"even with free communication its {factor:.3g}x steps at {bound * 1e3 / factor:.1f} ms each"
-                        f" lose to DDP's {ddp_step * 1e3:.1f} ms"
-                    )
-                elif budget < self.auto.trial_steps + 1:
-                    self._figures.skipped[label] = f"past the budget of max_trial_steps={self.auto.max_trial_steps}"
-                else:
-                    keep[index] = 1
-                    budget -= self.auto.trial_steps + 1
-        dist.broadcast(keep, src=groups.global_ranks[0], group=groups.flat)
-        # Timed in the candidates' order: the decision breaks ties by it.
-        self._schedule = [0, *(index for index in range(1, len(self.candidates)) if keep[index])]
+            order = torch.tensor(self._next_trial(), dtype=torch.int64)
+        dist.broadcast(order, src=groups.global_ranks[0], group=groups.flat)
+        self._timed_steps = int(order[1])
+        return None if order[0] < 0 else int(order[0])
 
-    def _finish_trials(self) -> None:
-        medians = [statistics.median(self._times[index]) for index in self._schedule]
-        combined = self._max_over_ranks(medians)
-        self._figures.step_s = {
-            self.labels[index]: value for index, value in zip(self._schedule, combined, strict=True)
-        }
-        self._decide_and_adopt()
+    def _next_trial(self) -> tuple[int, int]:
+        """Rank 0: the next candidate to time (-1: none) and the timed steps per candidate.
+
+        After gradient_allreduce's first steps: the steps per candidate, enough to fill ``min_trial_s`` where steps
+        are short, and the order of the others by their lower bound. Then the next candidate that could still beat
+        the best time to DDP's loss measured so far, and that fits the budget; the others are skipped, with why.
+        """
+        ddp_step = self._figures.step_s[self.labels[0]]
+        if self._queue is None:
+            self._queue = sorted(range(1, len(self.candidates)), key=lambda index: (self._bound(index)[0], index))
+            self._timed_steps = self._steps_per_candidate(ddp_step, 1 + len(self._queue))
+            if self._timed_steps > len(self._times[0]):
+                return 0, self._timed_steps
+        predicted = {label: step * self._factor_of(label) for label, step in self._figures.step_s.items()}
+        best = min(predicted, key=lambda label: (predicted[label], self.labels.index(label)))
+        while self._queue:
+            index = self._queue.pop(0)
+            label, (bound, binding) = self.labels[index], self._bound(index)
+            factor = _factor(self.candidates[index])
+            if bound >= predicted[best]:
+                self._figures.skipped[label] = (
+                    f"even at its {binding} bound, {factor:.3g}x steps of {bound * 1e3 / factor:.1f} ms each lose to"
+                    f" {best}'s {predicted[best] * 1e3:.1f} ms per DDP step"
+                )
+            elif self.auto.max_trial_steps - self._trial_steps < self._timed_steps + 1:
+                self._figures.skipped[label] = f"past the budget of max_trial_steps={self.auto.max_trial_steps}"
+            else:
+                return index, self._timed_steps
+        return -1, self._timed_steps
+
+    def _steps_per_candidate(self, ddp_step: float, candidates: int) -> int:
+        """Timed steps per candidate: ``trial_steps``, or more where that many take under ``min_trial_s``.
+
+        At most what an even share of ``max_trial_steps`` leaves (each candidate's untimed first step counted), and
+        at most :data:`_MAX_STEPS_PER_TRIAL` times ``trial_steps``.
+        """
+        wanted = math.ceil(self.auto.min_trial_s / ddp_step) if ddp_step > 0 else self.auto.trial_steps
+        share = self.auto.max_trial_steps // candidates - 1
+        return max(self.auto.trial_steps, min(wanted, share, _MAX_STEPS_PER_TRIAL * self.auto.trial_steps))
+
+    def _factor_of(self, label: str) -> float:
+        return _factor(self.candidates[self.labels.index(label)])
+
+    def _bound(self, index: int) -> tuple[float, str]:
+        """A lower bound of the candidate's time to DDP's loss per DDP step, and what binds it (compute or link).
+
+        A step takes at least the larger of its compute and its communication: the compute is gradient_allreduce's
+        step less that step's communication (at most, from the link figures) plus the candidate's compression; the
+        communication is its bytes at the measured bandwidth of the tier its exchange crosses, latency left out.
+        """
+        groups = self.context.groups
+        candidate, label = self.candidates[index], self.labels[index]
+        total = sum(self._figures.gradient_bytes.values())
+        link = self._figures.links["all"]
+        n = groups.world_size
+        ddp_comm = link["latency_s"] + 2 * (n - 1) / n * total / link["bandwidth_Bps"]
+        compute = max(self._figures.step_s[self.labels[0]] - ddp_comm, 0.0) + self._figures.compress_s.get(label, 0.0)
+        tier = self._figures.links.get("inter_node", {}) if candidate.hierarchical and groups.is_hierarchical else link
+        bandwidth = tier.get("bandwidth_Bps", math.nan)
+        sent = _exchanged_bytes(candidate, self.context, self._figures.gradient_bytes)
+        comm = sent / bandwidth if bandwidth > 0 and math.isfinite(bandwidth) else 0.0
+        factor = _factor(candidate)
+        return (factor * compute, "compute") if compute >= comm else (factor * comm, "link")
 
     def _decide_and_adopt(self) -> None:
         groups = self.context.groups
@@ -608,10 +646,14 @@ class AutoAlgorithm(Algorithm):
             stands for its flat and, on several nodes of several ranks, its hierarchical form. ``gradient_allreduce``
             is always timed, as the baseline. ``None``: the three, the methods whose final loss was within 1% of
             DDP's at equal steps in the project's tables.
-        trial_steps: timed steps per candidate (each after one untimed step that settles the switch).
+        trial_steps: the fewest timed steps per candidate (each candidate after one untimed step that settles the
+            switch).
         max_trial_steps: the most training steps the measurement may take, all candidates together; candidates
-            past it are not timed, the least promising first. With the defaults, at most 24 steps: 2.4% of a
-            1,000-step run.
+            past it are not timed, the least promising first. 48 by default: 4.8% of a 1,000-step run at most.
+        min_trial_s: where ``trial_steps`` of gradient_allreduce's steps take less, every candidate is timed for
+            as many steps as fill about this many seconds (within an even share of ``max_trial_steps``), so that
+            a millisecond of noise on millisecond steps cannot flip the pick. Steps of ``min_trial_s /
+            trial_steps`` or more (83 ms by default) are timed ``trial_steps`` times.
         figures: figures to decide from instead of measuring (for tests and reproductions); with a step time for
             every candidate no step is timed and the pick is made when the model is wrapped.
     """
@@ -626,11 +668,17 @@ class AutoAlgorithm(Algorithm):
         self,
         candidates: Sequence[str | Algorithm] | None = None,
         trial_steps: int = 3,
-        max_trial_steps: int = 24,
+        max_trial_steps: int = 48,
+        min_trial_s: float = 0.25,
         figures: AutoFigures | None = None,
     ) -> None:
         check_positive_int(self.name, "trial_steps", trial_steps)
         check_positive_int(self.name, "max_trial_steps", max_trial_steps)
+        if isinstance(min_trial_s, bool) or not isinstance(min_trial_s, (int, float)) or not min_trial_s >= 0:
+            raise ValueError(
+                f"Algorithm 'auto': `min_trial_s` must be a number of seconds >= 0, got {min_trial_s!r}. Pass 0 to"
+                " time exactly trial_steps steps per candidate."
+            )
         if max_trial_steps < trial_steps + 1:
             raise ValueError(
                 f"Algorithm 'auto': `max_trial_steps={max_trial_steps}` leaves no room for gradient_allreduce's"
@@ -642,6 +690,7 @@ class AutoAlgorithm(Algorithm):
         self.candidates = None if candidates is None else tuple(_check_candidate(value) for value in candidates)
         self.trial_steps = trial_steps
         self.max_trial_steps = max_trial_steps
+        self.min_trial_s = float(min_trial_s)
         self.figures = figures
 
     def candidates_for(self, num_nodes: int, ranks_per_node: int) -> list[Algorithm]:
@@ -731,6 +780,25 @@ def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> di
     small_s, large_s = medians
     per_byte = max(large_s - small_s, 1e-9) / (large - _SMALL_MESSAGE)
     return {"latency_s": max(small_s - _SMALL_MESSAGE * per_byte, 0.0), "bandwidth_Bps": 1.0 / per_byte}
+
+
+def _exchanged_bytes(candidate: Algorithm, context: AlgorithmContext, gradient_bytes: dict[str, int]) -> float:
+    """The bytes a candidate all-reduces (or moves as much as an all-reduce of them) per step.
+
+    ``gradient_allreduce``: the gradients. ``bytegrad``: one byte per element. ``low_rank``: the factors
+    ``(rows + cols) * rank`` of every matrix that compresses, in its dtype, and the other gradients whole.
+    """
+    if isinstance(candidate, ByteGradAlgorithm):
+        return float(sum(parameter.numel() for _, parameter in context.named_parameters))
+    if isinstance(candidate, LowRankAlgorithm):
+        sent = 0
+        for _, parameter in context.named_parameters:
+            rows = parameter.shape[0] if parameter.dim() >= 2 else 0
+            cols = parameter.numel() // rows if rows else 0
+            factors = (rows + cols) * candidate.rank
+            sent += (factors if rows and factors < rows * cols else parameter.numel()) * parameter.element_size()
+        return float(sent)
+    return float(sum(gradient_bytes.values()))
 
 
 def _compression_cost(candidate: Algorithm, context: AlgorithmContext) -> float:
