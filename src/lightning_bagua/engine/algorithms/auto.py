@@ -11,7 +11,8 @@
    rank); its predicted time to DDP's loss is ``T_c * f_c``, with ``f_c`` the steps to DDP's target as a multiple
    of DDP's (:mod:`._auto_factors`).
 4. The other candidates run in the order of a lower bound of that time, ``f_c * max(T_ddp - comm_ddp +
-   compress_c, bytes_c / B)``: a step takes at least its compute and at least its bytes at the tier's bandwidth.
+   compress_c, bytes_c / B)``: a step takes at least its compute and at least the bytes it sends (low_rank's
+   8-bit factors as its plan sends them) at the tier's bandwidth.
    Before each, rank 0 skips it if its bound already loses to the best time measured so far, or if it would
    overrun the budget; every other candidate runs its own steps, in the phase it would run in (``low_rank``
    exchanges factors from its first trial step).
@@ -44,6 +45,7 @@ from lightning_bagua.engine.algorithms.base import (
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradAlgorithm
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from lightning_bagua.engine.algorithms.low_rank import LowRankAlgorithm
+from lightning_bagua.engine.algorithms.low_rank._factors import plan_slot
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 
@@ -783,20 +785,23 @@ def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> di
 
 
 def _exchanged_bytes(candidate: Algorithm, context: AlgorithmContext, gradient_bytes: dict[str, int]) -> float:
-    """The bytes a candidate all-reduces (or moves as much as an all-reduce of them) per step.
+    """The bytes a candidate sends per step, each rank's share: at most what an all-reduce of them moves.
 
-    ``gradient_allreduce``: the gradients. ``bytegrad``: one byte per element. ``low_rank``: the factors
-    ``(rows + cols) * rank`` of every matrix that compresses, in its dtype, and the other gradients whole.
+    ``gradient_allreduce``: the gradients. ``bytegrad``: one byte per element. ``low_rank``: as its own plan sends
+    them (:func:`~.low_rank._factors.plan_slot`): the 8-bit ``P`` and ``Q`` factors of each factored gradient,
+    headers included, and the other gradients exactly.
     """
     if isinstance(candidate, ByteGradAlgorithm):
         return float(sum(parameter.numel() for _, parameter in context.named_parameters))
     if isinstance(candidate, LowRankAlgorithm):
-        sent = 0
-        for _, parameter in context.named_parameters:
-            rows = parameter.shape[0] if parameter.dim() >= 2 else 0
-            cols = parameter.numel() // rows if rows else 0
-            factors = (rows + cols) * candidate.rank
-            sent += (factors if rows and factors < rows * cols else parameter.numel()) * parameter.element_size()
+        codec, rank, sent = MinMaxUInt8Codec(), candidate.rank, 0
+        for name, parameter in context.named_parameters:
+            slot = plan_slot(name, 0, parameter.shape, rank, parameter.element_size(), codec)
+            if slot.factored:
+                sent += slot.p_chunks * codec.row_bytes(slot.rows * rank, slot.p_chunks)
+                sent += slot.q_chunks * codec.row_bytes(slot.cols * rank, slot.q_chunks)
+            else:
+                sent += parameter.numel() * parameter.element_size()
         return float(sent)
     return float(sum(gradient_bytes.values()))
 
