@@ -20,6 +20,7 @@ from lightning_bagua.engine import (
     LowRankAlgorithm,
 )
 from lightning_bagua.engine.algorithms import _auto_factors
+from lightning_bagua.engine.algorithms import auto as auto_module
 from lightning_bagua.engine.algorithms.auto import AutoImpl, decide, describe_algorithm
 from tests.distributed import run_processes
 
@@ -352,6 +353,44 @@ def test_candidates_run_by_their_bound_and_skip_once_the_link_bound_loses():
         r" 22\.5 ms per DDP step",
         result["skipped"][BYTEGRAD_LABEL],
     ), result["skipped"]
+
+
+@pytest.mark.parametrize(
+    ("latency_s", "bandwidth", "large", "sizes"),
+    [
+        # 10 Mbit/s: 64 KiB already takes 8x the 4 KiB message; a gradient-sized one would cost a step per call.
+        (1e-3, 1.25e6, 4 * 1024**2, [4096, 65536]),
+        # An unshaped link stays latency-bound up to the gradients' size, which ends the growth.
+        (5e-5, 1e10, 4 * 1024**2, [4096, 65536, 262144, 1048576, 4194304]),
+        (5e-5, 1e10, 100_000, [4096, 65536, 100_000]),
+    ],
+)
+def test_link_timing_grows_its_message_only_until_bandwidth_binds(monkeypatch, latency_s, bandwidth, large, sizes):
+    timed: list[int] = []
+
+    def all_reduce_s(group: Any, size: int, device: torch.device) -> float:
+        timed.append(size)
+        return latency_s + size / bandwidth
+
+    monkeypatch.setattr(auto_module, "_all_reduce_s", all_reduce_s)
+    figures = auto_module._time_link(None, large, torch.device("cpu"))  # type: ignore[arg-type]
+    assert timed == sizes
+    torch.testing.assert_close(figures["latency_s"], latency_s, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(figures["bandwidth_Bps"], bandwidth, rtol=1e-6, atol=0.0)
+
+
+def _link_figures(rank: int, world_size: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    return auto_module._time_link(dist.group.WORLD, 4 * 1024**2, torch.device("cpu"))
+
+
+def test_every_rank_reads_the_same_link_figures():
+    # Each rank times its own calls; the sizes they go on to, and so the figures, must agree or they would deadlock.
+    first, second = run_processes(_link_figures, 2)
+    assert first == second
+    assert first["bandwidth_Bps"] > 0
+    assert first["latency_s"] >= 0
 
 
 def _world_of_one(rank: int, world_size: int) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 1. At the first training step every rank times a few all-reduces of two sizes on each tier of the node layout
    (all ranks, within a node, between node leaders): latency ``a`` and bandwidth ``B`` of ``t(s) = a + s / B``.
+   The larger size grows from 64 KiB towards the gradients' size until it is bandwidth-bound.
    Rank 0 also counts the gradient bytes by dtype and times what its device pays for each candidate's compression
    (the 8-bit codec on the gradients, the rank-``r`` projections on the matrix shapes).
 2. ``gradient_allreduce`` runs first for ``trial_steps`` timed steps (after one untimed step that settles the
@@ -60,12 +61,14 @@ ranks' weights equal, so that switching between them at a step boundary is safe.
 DEFAULT_LOW_RANK = 16
 """The rank of the default ``low_rank`` candidate: the smallest within 1% of DDP's loss in the measured tables."""
 
-# Message sizes for the link figures, in bytes: one latency-bound, one bandwidth-bound (the model's gradients,
-# within these bounds: on a slow link each large all-reduce costs about a DDP step, so it is no larger than one).
+# Message sizes for the link figures, in bytes: one latency-bound, one bandwidth-bound, from the smallest up to the
+# model's gradients within the largest (an all-reduce of the gradients costs about a DDP step: it is never larger).
 _SMALL_MESSAGE = 4 * 1024
 _MIN_LARGE_MESSAGE = 64 * 1024
 _LARGE_MESSAGE = 4 * 1024**2
 _REPEATS = 3
+# An all-reduce that takes this many times the small message's is mostly bytes over bandwidth: the fit stops there.
+_BANDWIDTH_BOUND = 8
 # The most timed steps per candidate, as a multiple of trial_steps, however short the steps.
 _MAX_STEPS_PER_TRIAL = 8
 _CHECKPOINT_VERSION = 1
@@ -763,25 +766,29 @@ def _gradient_bytes(context: AlgorithmContext) -> dict[str, int]:
 
 
 def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> dict[str, float]:
-    """Fit ``t(s) = latency + s / bandwidth`` to the median of a few all-reduces of two sizes on ``group``."""
-    medians = []
-    for size in (_SMALL_MESSAGE, large):
-        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-        if size == _SMALL_MESSAGE:
-            dist.all_reduce(tensor, group=group)  # connects the path; the large size needs no call of its own
-        times = []
-        for _ in range(_REPEATS):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            dist.all_reduce(tensor, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - started)
-        medians.append(statistics.median(times))
-    small_s, large_s = medians
-    per_byte = max(large_s - small_s, 1e-9) / (large - _SMALL_MESSAGE)
+    """Fit ``t(s) = latency + s / bandwidth`` to the medians of a few all-reduces of two sizes on ``group``.
+
+    One size is latency-bound (4 KiB). The other starts at 64 KiB and grows 4x at a time up to ``large``, stopping
+    at the first that takes :data:`_BANDWIDTH_BOUND` times the small one: on a slow link a small message already
+    measures the bandwidth, where a gradient-sized one would cost several training steps per call. Every rank reads
+    the slowest rank's medians, so that all take the same sizes.
+    """
+    small_s = _all_reduce_s(group, _SMALL_MESSAGE, device)
+    size = _MIN_LARGE_MESSAGE
+    size_s = _all_reduce_s(group, size, device)
+    while size < large and size_s < _BANDWIDTH_BOUND * small_s:
+        size = min(4 * size, large)
+        size_s = _all_reduce_s(group, size, device)
+    per_byte = max(size_s - small_s, 1e-9) / (size - _SMALL_MESSAGE)
     return {"latency_s": max(small_s - _SMALL_MESSAGE * per_byte, 0.0), "bandwidth_Bps": 1.0 / per_byte}
+
+
+def _all_reduce_s(group: dist.ProcessGroup, size: int, device: torch.device) -> float:
+    """The slowest rank's median time of an all-reduce of ``size`` bytes on ``group`` (the first call untimed)."""
+    tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
+    slowest = torch.tensor([_timed(lambda: dist.all_reduce(tensor, group=group), device)], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest.item())
 
 
 def _exchanged_bytes(candidate: Algorithm, context: AlgorithmContext, gradient_bytes: dict[str, int]) -> float:
