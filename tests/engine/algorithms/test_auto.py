@@ -363,12 +363,14 @@ def test_candidates_run_by_their_bound_and_skip_once_the_link_bound_loses():
         # An unshaped link stays latency-bound up to the gradients' size, which ends the growth.
         (5e-5, 1e10, 4 * 1024**2, [4096, 65536, 262144, 1048576, 4194304]),
         (5e-5, 1e10, 100_000, [4096, 65536, 100_000]),
+        # Gradients smaller than the first step of the growth are the larger message themselves.
+        (5e-5, 1e10, 38_440, [4096, 38_440]),
     ],
 )
 def test_link_timing_grows_its_message_only_until_bandwidth_binds(monkeypatch, latency_s, bandwidth, large, sizes):
     timed: list[int] = []
 
-    def all_reduce_s(group: Any, size: int, device: torch.device) -> float:
+    def all_reduce_s(group: Any, size: int, device: torch.device, connect: bool = False) -> float:
         timed.append(size)
         return latency_s + size / bandwidth
 

@@ -64,7 +64,8 @@ DEFAULT_LOW_RANK = 16
 # Message sizes for the link figures, in bytes: one latency-bound, one bandwidth-bound, from the smallest up to the
 # model's gradients within the largest (an all-reduce of the gradients costs about a DDP step: it is never larger).
 _SMALL_MESSAGE = 4 * 1024
-_MIN_LARGE_MESSAGE = 64 * 1024
+_MIN_LARGE_MESSAGE = 16 * 1024
+_FIRST_LARGE_MESSAGE = 64 * 1024
 _LARGE_MESSAGE = 4 * 1024**2
 _REPEATS = 3
 # An all-reduce that takes this many times the small message's is mostly bytes over bandwidth: the fit stops there.
@@ -768,13 +769,13 @@ def _gradient_bytes(context: AlgorithmContext) -> dict[str, int]:
 def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> dict[str, float]:
     """Fit ``t(s) = latency + s / bandwidth`` to the medians of a few all-reduces of two sizes on ``group``.
 
-    One size is latency-bound (4 KiB). The other starts at 64 KiB and grows 4x at a time up to ``large``, stopping
-    at the first that takes :data:`_BANDWIDTH_BOUND` times the small one: on a slow link a small message already
-    measures the bandwidth, where a gradient-sized one would cost several training steps per call. Every rank reads
-    the slowest rank's medians, so that all take the same sizes.
+    One size is latency-bound (4 KiB). The other starts at 64 KiB (or ``large``, if smaller) and grows 4x at a time
+    up to ``large``, stopping at the first that takes :data:`_BANDWIDTH_BOUND` times the small one: on a slow link a
+    small message already measures the bandwidth, where a gradient-sized one would cost several training steps per
+    call. Every rank reads the slowest rank's medians, so that all take the same sizes.
     """
-    small_s = _all_reduce_s(group, _SMALL_MESSAGE, device)
-    size = _MIN_LARGE_MESSAGE
+    small_s = _all_reduce_s(group, _SMALL_MESSAGE, device, connect=True)
+    size = min(_FIRST_LARGE_MESSAGE, large)
     size_s = _all_reduce_s(group, size, device)
     while size < large and size_s < _BANDWIDTH_BOUND * small_s:
         size = min(4 * size, large)
@@ -783,10 +784,14 @@ def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> di
     return {"latency_s": max(small_s - _SMALL_MESSAGE * per_byte, 0.0), "bandwidth_Bps": 1.0 / per_byte}
 
 
-def _all_reduce_s(group: dist.ProcessGroup, size: int, device: torch.device) -> float:
-    """The slowest rank's median time of an all-reduce of ``size`` bytes on ``group`` (the first call untimed)."""
+def _all_reduce_s(group: dist.ProcessGroup, size: int, device: torch.device, connect: bool = False) -> float:
+    """The slowest rank's median time of an all-reduce of ``size`` bytes on ``group``.
+
+    With ``connect``, a first untimed call sets up the path; later sizes reuse it and need none.
+    """
     tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-    slowest = torch.tensor([_timed(lambda: dist.all_reduce(tensor, group=group), device)], device=device)
+    median = _timed(lambda: dist.all_reduce(tensor, group=group), device, warm_up=connect)
+    slowest = torch.tensor([median], device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest.item())
 
@@ -855,8 +860,9 @@ def _compression_cost(candidate: Algorithm, context: AlgorithmContext) -> float:
     return 0.0
 
 
-def _timed(work: Any, device: torch.device) -> float:
-    work()
+def _timed(work: Any, device: torch.device, warm_up: bool = True) -> float:
+    if warm_up:
+        work()
     times = []
     for _ in range(_REPEATS):
         if device.type == "cuda":
