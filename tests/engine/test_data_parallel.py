@@ -2,6 +2,7 @@
 
 import contextlib
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,7 +249,7 @@ def report_default_bucket(rank: int, world_size: int) -> dict:
     return result
 
 
-def backward_without_a_peer(rank: int, world_size: int, algorithm: str, hierarchical: bool) -> dict:
+def backward_without_a_peer(rank: int, world_size: int, algorithm: str, hierarchical: bool, marks: Path) -> dict:
     from datetime import timedelta
 
     model = make_model()
@@ -266,8 +267,12 @@ def backward_without_a_peer(rank: int, world_size: int, algorithm: str, hierarch
             nn.functional.mse_loss(ddp(inputs), targets).backward()
         except RuntimeError as error:
             outcome = {"raised": str(error), "seconds": time.monotonic() - start}
+        (marks / str(rank)).touch()
     else:
-        time.sleep(8)
+        # Alive but silent until every other rank has failed (a rank that exited would fail them differently).
+        deadline = time.monotonic() + 60
+        while len(list(marks.iterdir())) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
     ddp.close()
     return outcome
 
@@ -282,8 +287,8 @@ def backward_without_a_peer(rank: int, world_size: int, algorithm: str, hierarch
         ("bytegrad", 4, False),
     ],
 )
-def test_a_missing_peer_fails_the_backward_within_the_timeout(algorithm, world_size, hierarchical):
-    results = run_processes(backward_without_a_peer, world_size, algorithm, hierarchical)
+def test_a_missing_peer_fails_the_backward_within_the_timeout(tmp_path, algorithm, world_size, hierarchical):
+    results = run_processes(backward_without_a_peer, world_size, algorithm, hierarchical, tmp_path)
     # Hierarchical: rank 2 waits on rank 3 inside its node, rank 0 on rank 2 among leaders, rank 1 on rank 0.
     for rank, outcome in enumerate(results[:-1]):
         assert outcome["raised"] is not None, f"rank {rank}: the backward should fail, not hang"
