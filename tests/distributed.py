@@ -166,7 +166,7 @@ def _context() -> multiprocessing.context.BaseContext:
 
     A spawned process imports torch and the engine anew, seconds on a busy two-core machine, for every process of
     every test. A fork of the server gets them loaded and still shares no state with any other test's processes:
-    the server itself never runs a test, starts no thread and never touches a device.
+    the server only imports, it never runs a test or touches a device.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
