@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_bagua.engine import (
@@ -382,8 +383,6 @@ def test_link_timing_grows_its_message_only_until_bandwidth_binds(monkeypatch, l
 
 
 def _link_figures(rank: int, world_size: int) -> dict[str, float]:
-    import torch.distributed as dist
-
     return auto_module._time_link(dist.group.WORLD, 4 * 1024**2, torch.device("cpu"))
 
 

@@ -791,7 +791,7 @@ def _all_reduce_s(group: dist.ProcessGroup, size: int, device: torch.device, con
     """
     tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
     median = _timed(lambda: dist.all_reduce(tensor, group=group), device, warm_up=connect)
-    slowest = torch.tensor([median], device=device)
+    slowest = torch.tensor([median], dtype=torch.float64, device=device)  # as the step times' maximum
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest.item())
 
