@@ -167,10 +167,13 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     return task_model(args.task), task_loss
 
 
-def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+def wrap(
+    method: str, model: nn.Module, warmup: int, run_steps: int | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
     """Return the wrapped model, its optimizer, the engine's communication counter and the DDP hook's state.
 
     The counter is ``None`` outside the engine; the hook state is PowerSGD's (``None`` for other methods).
+    ``run_steps`` is the run's length auto bounds its measuring by, as the Trainer tells it.
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -214,6 +217,8 @@ def wrap(method: str, model: nn.Module, warmup: int) -> tuple[nn.Module, torch.o
         keywords["rank"] = rank
     if rank is not None and "warmup_steps" in accepted:  # low_rank: compress from the same step as PowerSGD
         keywords["warmup_steps"] = HOOK_WARMUP
+    if run_steps is not None and "run_steps" in accepted:
+        keywords["run_steps"] = run_steps
     wrapped = BaguaDistributedDataParallel(model, optimizers=[optimizer], algorithm=Algorithm.init(name, **keywords))
     return wrapped, optimizer, wrapped.communication_counter, None
 
@@ -225,7 +230,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     from lightning_bagua.engine.algorithms.diloco import DiLoCoImpl
 
     model, loss_function = build_model(args)
-    wrapped, optimizer, counter, hook_state = wrap(method, model, args.warmup)
+    wrapped, optimizer, counter, hook_state = wrap(method, model, args.warmup, args.run_steps)
     generator = torch.Generator().manual_seed(args.rank)
     if args.task == "mlp":
         inputs = torch.randn(args.batch, args.width, generator=generator)
@@ -430,6 +435,8 @@ def worker_command(
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--schedule", json.dumps(schedule)]
     command += ["--rank", str(rank), "--master", master, "--port", str(port), "--task", args.task]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.run_steps is not None:
+        command += ["--run-steps", str(args.run_steps)]
     command += ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
     return [*command, "--timeout", str(args.timeout), "--world-size", str(args.hosts * args.ranks_per_host)]
 
@@ -864,6 +871,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=None, help="default: all")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (more than 2)")
+    parser.add_argument(
+        "--run-steps",
+        type=int,
+        default=None,
+        help="the training run auto is told of (its run_steps: it measures for at most 5%% of them); default: none",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the methods (default: 5)")
     parser.add_argument("--task", default="mlp", choices=TASKS, help="the model: the lab's MLP or a convergence task's")
     parser.add_argument("--width", type=int, default=1024, help="hidden width (1024 and depth 2: 2.1M parameters)")

@@ -209,8 +209,13 @@ def steps_to_target(runs: list[dict[str, Any]], margin: float) -> dict[str, dict
 # ------------------------------------------------------------------------------------------------ the lab
 
 
-def run_lab(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
-    """Time every task's network with every method at every rate and layout; return rows, failures, commands."""
+def run_lab(
+    args: argparse.Namespace, run_steps: dict[str, int]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Time every task's network with every method at every rate and layout; return rows, failures, commands.
+
+    auto is told each task's run length (``run_steps``), as the Trainer tells it in the task's curve run.
+    """
     rows, failures, commands = [], [], []
     for layout in args.layouts:
         hosts, ranks_per_host = (int(part) for part in layout.split("x"))
@@ -222,7 +227,7 @@ def run_lab(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[s
             argv = ["--task", task, "--batch", str(batch), "--hosts", str(hosts), "--ranks-per-host",
                     str(ranks_per_host), "--steps", str(args.lab_steps), "--warmup", str(args.lab_warmup),
                     "--rounds", str(args.rounds), "--timeout", str(LAB_COLLECTIVE_TIMEOUT_S), "--rates", *args.rates,
-                    "--methods", *methods]  # fmt: skip
+                    "--run-steps", str(run_steps[task]), "--methods", *methods]  # fmt: skip
             lab_args = network_lab.parse_args(argv)
             command = "python benchmarks/network_lab.py " + " ".join(argv)
             log.info("lab %s %s: %s", layout, task, command)
@@ -410,8 +415,6 @@ def markdown(report: dict[str, Any]) -> str:
 # Not among the fixed methods auto is judged against: itself, the local-SGD methods, and async, whose replicas
 # average in the background (auto leaves out by design every method whose weights are not DDP's).
 _NOT_FIXED = ("auto", "diloco_", "torchft_", "async")
-# A lab run of this many steps is what auto's measuring cost is a share of.
-_RUN_STEPS = 1000
 
 
 def _final_loss(report: dict[str, Any], task: str, method: str) -> float | None:
@@ -433,8 +436,8 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
     """The checks of auto and diloco against the methods a user would pick instead, per task, layout and rate.
 
     auto: its time to target (measuring included) over the best fixed method's and over DDP's, and its measuring
-    cost beyond the pick's own steps as a share of a 1,000-step run. diloco: its time over the fastest
-    ``low_rank``'s, DDP's and torchft's DiLoCo's; its step (averaged over whole sync periods) over the
+    cost beyond the pick's own steps as a share of the task's run (the length it is told). diloco: its time over
+    the fastest ``low_rank``'s, DDP's and torchft's DiLoCo's; its step (averaged over whole sync periods) over the
     no-communication step; its final held-out loss over DDP's.
     """
     rows = report["combined"]
@@ -454,7 +457,7 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
         if row["method"] == "auto":
             best = _fastest(cell, lambda method: not method.startswith(_NOT_FIXED))
             extra = row["auto_trial_s"] - row["auto_trial_steps"] * row["median_step_s"]
-            share = extra / (_RUN_STEPS * row["median_step_s"])
+            share = extra / (report["settings"]["steps"][row["task"]] * row["median_step_s"])
             best_text = f"{best['method']} {best['time_to_target_s']:.3g} s" if best else "-"
             auto_rows.append(
                 f"| {' | '.join(map(str, where))} | {row['auto_pick']} | {row['auto_trial_steps']:g} steps,"
@@ -480,7 +483,9 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
         lines += [
             "", "### auto against the fixed methods", "",
             "Time to target with its measuring steps counted; best fixed: the fastest other per-step method of the"
-            f" cell; measuring share: its cost beyond the pick's own steps over a {_RUN_STEPS:,}-step run's time.",
+            " cell; measuring share: its cost beyond the pick's own steps over the time of the task's run ("
+            + ", ".join(f"{task} {steps} steps" for task, steps in report["settings"]["steps"].items())
+            + "), the run length auto is told.",
             "",
             "| task | layout | rate | pick | measuring | time to target | best fixed | vs best | vs ddp | share |",
             "|---|---|---|---|---|---|---|---|---|---|",
@@ -573,7 +578,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     steps = dict.fromkeys(args.tasks, args.steps) if args.steps is not None else defaults
     runs, curve_failures = run_curves(args, steps)
     curves = steps_to_target(runs, args.margin)
-    lab_rows, lab_failures, lab_commands = run_lab(args) if args.lab else ([], [], [])
+    lab_rows, lab_failures, lab_commands = run_lab(args, steps) if args.lab else ([], [], [])
     settings = {
         "tasks": args.tasks,
         "methods": args.methods,

@@ -212,6 +212,8 @@ def test_fabric_trains_exactly_as_the_trainer_strategy_for_each_algorithm(tmp_pa
     for result in results:
         for loop in ("trainer", "fabric"):
             assert result["auto"][loop]["auto_pick"] == "low_rank(rank=16, hierarchical=False)"
+        # The Trainer knows the run's length and bounds auto's measuring by it.
+        assert result["auto"]["trainer"]["auto_run_steps"] == 4
     assert_ranks_identical([result["auto"]["fabric"] for result in results])
     # diloco (with accumulation): only the outer exchanges communicate, and the replicas differ between them.
     assert set(results[0]["diloco"]["fabric"]["bytes_by_op"]) == {"all_gather"}

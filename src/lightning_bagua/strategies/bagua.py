@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bagua.engine import Algorithm, AlgorithmImpl, BaguaDistributedDataParallel
+from lightning_bagua.engine.algorithms.auto import AutoImpl
 from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
@@ -161,6 +162,9 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         if isinstance(self.model, BaguaDistributedDataParallel):
             # Lightning creates the optimizers after wrapping; algorithms that act around the step need them.
             self.model.bind_optimizers(self.optimizers)
+            impl = self.model.bagua_algorithm_impl
+            if isinstance(impl, AutoImpl) and trainer.state.fn == "fit":
+                impl.use_run_length(trainer.estimated_stepping_batches)
 
     @override
     def _setup_model(self, model: Module) -> BaguaDistributedDataParallel:

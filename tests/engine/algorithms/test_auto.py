@@ -98,6 +98,15 @@ def test_nothing_faster_falls_back_to_gradient_allreduce():
     assert decide(FLAT, figures_for({"bytegrad(hierarchical=False)": 1.0}))[0] == 0
 
 
+def test_gradient_allreduce_lost_by_its_link_bound_gives_way_to_the_best_timed():
+    figures = figures_for({"bytegrad(hierarchical=False)": 6.0, "low_rank(rank=16, hierarchical=False)": 5.0})
+    figures.skipped["gradient_allreduce"] = "even at its link bound, 1x steps of 90.0 ms each lose to ..."
+    index, reason, predicted, _ = decide(FLAT, figures)
+    assert index == 2
+    assert set(predicted) == {"bytegrad(hierarchical=False)", "low_rank(rank=16, hierarchical=False)"}
+    assert "gradient_allreduce's gradients alone take longer over the link" in reason
+
+
 def test_candidates_follow_the_layout():
     auto = AutoAlgorithm()
     assert [describe_algorithm(c) for c in auto.candidates_for(1, 4)] == [
@@ -132,6 +141,8 @@ def test_candidates_follow_the_layout():
         ({"trial_steps": 2.5}, TypeError, r"`trial_steps` must be a int"),
         ({"min_trial_s": -1}, ValueError, r"`min_trial_s` must be a number of seconds >= 0, got -1"),
         ({"min_trial_s": "1s"}, ValueError, r"`min_trial_s` must be .* got '1s'.*Pass 0"),
+        ({"run_steps": 0}, ValueError, r"`run_steps` must be at least 1, got 0"),
+        ({"run_steps": 1e3}, TypeError, r"`run_steps` must be a int"),
     ],
 )
 def test_bad_input_fails_at_construction(kwargs, error, match):
@@ -302,58 +313,107 @@ def wide_model() -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 512), nn.ReLU(), nn.Linear(512, 512))
 
 
-def _trial_plan(rank: int, world_size: int, ddp_step_s: float, bandwidth: float) -> dict[str, Any]:
-    """The plan after gradient_allreduce's timed steps at ``ddp_step_s``, then after the next candidate's at 20 ms.
+def _trial_plan(
+    rank: int,
+    world_size: int,
+    step_ms: dict[str, float],
+    bandwidth: float,
+    run_steps: int | None = None,
+) -> dict[str, Any]:
+    """The plan rank 0 makes, each candidate it runs taking ``step_ms[label]`` a step: what it times, and skips.
 
     Each rank works it out from the same figures, as rank 0 does alone in training.
     """
     module = wide_model()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
-    model = BaguaDistributedDataParallel(module, optimizers=[optimizer], algorithm=AutoAlgorithm())
+    model = BaguaDistributedDataParallel(module, optimizers=[optimizer], algorithm=AutoAlgorithm(run_steps=run_steps))
     impl = model.bagua_algorithm_impl
     assert isinstance(impl, AutoImpl)
     impl._figures = AutoFigures(
-        step_s={"gradient_allreduce": ddp_step_s},
         links={"all": {"latency_s": 0.0, "bandwidth_Bps": bandwidth}},
         gradient_bytes={"float32": sum(p.numel() * 4 for p in model.module.parameters())},
         compress_s=dict.fromkeys(impl.labels, 0.0),
     )
-    impl._queue, impl._times, impl._trial_steps = None, {0: [ddp_step_s] * 3}, 4
-    first = impl._next_trial()
-    second = None
-    if first[0] > 0:
-        impl._figures.step_s[impl.labels[first[0]]] = 0.020
-        second = impl._next_trial()
-    result = {"labels": impl.labels, "first": first, "second": second, "skipped": dict(impl._figures.skipped)}
+    impl._queue, impl._times, impl._trial_steps, impl._sized = None, {}, 0, False
+    plan = []
+    index, steps = impl._next_trial()
+    while index >= 0:
+        label = impl.labels[index]
+        done = len(impl._times.get(index, []))
+        impl._trial_steps += steps - done + (0 if done else 1)  # a new candidate's first step is not timed
+        impl._trying, impl._timed_steps = index, steps
+        impl._times[index] = [step_ms[label] / 1e3] * steps
+        impl._figures.step_s[label] = step_ms[label] / 1e3
+        plan.append((label, steps))
+        index, steps = impl._next_trial()
+    chosen, reason, _, _ = decide(impl.candidates, impl._figures)
+    result = {
+        "plan": plan,
+        "steps": impl._trial_steps,
+        "skipped": dict(impl._figures.skipped),
+        "pick": impl.labels[chosen],
+        "reason": reason,
+    }
     model.close()
     return result
 
 
+EVERY_STEP_2_MS = dict.fromkeys(["gradient_allreduce", BYTEGRAD_LABEL, LOW_RANK_LABEL], 2.0)
+
+
 def test_short_steps_are_timed_more_times_within_the_budget():
-    # 2 ms steps: 0.25 s would take 125 of them; an even share of 48 steps over 3 candidates leaves 15 timed each.
-    (result,) = run_processes(_trial_plan, 1, 0.002, 1e12)
-    assert result["first"] == (0, 15)  # gradient_allreduce first times 12 more of its own
-    (result,) = run_processes(_trial_plan, 1, 0.100, 1e12)
-    assert result["first"][1] == 3  # 3 steps of 100 ms fill min_trial_s already
+    # A fast link: the fewest bytes first. 2 ms steps: 0.25 s would take 125 of them; an even share of 48 steps
+    # over 3 candidates leaves 15 timed each, so the first one times 12 more of its own. bytegrad, at 1.75x the
+    # steps of a step no shorter than the compute low_rank's leaves, cannot win; gradient_allreduce runs.
+    (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12)
+    assert result["plan"] == [(LOW_RANK_LABEL, 3), (LOW_RANK_LABEL, 15), ("gradient_allreduce", 15)]
+    assert result["steps"] == 32
+    assert result["skipped"][BYTEGRAD_LABEL].startswith("even at its compute bound, 1.75x steps of 2.0 ms each")
+    assert result["pick"] == "gradient_allreduce"  # a tie in step time: low_rank needs more steps
+    (result,) = run_processes(_trial_plan, 1, dict.fromkeys(EVERY_STEP_2_MS, 100.0), 1e12)
+    assert [steps for _, steps in result["plan"]] == [3, 3]  # 3 steps of 100 ms fill min_trial_s already
 
 
-def test_candidates_run_by_their_bound_and_skip_once_the_link_bound_loses():
-    # 100 ms DDP steps at this bandwidth: 90 ms of them communication at most, so 10 ms of compute. low_rank's
-    # bound is the lowest (its 8-bit factors and the exact biases are 3% of the gradient bytes, so its compute
-    # binds) and it runs first. Once it measures 20 ms (22.5 ms to DDP's loss with its 1.125x steps), bytegrad's
-    # link bound, 1.75x steps of one byte per element at the bandwidth (22.5 ms each), cannot win any more, though
-    # it would against DDP's 100 ms.
+def test_a_short_run_measures_within_its_share_and_keeps_room_for_gradient_allreduce():
+    # 230 steps: 5% is 11 measuring steps, so every candidate gets its 3 timed steps and no more.
+    (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 230)
+    assert result["plan"] == [(LOW_RANK_LABEL, 3), ("gradient_allreduce", 3)]
+    assert result["steps"] == 8
+    # 100 steps: 5 measuring steps hold one candidate's 4; they are kept for gradient_allreduce, the fallback,
+    # which then times one more of its short steps.
+    (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 100)
+    assert result["plan"] == [("gradient_allreduce", 3), ("gradient_allreduce", 4)]
+    assert result["steps"] == 5
+    assert result["skipped"] == dict.fromkeys([LOW_RANK_LABEL, BYTEGRAD_LABEL], "past the budget of 5 measuring steps")
+    # A run too short for 5% to hold gradient_allreduce's steps still times it: the budget never goes below them.
+    (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 20)
+    assert result["plan"] == [("gradient_allreduce", 3)]
+    assert result["pick"] == "gradient_allreduce"
+
+
+def test_a_slow_link_times_the_fewest_bytes_first_and_skips_what_its_link_bound_loses():
+    # At this bandwidth DDP's gradients take 90 ms. low_rank sends the fewest bytes (its 8-bit factors and the exact
+    # biases, 3% of the gradient bytes) and runs first. Once it measures 20 ms (22.5 ms to DDP's loss with its
+    # 1.125x steps), bytegrad's link bound, 1.75x steps of one byte per element (22.5 ms each), cannot win, and
+    # gradient_allreduce's 90 ms of bytes cannot either: neither runs a step, and low_rank is the pick.
     numel = sum(p.numel() for p in wide_model().parameters())
     bandwidth = 4 * numel / 0.090
-    result = run_processes(_trial_plan, 2, 0.100, bandwidth)[0]  # two ranks: DDP's step communicates
-    labels = result["labels"]
-    assert result["first"] == (labels.index(LOW_RANK_LABEL), 3)
-    assert result["second"] == (-1, 3)
+    step_ms = {"gradient_allreduce": 100.0, BYTEGRAD_LABEL: 30.0, LOW_RANK_LABEL: 20.0}
+    (result,) = run_processes(_trial_plan, 1, step_ms, bandwidth)
+    assert result["plan"] == [(LOW_RANK_LABEL, 3), (LOW_RANK_LABEL, 13)]  # 13 steps of 20 ms fill min_trial_s
+    assert result["steps"] == 14
     assert re.fullmatch(
         r"even at its link bound, 1\.75x steps of 22\.5 ms each lose to low_rank\(rank=16, hierarchical=False\)'s"
         r" 22\.5 ms per DDP step",
         result["skipped"][BYTEGRAD_LABEL],
     ), result["skipped"]
+    assert result["skipped"]["gradient_allreduce"].startswith("even at its link bound, 1x steps of 90.0 ms each")
+    assert result["pick"] == LOW_RANK_LABEL
+    assert "gradient_allreduce's gradients alone take longer over the link" in result["reason"]
+    # A link fast enough that gradient_allreduce could win: it runs, and wins on its measured step.
+    (result,) = run_processes(_trial_plan, 1, {**step_ms, "gradient_allreduce": 21.0}, bandwidth * 10)
+    assert ("gradient_allreduce", 13) in result["plan"]
+    assert result["pick"] == "gradient_allreduce"
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,14 @@ def run_trainer(algorithm: str, kwargs: dict[str, Any], optimizer_kind: str, acc
         def configure_optimizers(self):
             return build_optimizer(optimizer_kind, self.parameters())
 
+    seen: dict[str, Any] = {}
+
+    class RunLength(pl.Callback):
+        """What auto was told of the run's length, as training starts."""
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seen["run_steps"] = getattr(trainer.strategy.model.bagua_algorithm_impl, "run_steps", None)
+
     model = Regression()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -138,6 +146,7 @@ def run_trainer(algorithm: str, kwargs: dict[str, Any], optimizer_kind: str, acc
         strategy=BaguaStrategy(algorithm=algorithm, **algorithm_keywords(kwargs)),
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,
+        callbacks=[RunLength()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -149,6 +158,7 @@ def run_trainer(algorithm: str, kwargs: dict[str, Any], optimizer_kind: str, acc
         "state": cpu_state(model),
         "bytes_by_op": trainer.strategy.communication_counter.bytes_by_op,
         "auto_pick": None if decision is None else decision.label,
+        "auto_run_steps": seen.get("run_steps"),
     }
 
 

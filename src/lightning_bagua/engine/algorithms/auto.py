@@ -5,21 +5,25 @@
    The larger size grows from 64 KiB towards the gradients' size until it is bandwidth-bound.
    Rank 0 also counts the gradient bytes by dtype and times what its device pays for each candidate's compression
    (the 8-bit codec on the gradients, the rank-``r`` projections on the matrix shapes).
-2. ``gradient_allreduce`` runs first for ``trial_steps`` timed steps (after one untimed step that settles the
-   switch). Where those took under ``min_trial_s``, it and every candidate are timed for more steps, ``k =
-   ceil(min_trial_s / T_ddp)``, within an even share of the ``max_trial_steps`` budget.
-3. Each candidate's step ``T_c`` is the maximum over ranks of each rank's median (a step is as slow as its slowest
-   rank); its predicted time to DDP's loss is ``T_c * f_c``, with ``f_c`` the steps to DDP's target as a multiple
-   of DDP's (:mod:`._auto_factors`).
-4. The other candidates run in the order of a lower bound of that time, ``f_c * max(T_ddp - comm_ddp +
-   compress_c, bytes_c / B)``: a step takes at least its compute and at least the bytes it sends (low_rank's
-   8-bit factors as its plan sends them) at the tier's bandwidth.
-   Before each, rank 0 skips it if its bound already loses to the best time measured so far, or if it would
-   overrun the budget; every other candidate runs its own steps, in the phase it would run in (``low_rank``
-   exchanges factors from its first trial step).
+2. Rank 0 orders the candidates by a lower bound of their time to DDP's loss (per DDP step), ``f_c *
+   max(compute + compress_c, bytes_c / B)``, with ``f_c`` the steps to DDP's target as a multiple of DDP's
+   (:mod:`._auto_factors`): a step takes at least its compute and at least the bytes it sends (low_rank's 8-bit
+   factors as its plan sends them) at the bandwidth of the tier its exchange crosses. Before any step is timed the
+   compute is taken as 0, so the order is the link's; ``gradient_allreduce``'s bound is always its link bound.
+3. The first candidate runs ``trial_steps`` timed steps (after one untimed step that settles the switch). Where
+   those took under ``min_trial_s``, it and every later candidate are timed for more steps, ``k = ceil(min_trial_s
+   / T)``, within an even share of the budget: ``max_trial_steps``, and at most 5% of ``run_steps`` where the run's
+   length is known. Each candidate's step ``T_c`` is the maximum over ranks of each rank's median (a step is as
+   slow as its slowest rank), in the phase it would run in (``low_rank`` exchanges factors from its first trial
+   step). The compute is then at most the smallest ``T_c`` less its communication at the link figures and its
+   compression.
+4. Before each further candidate, rank 0 skips it if its bound already loses to the best ``T_c * f_c`` measured
+   so far, or if it would overrun the budget (room for ``gradient_allreduce`` is kept until it has run or lost).
+   On a slow link ``gradient_allreduce`` is not timed at all once a compressing candidate beats its bytes at the
+   bandwidth.
 5. Rank 0 picks the smallest predicted time (the earlier candidate on a tie; ``gradient_allreduce`` unless another
-   beats it) and broadcasts it; every rank builds that algorithm, with the keywords it was timed with, and runs
-   exactly it from then on.
+   beats it, measured or by its link bound) and broadcasts it; every rank builds that algorithm, with the keywords
+   it was timed with, and runs exactly it from then on.
 """
 
 import logging
@@ -72,6 +76,8 @@ _REPEATS = 3
 _BANDWIDTH_BOUND = 8
 # The most timed steps per candidate, as a multiple of trial_steps, however short the steps.
 _MAX_STEPS_PER_TRIAL = 8
+# Where the run's length is known, measuring takes at most this share of its steps.
+_RUN_SHARE = 0.05
 _CHECKPOINT_VERSION = 1
 
 
@@ -240,7 +246,8 @@ def decide(
 
     Args:
         candidates: the candidates, ``gradient_allreduce`` (flat) first.
-        figures: with ``step_s`` for the candidates that were timed.
+        figures: with ``step_s`` for the candidates that were timed, and ``skipped`` for those that were not (an
+            untimed ``gradient_allreduce`` lost by its link bound).
 
     Returns:
         The index of the pick, the reason, each timed candidate's predicted time ``T_c * f_c``, and the factors.
@@ -250,7 +257,17 @@ def decide(
     predicted = {label: figures.step_s[label] * factors[label] for label in labels if label in figures.step_s}
     baseline = labels[0]
     if baseline not in predicted:
-        return 0, "gradient_allreduce was not timed, so nothing could be compared with it.", predicted, factors
+        if not predicted or baseline not in figures.skipped:
+            return 0, "gradient_allreduce was not timed, so nothing could be compared with it.", predicted, factors
+        # Skipped because its bytes at the link's bandwidth alone lose to a measured candidate: that one beats it.
+        best = min(predicted, key=lambda label: (predicted[label], labels.index(label)))
+        return (
+            labels.index(best),
+            f"it reaches DDP's loss first of those timed (step {figures.step_s[best] * 1e3:.1f} ms,"
+            f" {factors[best]:.4g}x DDP's steps), and gradient_allreduce's gradients alone take longer over the link.",
+            predicted,
+            factors,
+        )
     best = min(predicted, key=lambda label: (predicted[label], labels.index(label)))
     if best == baseline or predicted[best] >= predicted[baseline]:
         return 0, "nothing measured reaches DDP's loss sooner than gradient_allreduce.", predicted, factors
@@ -291,9 +308,11 @@ class AutoImpl(AlgorithmImpl):
         self._optimizers: list[Optimizer] = []
         self._started = False
         self._figures = AutoFigures()
+        self.run_steps = algorithm.run_steps
         self._trying = 0  # the candidate on trial
         self._steps_here = 0  # steps it has run (the first after a switch is not timed)
-        self._timed_steps = algorithm.trial_steps  # timed steps per candidate, set after gradient_allreduce's
+        self._timed_steps = algorithm.trial_steps  # timed steps per candidate, set after the first candidate's
+        self._sized = False  # whether the first candidate's steps have set them
         self._queue: list[int] | None = None  # rank 0: the candidates still to try, the most promising first
         self._times: dict[int, list[float]] = {}
         self._last_boundary: float | None = None
@@ -314,6 +333,15 @@ class AutoImpl(AlgorithmImpl):
         if self.context.groups.world_size == 1:
             return self.current.communication_hook()
         return self._dispatch, _dispatch_hook
+
+    def use_run_length(self, steps: float) -> None:
+        """Bound the measuring by the run's length, unless ``run_steps`` was given: at most 5% of ``steps``.
+
+        Args:
+            steps: the run's training steps (``float("inf")`` when unknown, which leaves the budget as it is).
+        """
+        if self.run_steps is None and math.isfinite(steps) and steps >= 1:
+            self.run_steps = int(steps)
 
     @property
     def current(self) -> AlgorithmImpl:
@@ -475,6 +503,7 @@ class AutoImpl(AlgorithmImpl):
 
     def _restart_trials(self) -> None:
         self._trying, self._steps_here, self._timed_steps, self._queue = 0, 0, self.auto.trial_steps, None
+        self._sized = False
         self._times, self._last_boundary, self._trial_steps, self._measure_s = {}, None, 0, 0.0
         self._figures = self._given_figures()
         self._switch(0, trial=True)
@@ -483,6 +512,11 @@ class AutoImpl(AlgorithmImpl):
         now = time.perf_counter()
         if self._last_boundary is None:
             self._measure_start_up()
+            first = self._next_everywhere()
+            if first is None:
+                self._decide_and_adopt()
+            else:
+                self._go_to(first)
             self._last_boundary = time.perf_counter()
             return
         elapsed = now - self._last_boundary
@@ -493,13 +527,18 @@ class AutoImpl(AlgorithmImpl):
             self._times.setdefault(index, []).append(elapsed)
         self._steps_here += 1
         if self._steps_here > self._timed_steps:
-            following = self._end_trial(index)
+            self._record(index)
+            following = self._next_everywhere()
             if following is None:
                 self._decide_and_adopt()
-            elif following != index:  # the same one again: gradient_allreduce times more of its short steps
-                self._trying, self._steps_here = following, 0
-                self._switch(following, trial=True)
+            elif following != index:  # the same one again: the first candidate times more of its short steps
+                self._go_to(following)
         self._last_boundary = time.perf_counter()
+
+    def _go_to(self, index: int) -> None:
+        if index != self._trying:
+            self._switch(index, trial=True)
+        self._trying, self._steps_here = index, 0
 
     def _measure_start_up(self) -> None:
         started = time.perf_counter()
@@ -531,10 +570,13 @@ class AutoImpl(AlgorithmImpl):
             dist.barrier(group=groups.flat)
         return links
 
-    def _end_trial(self, index: int) -> int | None:
-        """Record the candidate's step (the slowest rank's median); rank 0 says what runs next, for every rank."""
-        groups = self.context.groups
+    def _record(self, index: int) -> None:
+        """Record the candidate's step: the slowest rank's median."""
         self._figures.step_s[self.labels[index]] = self._max_over_ranks([statistics.median(self._times[index])])[0]
+
+    def _next_everywhere(self) -> int | None:
+        """Rank 0 says what runs next (``None``: nothing, decide) and the timed steps per candidate, for every rank."""
+        groups = self.context.groups
         order = torch.tensor([-1, self._timed_steps], dtype=torch.int64)
         if groups.rank == 0:
             order = torch.tensor(self._next_trial(), dtype=torch.int64)
@@ -545,41 +587,53 @@ class AutoImpl(AlgorithmImpl):
     def _next_trial(self) -> tuple[int, int]:
         """Rank 0: the next candidate to time (-1: none) and the timed steps per candidate.
 
-        After gradient_allreduce's first steps: the steps per candidate, enough to fill ``min_trial_s`` where steps
-        are short, and the order of the others by their lower bound. Then the next candidate that could still beat
-        the best time to DDP's loss measured so far, and that fits the budget; the others are skipped, with why.
+        At start-up, the order of all candidates by their lower bound. After the first candidate's steps, the steps
+        per candidate, enough to fill ``min_trial_s`` where steps are short. Then the next candidate that could
+        still beat the best time to DDP's loss measured so far, and that fits the budget; the others are skipped,
+        with why.
         """
-        ddp_step = self._figures.step_s[self.labels[0]]
         if self._queue is None:
-            self._queue = sorted(range(1, len(self.candidates)), key=lambda index: (self._bound(index)[0], index))
-            self._timed_steps = self._steps_per_candidate(ddp_step, 1 + len(self._queue))
-            if self._timed_steps > len(self._times[0]):
-                return 0, self._timed_steps
+            self._queue = sorted(range(len(self.candidates)), key=lambda index: (self._bound(index)[0], index))
+        elif not self._sized:
+            self._sized = True
+            first = self._figures.step_s[self.labels[self._trying]]
+            self._timed_steps = self._steps_per_candidate(first, 1 + len(self._queue))
+            if self._timed_steps > len(self._times[self._trying]):
+                return self._trying, self._timed_steps
         predicted = {label: step * self._factor_of(label) for label, step in self._figures.step_s.items()}
-        best = min(predicted, key=lambda label: (predicted[label], self.labels.index(label)))
+        best = min(predicted, key=lambda label: (predicted[label], self.labels.index(label)), default=None)
         while self._queue:
             index = self._queue.pop(0)
             label, (bound, binding) = self.labels[index], self._bound(index)
             factor = _factor(self.candidates[index])
-            if bound >= predicted[best]:
+            # Room for gradient_allreduce, the fallback, stays until it has run or lost by its bound.
+            needed = (self._timed_steps + 1) * (2 if index != 0 and 0 in self._queue else 1)
+            if best is not None and bound >= predicted[best]:
                 self._figures.skipped[label] = (
                     f"even at its {binding} bound, {factor:.3g}x steps of {bound * 1e3 / factor:.1f} ms each lose to"
                     f" {best}'s {predicted[best] * 1e3:.1f} ms per DDP step"
                 )
-            elif self.auto.max_trial_steps - self._trial_steps < self._timed_steps + 1:
-                self._figures.skipped[label] = f"past the budget of max_trial_steps={self.auto.max_trial_steps}"
+            elif self._budget() - self._trial_steps < needed:
+                self._figures.skipped[label] = f"past the budget of {self._budget()} measuring steps"
             else:
                 return index, self._timed_steps
         return -1, self._timed_steps
 
-    def _steps_per_candidate(self, ddp_step: float, candidates: int) -> int:
+    def _budget(self) -> int:
+        """The most training steps measuring may take: ``max_trial_steps``, and 5% of ``run_steps`` where known."""
+        budget = self.auto.max_trial_steps
+        if self.run_steps is not None:
+            budget = min(budget, max(self.auto.trial_steps + 1, int(self.run_steps * _RUN_SHARE)))
+        return budget
+
+    def _steps_per_candidate(self, first_step: float, candidates: int) -> int:
         """Timed steps per candidate: ``trial_steps``, or more where that many take under ``min_trial_s``.
 
-        At most what an even share of ``max_trial_steps`` leaves (each candidate's untimed first step counted), and
-        at most :data:`_MAX_STEPS_PER_TRIAL` times ``trial_steps``.
+        At most what an even share of the budget leaves (each candidate's untimed first step counted), and at most
+        :data:`_MAX_STEPS_PER_TRIAL` times ``trial_steps``.
         """
-        wanted = math.ceil(self.auto.min_trial_s / ddp_step) if ddp_step > 0 else self.auto.trial_steps
-        share = self.auto.max_trial_steps // candidates - 1
+        wanted = math.ceil(self.auto.min_trial_s / first_step) if first_step > 0 else self.auto.trial_steps
+        share = self._budget() // candidates - 1
         return max(self.auto.trial_steps, min(wanted, share, _MAX_STEPS_PER_TRIAL * self.auto.trial_steps))
 
     def _factor_of(self, label: str) -> float:
@@ -588,23 +642,34 @@ class AutoImpl(AlgorithmImpl):
     def _bound(self, index: int) -> tuple[float, str]:
         """A lower bound of the candidate's time to DDP's loss per DDP step, and what binds it (compute or link).
 
-        A step takes at least the larger of its compute and its communication: the compute is gradient_allreduce's
-        step less that step's communication (at most, from the link figures) plus the candidate's compression; the
-        communication is its bytes at the measured bandwidth of the tier its exchange crosses, latency left out.
+        A step takes at least the larger of its compute and its communication: the compute is at most what the
+        fastest timed candidate's step leaves after its communication and compression (0 before any), plus this
+        candidate's compression; the communication is its bytes at the measured bandwidth of the tier its exchange
+        crosses, latency left out. ``gradient_allreduce``, the fallback, is bounded by its link alone.
         """
-        groups = self.context.groups
-        candidate, label = self.candidates[index], self.labels[index]
-        total = sum(self._figures.gradient_bytes.values())
-        link = self._figures.links["all"]
-        n = groups.world_size
-        ddp_comm = link["latency_s"] + 2 * (n - 1) / n * total / link["bandwidth_Bps"]
-        compute = max(self._figures.step_s[self.labels[0]] - ddp_comm, 0.0) + self._figures.compress_s.get(label, 0.0)
-        tier = self._figures.links.get("inter_node", {}) if candidate.hierarchical and groups.is_hierarchical else link
-        bandwidth = tier.get("bandwidth_Bps", math.nan)
-        sent = _exchanged_bytes(candidate, self.context, self._figures.gradient_bytes)
-        comm = sent / bandwidth if bandwidth > 0 and math.isfinite(bandwidth) else 0.0
-        factor = _factor(candidate)
+        comm = self._link_s(index, latency=False)
+        compute = 0.0 if index == 0 else self._compute_floor() + self._figures.compress_s.get(self.labels[index], 0.0)
+        factor = _factor(self.candidates[index])
         return (factor * compute, "compute") if compute >= comm else (factor * comm, "link")
+
+    def _compute_floor(self) -> float:
+        """The step's compute at most: the smallest of the timed steps less their communication and compression."""
+        floors = [
+            step - self._link_s(self.labels.index(label), latency=True) - self._figures.compress_s.get(label, 0.0)
+            for label, step in self._figures.step_s.items()
+        ]
+        return max(min(floors, default=0.0), 0.0)
+
+    def _link_s(self, index: int, latency: bool) -> float:
+        """The candidate's bytes over the bandwidth of the tier its exchange crosses (0 where it was not measured)."""
+        groups, candidate = self.context.groups, self.candidates[index]
+        links = self._figures.links
+        tier = links.get("inter_node", {}) if candidate.hierarchical and groups.is_hierarchical else links["all"]
+        bandwidth, delay = tier.get("bandwidth_Bps", math.nan), tier.get("latency_s", 0.0)
+        if not (bandwidth > 0 and math.isfinite(bandwidth)):
+            return 0.0
+        sent = _exchanged_bytes(candidate, self.context, self._figures.gradient_bytes)
+        return sent / bandwidth + (delay if latency and math.isfinite(delay) else 0.0)
 
     def _decide_and_adopt(self) -> None:
         groups = self.context.groups
@@ -662,6 +727,9 @@ class AutoAlgorithm(Algorithm):
             trial_steps`` or more (83 ms by default) are timed ``trial_steps`` times.
         figures: figures to decide from instead of measuring (for tests and reproductions); with a step time for
             every candidate no step is timed and the pick is made when the model is wrapped.
+        run_steps: the run's training steps, where known: measuring then takes at most 5% of them (and never fewer
+            than ``trial_steps + 1``, gradient_allreduce's). The Trainer strategy passes the Trainer's estimated
+            steps when this is ``None``; without either, only ``max_trial_steps`` bounds it.
     """
 
     impl_class = AutoImpl
@@ -677,8 +745,11 @@ class AutoAlgorithm(Algorithm):
         max_trial_steps: int = 48,
         min_trial_s: float = 0.25,
         figures: AutoFigures | None = None,
+        run_steps: int | None = None,
     ) -> None:
         check_positive_int(self.name, "trial_steps", trial_steps)
+        if run_steps is not None:
+            check_positive_int(self.name, "run_steps", run_steps)
         check_positive_int(self.name, "max_trial_steps", max_trial_steps)
         if isinstance(min_trial_s, bool) or not isinstance(min_trial_s, (int, float)) or not min_trial_s >= 0:
             raise ValueError(
@@ -698,6 +769,7 @@ class AutoAlgorithm(Algorithm):
         self.max_trial_steps = max_trial_steps
         self.min_trial_s = float(min_trial_s)
         self.figures = figures
+        self.run_steps = run_steps
 
     def candidates_for(self, num_nodes: int, ranks_per_node: int) -> list[Algorithm]:
         """Return the candidates for a layout, flat ``gradient_allreduce`` first and no two alike.
