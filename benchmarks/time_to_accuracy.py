@@ -473,10 +473,14 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
             loss, ddp_loss = _final_loss(report, row["task"], row["method"]), _final_loss(report, row["task"], "ddp")
             ddp_acc = report["curves"].get(f"{row['task']}/ddp", {}).get("final_acc_pct")
             acc = f"{row['final_acc_pct'] - ddp_acc:+.2f}" if ddp_acc is not None and "final_acc_pct" in row else "-"
+            # What its steps to target would take with free communication: no method that needs them can do better.
+            single = singles.get(where)
+            floor_s = single * row["steps_to_target"] if single and row.get("steps_to_target") else None
+            floor = f"{_ratio(floor_s, low_rank and low_rank['time_to_target_s'])}, {_ratio(floor_s, ddp_s)}"
             diloco_rows.append(
                 f"| {' | '.join(map(str, where))} | {row['method']} | {shown} | {low_rank_text} |"
                 f" {_ratio(time_s, ddp_s)} | {_ratio(time_s, torchft and torchft['time_to_target_s'])} |"
-                f" {_ratio(row['median_step_s'], singles.get(where))} | {_ratio(loss, ddp_loss)} | {acc} |"
+                f" {_ratio(row['median_step_s'], single)} | {floor} | {_ratio(loss, ddp_loss)} | {acc} |"
             )
     lines: list[str] = []
     if auto_rows:
@@ -496,11 +500,14 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
             "", "### diloco against low_rank, DDP and torchft's DiLoCo", "",
             "Time to target over the fastest low_rank's (named), DDP's and torchft's DiLoCo's at the same H; step:"
             " the median step over whole sync periods over the no-communication step; loss: the final held-out loss"
-            " over DDP's at the same steps; accuracy: the final held-out accuracy less DDP's, in points.",
+            " over DDP's at the same steps; accuracy: the final held-out accuracy less DDP's, in points. Floor: the"
+            " no-communication step times diloco's steps to target, over the fastest low_rank's and DDP's times:"
+            " what those steps would take over a free link, so a ratio below it is out of reach of any method that"
+            " needs as many steps.",
             "",
             "| task | layout | rate | method | time to target | vs low_rank | vs ddp | vs torchft | step vs single"
-            " | loss vs ddp | accuracy vs ddp |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            " | floor vs low_rank, ddp | loss vs ddp | accuracy vs ddp |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
             *diloco_rows,
         ]  # fmt: skip
     return lines

@@ -489,6 +489,37 @@ def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floo
     assert described == "0.0003 after a linear warm-up of 30 steps, then a cosine decay to 0.1 of it at step 300"
 
 
+def test_time_to_accuracy_bars_count_auto_against_its_run_and_diloco_against_its_floor() -> None:
+    benchmark_module("gpu_network_lab")  # puts benchmarks/ on the path
+    tta = benchmark_module("time_to_accuracy")
+    where = {"task": "charlm", "layout": "2x1", "rate": "100mbit"}
+
+    def row(method: str, step_s: float, steps: int, **extra: Any) -> dict[str, Any]:
+        return {**where, "method": method, "median_step_s": step_s, "steps_to_target": steps,
+                "time_to_target_s": step_s * steps, "status": "reached", **extra}  # fmt: skip
+
+    auto = row("auto", 0.030, 100, auto_pick="low_rank(rank=16, hierarchical=False)", auto_trial_steps=10)
+    auto |= {"auto_trial_s": 0.7, "time_to_target_s": 0.7 + 90 * 0.030}
+    report = {
+        "settings": {"steps": {"charlm": 400}},
+        "lab": [{**where, "method": "single", "median_step_s": 0.020}],
+        "curves": {},
+        "combined": [
+            row("ddp", 0.060, 100),
+            row("low_rank_r16", 0.030, 100),
+            auto,
+            row("diloco_h20", 0.022, 80, final_acc_pct=52.0),
+        ],
+    }
+    lines = tta.bars_markdown(report)
+    (auto_line,) = [line for line in lines if line.startswith("| charlm | 2x1 | 100mbit | low_rank")]
+    # 0.4 s of measuring beyond the pick's 10 steps, over the told run of 400 steps at 30 ms: 3.3%.
+    assert auto_line.endswith("| 3.4 s | low_rank_r16 3 s | 1.13x | 0.57x | 3.3% |"), auto_line
+    (diloco_line,) = [line for line in lines if "| diloco_h20 |" in line]
+    # Free communication would still take 80 steps of 20 ms: 0.53x low_rank's 3 s and 0.27x DDP's 6 s.
+    assert "| 1.10x | 0.53x, 0.27x |" in diloco_line, diloco_line
+
+
 def test_suite_times_only_low_rank_ranks_that_keep_ddps_final_loss() -> None:
     benchmark_module("gpu_network_lab")  # puts benchmarks/ on the path, as the suite's own run does
     suite = benchmark_module("suite")
