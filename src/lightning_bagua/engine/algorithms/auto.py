@@ -15,8 +15,7 @@
    / T)``, within an even share of the budget: ``max_trial_steps``, and at most 5% of ``run_steps`` where the run's
    length is known. Each candidate's step ``T_c`` is the maximum over ranks of each rank's median (a step is as
    slow as its slowest rank), in the phase it would run in (``low_rank`` exchanges factors from its first trial
-   step). The compute is then at most the smallest ``T_c`` less its communication at the link figures and its
-   compression.
+   step). The compute is then at most ``gradient_allreduce``'s step less its bytes over the link, once it has run.
 4. Before each further candidate, rank 0 skips it if its bound already loses to the best ``T_c * f_c`` measured
    so far, or if it would overrun the budget (room for ``gradient_allreduce`` is kept until it has run or lost).
    On a slow link ``gradient_allreduce`` is not timed at all once a compressing candidate beats its bytes at the
@@ -642,9 +641,9 @@ class AutoImpl(AlgorithmImpl):
     def _bound(self, index: int) -> tuple[float, str]:
         """A lower bound of the candidate's time to DDP's loss per DDP step, and what binds it (compute or link).
 
-        A step takes at least the larger of its compute and its communication: the compute is at most what the
-        fastest timed candidate's step leaves after its communication and compression (0 before any), plus this
-        candidate's compression; the communication is its bytes at the measured bandwidth of the tier its exchange
+        A step takes at least the larger of its compute and its communication: the compute is at most what
+        gradient_allreduce's step leaves after its communication (0 before it has run), plus this candidate's
+        compression; the communication is its bytes at the measured bandwidth of the tier its exchange
         crosses, latency left out. ``gradient_allreduce``, the fallback, is bounded by its link alone.
         """
         comm = self._link_s(index, latency=False)
@@ -653,12 +652,13 @@ class AutoImpl(AlgorithmImpl):
         return (factor * compute, "compute") if compute >= comm else (factor * comm, "link")
 
     def _compute_floor(self) -> float:
-        """The step's compute at most: the smallest of the timed steps less their communication and compression."""
-        floors = [
-            step - self._link_s(self.labels.index(label), latency=True) - self._figures.compress_s.get(label, 0.0)
-            for label, step in self._figures.step_s.items()
-        ]
-        return max(min(floors, default=0.0), 0.0)
+        """The step's compute at most: gradient_allreduce's step less its communication (0 until it has run).
+
+        Only its step: its communication is its bytes over the fitted link, where a compressing candidate's step
+        holds work the link figures do not model (packing, several collectives), which would overstate the compute.
+        """
+        step = self._figures.step_s.get(self.labels[0])
+        return 0.0 if step is None else max(step - self._link_s(0, latency=True), 0.0)
 
     def _link_s(self, index: int, latency: bool) -> float:
         """The candidate's bytes over the bandwidth of the tier its exchange crosses (0 where it was not measured)."""
