@@ -91,25 +91,21 @@ from train import load_data
 
 # Every lab names methods the same way (``low_rank_r4``): one parser, in the labs' shared harness.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (
+from lab.methods import (
     ALGORITHM_VARIANTS,
-    BYTEMLP_CONTEXT,
-    CONTEXT,
     DILOCO_METHODS,
     LOW_RANK_RANKS,
     TORCHFT_METHODS,
     TORCHFT_NOTE,
     diloco_period,
     extra_low_rank_methods,
-    machine,
-    pyplot,
     resolve_algorithm,
     split_rank,
-    task_loss,
-    task_model,
     torchft_settings,
-    write_report,
 )
+from lab.models import BYTEMLP_CONTEXT, CONTEXT, task_loss, task_model
+from lab.render import pyplot
+from lab.results import machine, write_report
 
 log = logging.getLogger(__name__)
 

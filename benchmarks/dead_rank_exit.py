@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 if __package__:  # imported as ``benchmarks.dead_rank_exit`` (the fault tests)
-    from .harness import free_port
+    from .lab.harness import free_port
 else:  # run as a script, or imported with ``benchmarks/`` on the path
-    from harness import free_port
+    from lab.harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "dead_rank_exit.json"

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch.utils.data import DataLoader
 
 import convergence
-from harness import machine, task_loss, write_report
+from lab.models import task_loss
+from lab.results import machine, write_report
 from lightning_bagua.engine.algorithms._diloco_quantize import OuterGradientCodec
 
 RESULTS = Path(__file__).parent / "results"

@@ -34,7 +34,8 @@ import torch.multiprocessing as multiprocessing
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import free_port, interleaved, machine, write_report
+from lab.harness import free_port, interleaved
+from lab.results import machine, write_report
 from lightning_bagua.engine.communication import GLOO_SCHED_BATCH_VARIABLE, CommunicationGroups, all_gather_into
 
 RESULTS = Path(__file__).parent / "results"

@@ -49,7 +49,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import SOCKETS_ENV, DecoderLM, pyplot, rotated
+from lab.harness import SOCKETS_ENV, rotated
+from lab.models import DecoderLM
+from lab.render import pyplot
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]

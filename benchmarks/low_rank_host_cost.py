@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import free_port, rotated, task_model, write_report
+from lab.harness import free_port, rotated
+from lab.models import task_model
+from lab.results import write_report
 from lightning_bagua.engine.algorithms.low_rank import _factors, hook
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter

@@ -64,8 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -76,7 +75,8 @@ from torch import nn
 
 # The labs are scripts, not a package: their folder goes on the path for the shared harness (the task networks too).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (
+from lab.harness import BURST_US, bits_per_second, headline, interleaved, lab_hosts, link_burst_bytes, result_lines
+from lab.methods import (
     ALGORITHM_VARIANTS,
     DILOCO_METHODS,
     LOW_RANK_RANKS,
@@ -85,17 +85,13 @@ from harness import (
     TORCHFT_NOTE,
     diloco_period,
     extra_low_rank_methods,
-    interleaved,
-    machine,
-    pyplot,
-    random_batch,
     resolve_algorithm,
     split_rank,
-    task_loss,
-    task_model,
     torchft_settings,
-    write_report,
 )
+from lab.models import random_batch, task_loss, task_model
+from lab.render import pyplot
+from lab.results import machine, write_report
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
@@ -106,8 +102,6 @@ EXTRA_METHODS = (*ADAM_METHODS, "ddp_powersgd_r1")  # accepted, not in the defau
 RATES = ("100mbit", "1gbit", "10gbit", "unshaped")
 TASKS = ("mlp", "digits", "charlm", "bytemlp")  # mlp: the lab's own model (--width, --depth)
 FAILURE_GRACE_S = 20  # how long the other ranks may take to report after one rank failed
-FRAME_BYTES = 1514  # an Ethernet frame at an MTU of 1500, with its header
-BURST_US = 100.0  # a link's token bucket in microseconds of its time (link_burst_bytes)
 HOOK_WARMUP = 2  # uncompressed steps of PowerSGD and low_rank before they compress (inside the untimed warm-up)
 
 
@@ -354,81 +348,6 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------------ the lab
 
 
-def run(*command: str) -> None:
-    subprocess.run(command, check=True, capture_output=True, text=True)
-
-
-def link_burst_bytes(rate: str, burst_us: float = BURST_US) -> int:
-    """The token bucket of a link of ``rate``: ``burst_us`` of the link's time, and at least two full frames.
-
-    A real link never sends faster than its rate, but after an idle spell ``tbf`` lets a full bucket out at the
-    veth's speed. A step's messages come after such a spell (the compute between steps), so the bucket decides how
-    long a message smaller than it takes: with a bucket of 10 ms, as the lab had up to 2026-11-26, a message of
-    100 kB crossed a 100 Mbit/s link in a fraction of the 8 ms the link needs. A bucket of ``burst_us`` bounds that
-    gain to ``burst_us`` per message (two frames, where they take longer), and lets TCP keep a 1 Gbit/s link busy.
-    ``python benchmarks/network_lab.py --check-links`` measures both.
-    """
-    return max(2 * FRAME_BYTES, int(bits_per_second(rate) * burst_us / 8e6))
-
-
-def shape(namespace: str, interface: str, rate: str, burst_us: float = BURST_US) -> None:
-    """Limit what ``interface`` (in ``namespace``) sends to ``rate``; ``unshaped`` leaves it alone."""
-    if rate == "unshaped":
-        return
-    burst = link_burst_bytes(rate, burst_us)
-    run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
-        "rate", rate, "burst", str(burst), "latency", "100ms")  # fmt: skip
-
-
-@contextmanager
-def lab_hosts(rate: str, count: int, burst_us: float = BURST_US) -> Iterator[list[tuple[str, str, str]]]:
-    """Create ``count`` namespaces joined by links shaped to ``rate``; yield (namespace, interface, address).
-
-    Two hosts share one veth pair. More hosts each get a veth pair to a bridge in a switch namespace, both ends
-    shaped: a host's uplink and its downlink are each a link of the rate, as with a port of a switch.
-    """
-    tag = f"{os.getpid() % 10000}{random.randrange(100)}"
-    subnet = random.randrange(1, 250)
-    hosts = [(f"lbl{tag}h{i}", f"lbl{tag}v{i}", f"127.81.{subnet}.{i + 1}") for i in range(count)]
-    switch = f"lbl{tag}sw"
-    namespaces = [namespace for namespace, _, _ in hosts] + ([switch] if count > 2 else [])
-    try:
-        for namespace in namespaces:
-            run("ip", "netns", "add", namespace)
-        if count == 2:
-            run("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
-        else:
-            run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-            run("ip", "-n", switch, "link", "set", "br0", "up")
-            for index, (_, interface, _) in enumerate(hosts):
-                port = f"lbl{tag}p{index}"
-                run("ip", "link", "add", interface, "type", "veth", "peer", "name", port)
-                run("ip", "link", "set", port, "netns", switch)
-                run("ip", "-n", switch, "link", "set", port, "master", "br0")
-                run("ip", "-n", switch, "link", "set", port, "up")
-                shape(switch, port, rate, burst_us)
-        for namespace, interface, address in hosts:
-            run("ip", "link", "set", interface, "netns", namespace)
-            for scope in ("all", interface):
-                run("ip", "netns", "exec", namespace, "sysctl", "-qw", f"net.ipv4.conf.{scope}.route_localnet=1")
-            run("ip", "-n", namespace, "link", "set", "lo", "up")
-            run("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
-            run("ip", "-n", namespace, "link", "set", interface, "up")
-            shape(namespace, interface, rate, burst_us)
-        yield hosts
-    finally:
-        for namespace in namespaces:
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
-
-
-def bits_per_second(rate: str) -> int:
-    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
-    for unit, factor in units.items():
-        if rate.endswith(unit):
-            return int(float(rate[: -len(unit)]) * factor)
-    raise ValueError(f"Unknown rate {rate!r}: write it as tc does, e.g. 100mbit or 1gbit, or 'unshaped'.")
-
-
 def worker_command(
     args: argparse.Namespace, schedule: list[tuple[int, str]], rank: int, master: str, port: int
 ) -> list[str]:
@@ -441,21 +360,10 @@ def worker_command(
     return [*command, "--timeout", str(args.timeout), "--world-size", str(args.hosts * args.ranks_per_host)]
 
 
-def headline(error: str) -> str:
-    """The line of an error report that names the cause: the first that mentions an error, else the last."""
-    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
-    causes = [line for line in lines if "rror" in line or "enforce fail" in line]
-    return (causes or lines or [""])[0][:300]
-
-
 def _tail(outputs: list[str]) -> str:
     """The last lines of every rank's output that are not RESULT lines: where a crash shows."""
     lines = [line for output in outputs for line in output.splitlines()[-15:] if not line.startswith("RESULT ")]
     return "\n".join(lines)[-3000:]
-
-
-def _lines(output: str, tag: str) -> list[dict[str, Any]]:
-    return [json.loads(line[len(tag) + 1 :]) for line in output.splitlines() if line.startswith(tag + " ")]
 
 
 def launch(args: argparse.Namespace, hosts: list[tuple[str, str, str]], schedule: list[tuple[int, str]]) -> list[str]:
@@ -522,7 +430,7 @@ def measure(
         ranks = len(outputs)
         by_entry: dict[tuple[int, str], list[dict[str, Any]]] = {}
         for output in outputs:
-            for result in _lines(output, "RESULT"):
+            for result in result_lines(output, "RESULT"):
                 by_entry.setdefault((result["round"], result["method"]), []).append(result)
         for results in by_entry.values():
             results.sort(key=lambda r: r["rank"])
@@ -532,7 +440,7 @@ def measure(
         if remaining:
             # The ranks run the schedule in order: the first entry some rank did not finish is the one that failed.
             # A rank that raised says so; one that aborted inside Gloo (PowerSGD's size mismatch) prints no line.
-            reported = [f for output in outputs for f in _lines(output, "FAILED")]
+            reported = [f for output in outputs for f in result_lines(output, "FAILED")]
             method = reported[0]["method"] if reported else remaining[0][1]
             error = reported[0]["error"] if reported else "a worker ended without a result:\n" + _tail(outputs)
             print(f"{rate:>9} {method:>28}: FAILED {headline(error)}", flush=True)
@@ -787,7 +695,7 @@ def check_links(args: argparse.Namespace) -> dict[str, Any]:
                     if server.poll() is None:
                         server.kill()  # the client failed: nothing more will come
                     server.wait()
-            for line in _lines(client.stdout, "PROBE"):
+            for line in result_lines(client.stdout, "PROBE"):
                 wire = None if rate == "unshaped" else line["size"] * 8 / bits_per_second(rate)
                 rows.append(
                     {

@@ -73,7 +73,7 @@ from gpu_network_lab import (
     synchronize,
     timed_window,
 )
-from harness import SOCKETS_ENV, rotated
+from lab.harness import SOCKETS_ENV, rotated
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]

@@ -71,7 +71,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import convergence
 import network_lab
-from harness import machine, pyplot, resolve_algorithm, split_rank, write_report
+from lab.methods import resolve_algorithm, split_rank
+from lab.render import pyplot
+from lab.results import machine, write_report
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import free_port
+from lab.harness import free_port
 from torchft_peer import split_fragments, torchft_diloco
 
 WORLD_SIZE = 2

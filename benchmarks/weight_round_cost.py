@@ -50,7 +50,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import DecoderLM, rotated
+from lab.harness import rotated
+from lab.models import DecoderLM
 from lightning_bagua.engine.algorithms.weights import views_like
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 

@@ -118,7 +118,7 @@ def test_the_ranks_of_each_attempt_agree_on_a_token_that_no_earlier_attempt_left
     from datetime import timedelta
 
     import torch.distributed as dist
-    from benchmarks.harness import free_port
+    from benchmarks.lab.harness import free_port
 
     port = free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))

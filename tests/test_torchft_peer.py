@@ -167,7 +167,7 @@ def benchmark(name: str) -> Any:
 def test_lab_method_names_take_diloco_defaults_and_any_period():
     from lightning_bagua.engine.algorithms.diloco import DiLoCoAlgorithm
 
-    harness = benchmark("harness")
+    harness = benchmark("lab/methods")
     ours = DiLoCoAlgorithm()
     assert harness.torchft_settings("torchft_diloco_h8") == {
         "sync_every": 8,

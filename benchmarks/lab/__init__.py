@@ -1,0 +1,12 @@
+"""The measurement lab: what every benchmark of ``benchmarks/`` builds on, so that no benchmark imports another.
+
+- :mod:`lab.methods`: method names (``low_rank_r4``, ``diloco_h20``, ``torchft_diloco_h20``) and what they run.
+- :mod:`lab.models`: the tasks' networks and the language model of the GPU lab.
+- :mod:`lab.harness`: the round order, ports, local process groups, NCCL over sockets, network namespaces and
+  ``tc`` links, worker output.
+- :mod:`lab.results`: one results schema (benchmark, command, date, machine, versions, settings, peers, rows), the
+  machine record, the spread of repeated figures.
+- :mod:`lab.render`: markdown tables and charts, which the documentation imports instead of rendering again.
+
+The benchmarks are scripts: each runs with ``benchmarks/`` as its folder on ``sys.path`` and imports ``lab.*``.
+"""

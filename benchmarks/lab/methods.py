@@ -1,0 +1,85 @@
+"""Method names, in every benchmark alike, and the algorithm and keywords each stands for.
+
+``low_rank_r4`` is ``low_rank`` at rank 4 (:func:`split_rank`); a stem may stand for an algorithm with keywords of
+its own (:data:`ALGORITHM_VARIANTS`, :func:`resolve_algorithm`); ``diloco_h20`` is ``diloco`` syncing every 20
+steps, and ``torchft_diloco_h20`` torchft's DiLoCo at the same settings (``benchmarks/torchft_peer.py``).
+"""
+
+from typing import Any
+
+LOW_RANK_RANKS = (1, 4, 8)  # the ranks of ``low_rank`` and of DDP's PowerSGD that are compared
+# Methods that run an algorithm with keywords of their own: method stem -> (algorithm, keywords).
+ALGORITHM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"low_rank_alt": ("low_rank", {"alternate": True})}
+# Ranks of ``low_rank`` (and its variants) accepted by name, ``low_rank_r16``, but not in the default list.
+EXTRA_LOW_RANK_RANKS = (16,)
+
+
+def split_rank(method: str) -> tuple[str, int | None]:
+    """``"low_rank_r4"`` -> ``("low_rank", 4)``; a name without an ``_r<k>`` suffix -> ``(name, None)``."""
+    stem, _, suffix = method.rpartition("_r")
+    return (stem, int(suffix)) if stem and suffix.isdigit() else (method, None)
+
+
+def resolve_algorithm(stem: str) -> tuple[str, dict[str, Any]]:
+    """A method stem's algorithm and extra keywords: ``"low_rank_alt"`` -> ``("low_rank", {"alternate": True})``.
+
+    ``diloco_h<H>`` is ``diloco`` syncing every ``H`` steps: ``("diloco", {"sync_every": H})``.
+    """
+    period = diloco_period(stem)
+    if period is not None:
+        return "diloco", {"sync_every": period}
+    name, keywords = ALGORITHM_VARIANTS.get(stem, (stem, {}))
+    return name, dict(keywords)
+
+
+DILOCO_METHODS = ("diloco_h10", "diloco_h20", "diloco_h50")
+"""``diloco`` at the sync periods the labs accept by name (any ``diloco_h<H>`` resolves; these are listed)."""
+
+
+def diloco_period(stem: str) -> int | None:
+    """``"diloco_h20"`` -> ``20``; any other stem -> ``None``."""
+    head, _, period = stem.partition("_h")
+    return int(period) if head == "diloco" and period.isdigit() and int(period) > 0 else None
+
+
+TORCHFT_METHODS = ("torchft_diloco", *(f"torchft_{method}" for method in DILOCO_METHODS))
+"""torchft's DiLoCo (``benchmarks/torchft_peer.py``) by name: ``torchft_diloco_h<H>`` mirrors ``diloco_h<H>``."""
+TORCHFT_NOTE = (
+    "torchft's DiLoCo, full precision: torchft quantizes outer gradients only with Triton on CUDA (diloco sends uint8)"
+)
+TORCHFT_FLAT_NOTE = "flat: one torchft replica per rank (torchft's peer has no hierarchical layout)"
+
+
+def torchft_settings(method: str) -> dict[str, Any] | None:
+    """``"torchft_diloco_h20"`` -> the peer's keywords at our ``diloco``'s defaults, H=20; other names -> ``None``.
+
+    ``sync_every``, ``fragments``, ``fragment_sync_delay`` and ``fragment_update_alpha`` are the ones the labs'
+    ``diloco_h<H>`` runs with (the algorithm's defaults; ``torchft_diloco`` alone takes its default H too).
+    """
+    import inspect
+
+    head, _, period = method.partition("_h")
+    if head != "torchft_diloco" or (method != head and not (period.isdigit() and int(period) > 0)):
+        return None
+    from lightning_bagua.engine.algorithms.diloco import DiLoCoAlgorithm
+
+    shared = ("sync_every", "fragments", "fragment_sync_delay", "fragment_update_alpha")
+    parameters = inspect.signature(DiLoCoAlgorithm.__init__).parameters
+    settings: dict[str, Any] = {name: parameters[name].default for name in shared}
+    if period:
+        settings["sync_every"] = int(period)
+    return settings
+
+
+def extra_low_rank_methods() -> list[str]:
+    """``low_rank``, its variants and DDP's PowerSGD at ``EXTRA_LOW_RANK_RANKS`` (PowerSGD only without ``low_rank``).
+
+    PowerSGD comes at the same ranks, so that every ``low_rank`` rank has torch's hook at that rank to compare with.
+    """
+    from lightning_bagua.engine import available_algorithms
+
+    powersgd = [f"ddp_powersgd_r{rank}" for rank in EXTRA_LOW_RANK_RANKS]
+    if "low_rank" not in available_algorithms():
+        return powersgd
+    stems = ["low_rank", *(stem for stem, (name, _) in ALGORITHM_VARIANTS.items() if name == "low_rank")]
+    return [*powersgd, *(f"{stem}_r{rank}" for stem in stems for rank in EXTRA_LOW_RANK_RANKS)]
