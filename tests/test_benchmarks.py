@@ -285,19 +285,6 @@ def test_weight_round_cost_times_the_copies_and_the_round_on_both_layouts(tmp_pa
     assert "python benchmarks/weight_round_cost.py --cpu" in (tmp_path / "weight_round_cost_cpu.md").read_text()
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux scheduling policy")
-def test_gloo_scheduling_times_both_policies_of_every_communication(tmp_path: Path) -> None:
-    command = ["--rounds", "2", "--steps", "3", "--warmup", "1", "--compute-ms", "0.1"]
-    completed = run(str(BENCHMARKS / "gloo_scheduling.py"), *command, "--out", str(tmp_path))
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    report = json.loads((tmp_path / "gloo_scheduling_cpu.json").read_text())
-    timed = {(entry["communication"], entry["policy"]) for entry in report["summary"]}
-    assert timed == {(c, p) for c in ("exchange", "all_gather", "all_reduce") for p in ("default", "sched_batch")}
-    assert len(report["rounds"]) == 2 * 6 * 2  # rounds x settings x ranks
-    assert all(row["median_ms"] > 0 and row["p90_ms"] >= row["median_ms"] for row in report["rounds"])
-    assert "python benchmarks/gloo_scheduling.py" in (tmp_path / "gloo_scheduling_cpu.md").read_text()
-
-
 def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
     # The lab's plumbing on two Gloo processes (a tiny model, no shaping): both regimes, then the report.
     out = tmp_path / "results"

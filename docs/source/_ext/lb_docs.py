@@ -495,20 +495,6 @@ def _gpu_time_to_target() -> tuple[list[str], list[list[str]], list[str]]:
     return header, rows, _gpu_lab_commands(loaded)
 
 
-def _gloo_scheduling() -> tuple[list[str], list[list[str]], list[str]]:
-    data = _load("gloo_scheduling_cpu")
-    rows = []
-    for entry in data["summary"]:
-        cells = [entry["communication"], entry["policy"]]
-        for figure in (entry["median_ms"], entry["p90_ms"]):
-            cells.append(f"{figure['median']:.2f} ms, {figure['min']:.2f}-{figure['max']:.2f}")
-        rows.append(cells)
-    settings = data["settings"]
-    header = ["communication", "threads", "median: over rounds, min-max", "90th percentile: over rounds, min-max"]
-    where = f"{settings['kib']} KiB per rank, {settings['compute_ms']:g} ms of compute, {settings['rounds']} rounds"
-    return header, rows, [f"{data['command']} ({where})"]
-
-
 def _convergence() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("convergence_cpu")
     rows = []
@@ -587,7 +573,6 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "startup_time": _startup_time,
     "time_to_accuracy": _time_to_accuracy,
     "lm_step_time": _lm_step_time,
-    "gloo_scheduling": _gloo_scheduling,
     "gpu_network_lab": _gpu_network_lab,
     "gpu_time_to_target": _gpu_time_to_target,
     "chaos": _chaos,

@@ -221,7 +221,6 @@ def batch_schedule(thread_ids: set[int]) -> list[int]:
     (CPU training, or several ranks per host) an exchange of a few kB then takes a whole tick instead of the
     fraction of a millisecond it needs, at random. ``SCHED_BATCH`` changes one thing: a woken thread does not
     preempt the running one. The threads keep their share of the CPU, and an idle core still takes them at once.
-    ``benchmarks/gloo_scheduling.py`` measures it.
 
     Threads that have ended meanwhile, or that the process may not change, are skipped.
 
