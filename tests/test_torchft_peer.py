@@ -86,7 +86,10 @@ def test_missing_torchft_names_how_to_install_it(monkeypatch):
 )
 def test_two_gloo_ranks_agree_after_every_sync_and_match_a_single_process_diloco():
     completed = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "torchft_peer_check.py")], capture_output=True, text=True, timeout=240
+        [sys.executable, str(Path(__file__).parent / "scripts" / "torchft_peer_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert "torchft_peer_check: PASS" in completed.stdout

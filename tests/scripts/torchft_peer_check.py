@@ -13,7 +13,7 @@ adopt θ_outer. It checks that
 
 Run it with an interpreter that has torchft (``requirements/benchmarks-torchft.txt``)::
 
-    .venv-torchft/bin/python benchmarks/torchft_peer_check.py
+    .venv-torchft/bin/python tests/scripts/torchft_peer_check.py
 
 It prints ``torchft_peer_check: PASS ...`` and exits 0, or names what failed and exits 1 (2 when torchft is missing).
 """
@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The peer is a benchmark script: benchmarks/ goes on the path, as the labs run it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from lab.harness import free_port
 from torchft_peer import split_fragments, torchft_diloco
 
