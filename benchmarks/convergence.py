@@ -63,10 +63,8 @@ import json
 import logging
 import math
 import os
-import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import warnings
@@ -85,48 +83,31 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-# The example is a script, not a package: its folder goes on the path so its model and data are reused, not copied.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train import load_data
-
-# Every lab names methods the same way (``low_rank_r4``): one parser, in the labs' shared harness.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab.methods import (
-    ALGORITHM_VARIANTS,
-    DILOCO_METHODS,
-    LOW_RANK_RANKS,
-    TORCHFT_METHODS,
-    TORCHFT_NOTE,
-    diloco_period,
-    extra_low_rank_methods,
-    resolve_algorithm,
-    split_rank,
-    torchft_settings,
-)
-from lab.models import BYTEMLP_CONTEXT, CONTEXT, task_loss, task_model
+from lab.methods import TORCHFT_NOTE, resolve_algorithm, split_rank, torchft_settings
+from lab.models import CONTEXT, task_loss, task_model
 from lab.render import pyplot
-from lab.results import machine, write_report
+from lab.results import machine, spread, write_report
+from lab.tasks import (
+    ADAM_METHODS,
+    ALL_TASKS,
+    METHODS,
+    SETTINGS,
+    TASKS,
+    accepted_methods,
+    baseline_of,
+    compression_warmup,
+    is_accepted,
+    is_hook_method,
+    standard_library_text,
+    task_data,
+)
 
 log = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
-TASKS = ("digits", "charlm")  # the default; ``bytemlp`` is the larger model where communication binds
-ALL_TASKS = (*TASKS, "bytemlp")
-METHODS = (
-    "ddp",
-    "gradient_allreduce",
-    "bytegrad",
-    "decentralized",
-    "low_precision_decentralized",
-    "async",
-    "ddp_adam",
-    "qadam",
-)
-# DDP with torch's communication hooks, set up as a Lightning user would (``DDPStrategy(ddp_comm_hook=...)``).
-HOOK_METHODS = ("ddp_fp16", *(f"ddp_powersgd_r{rank}" for rank in LOW_RANK_RANKS))
 HOOK_TIMEOUT_S = 180  # the collective timeout of the hook methods' process group
-ADAM_METHODS = frozenset({"ddp_adam", "qadam"})
 # Run with hierarchical=False: on one node the hierarchical form only averages inside the node at full precision.
 # diloco too: hierarchical on one node would all-reduce gradients every step, training one replica.
 FLAT = {"bytegrad", "qadam", "decentralized", "low_precision_decentralized", "diloco"}
@@ -134,62 +115,8 @@ FLAT = {"bytegrad", "qadam", "decentralized", "low_precision_decentralized", "di
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME")  # fmt: skip
 
-# Per task: SGD learning rate and momentum, Adam learning rate, batch per process, training steps (full, quick).
-SETTINGS: dict[str, dict[str, Any]] = {
-    "digits": {"sgd_lr": 0.05, "momentum": 0.9, "adam_lr": 3e-3, "batch": 32, "steps": 230, "quick_steps": 60},
-    "charlm": {"sgd_lr": 0.1, "momentum": 0.9, "adam_lr": 3e-3, "batch": 16, "steps": 400, "quick_steps": 80},
-    "bytemlp": {"sgd_lr": 0.05, "momentum": 0.9, "adam_lr": 1e-3, "batch": 64, "steps": 400, "quick_steps": 80},
-}
-BYTEMLP_HELD_OUT_STRIDE = 32  # bytemlp scores every 32nd held-out position: an evaluation stays under a second
-TEXT_BYTES = 1_200_000  # bytes of standard-library source read for charlm
-
 
 # ------------------------------------------------------------------------------------------------ the methods
-
-
-def low_rank_available() -> bool:
-    """Whether the engine of this checkout provides the ``low_rank`` algorithm."""
-    from lightning_bagua.engine import available_algorithms
-
-    return "low_rank" in available_algorithms()
-
-
-def available_methods() -> list[str]:
-    """Every method this checkout can run: the default ones, DDP's hooks, ``low_rank`` and ``diloco`` where present."""
-    from lightning_bagua.engine import available_algorithms
-
-    methods = [*METHODS, *HOOK_METHODS]
-    if low_rank_available():
-        methods += [f"low_rank_r{rank}" for rank in LOW_RANK_RANKS]
-        methods += [f"{stem}_r{rank}" for stem in ALGORITHM_VARIANTS for rank in LOW_RANK_RANKS]
-    if "diloco" in available_algorithms():
-        methods += DILOCO_METHODS
-    return methods
-
-
-def accepted_methods() -> list[str]:
-    """What ``--methods`` accepts: :func:`available_methods` and ``low_rank`` at the lab's extra ranks (``_r16``)."""
-    return [*available_methods(), *extra_low_rank_methods(), "auto", *TORCHFT_METHODS]
-
-
-def is_accepted(method: str) -> bool:
-    """Whether ``--methods`` takes ``method``: :func:`accepted_methods`, or diloco or torchft's at any ``_h<H>``."""
-    return method in accepted_methods() or diloco_period(method) is not None or torchft_settings(method) is not None
-
-
-def is_hook_method(method: str) -> bool:
-    """Whether ``method`` is DDP with one of torch's hooks: the fp16 hook, or PowerSGD at any rank (``_r16`` too)."""
-    return method == "ddp_fp16" or split_rank(method)[0] == "ddp_powersgd"
-
-
-def baseline_of(method: str) -> str:
-    """The DDP run a method is compared with: DDP with Adam for the Adam family, DDP with SGD for the rest."""
-    return "ddp_adam" if method in ADAM_METHODS else "ddp"
-
-
-def compression_warmup(steps: int) -> int:
-    """Uncompressed steps before DDP's PowerSGD and ``low_rank`` compress: a twentieth of the run (torch wants >= 2)."""
-    return max(2, steps // 20)
 
 
 def bagua_algorithm(method: str, steps: int) -> tuple[str, dict[str, Any]]:
@@ -220,52 +147,6 @@ def make_optimizer(method: str, parameters: Any, settings: dict[str, Any], steps
     if method in ADAM_METHODS:
         return torch.optim.Adam(parameters, lr=settings["adam_lr"])
     return torch.optim.SGD(parameters, lr=settings["sgd_lr"], momentum=settings["momentum"])
-
-
-def standard_library_text() -> tuple[bytes, dict[str, Any]]:
-    """Return the first ``TEXT_BYTES`` of the standard library's top-level ``*.py`` files and a description."""
-    directory = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total, used = [], 0, 0
-    for path in sorted(directory.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        used += 1
-        if total >= TEXT_BYTES:
-            break
-    text = b"".join(chunks)[:TEXT_BYTES]
-    return text, {"directory": str(directory), "files": used, "bytes": len(text)}
-
-
-class ByteWindows(Dataset):
-    """Non-overlapping windows of ``CONTEXT + 1`` bytes: inputs are the first ``CONTEXT``, targets shifted by one."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = torch.tensor(list(data), dtype=torch.long)
-        self.count = (len(data) - 1) // CONTEXT
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        window = self.data[index * CONTEXT : index * CONTEXT + CONTEXT + 1]
-        return window[:-1], window[1:]
-
-
-class ByteContexts(Dataset):
-    """Every ``stride``-th position of ``data`` after the first ``BYTEMLP_CONTEXT``: the bytes before it, and it."""
-
-    def __init__(self, data: bytes, stride: int = 1) -> None:
-        self.data = torch.tensor(list(data), dtype=torch.long)
-        self.stride = stride
-        self.count = (len(data) - BYTEMLP_CONTEXT) // stride
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        position = BYTEMLP_CONTEXT + index * self.stride
-        return self.data[position - BYTEMLP_CONTEXT : position], self.data[position]
 
 
 def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> tuple[Any, Dataset, Dataset]:
@@ -304,16 +185,8 @@ def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(method, self.parameters(), settings, steps)
 
-    if task == "digits":
-        # The example's perceptron, data and split; Scored replaces only its steps and optimizer.
-        train_set, test_set = load_data()
-        return Scored(task_model(task)), train_set, test_set
-    text, _ = standard_library_text()
-    split = len(text) * 9 // 10
-    if task == "charlm":
-        return Scored(task_model(task)), ByteWindows(text[:split]), ByteWindows(text[split:])
-    held_out = ByteContexts(text[split:], stride=BYTEMLP_HELD_OUT_STRIDE)
-    return Scored(task_model(task)), ByteContexts(text[:split]), held_out
+    train_set, held_out = task_data(task)
+    return Scored(task_model(task)), train_set, held_out
 
 
 # ------------------------------------------------------------------------------------------------ one job
@@ -502,17 +375,6 @@ def run_job(task: str, method: str, seed: int, steps: int, timeout: int, eval_ev
 # ------------------------------------------------------------------------------------------------ the report
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Mean, sample standard deviation (0 for one value), minimum and maximum."""
-    return {
-        "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "min": min(values),
-        "max": max(values),
-        "n": len(values),
-    }
-
-
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per task and method: accuracy and loss over the seeds, and the accuracy difference to the baseline's mean."""
     summary = []
@@ -611,7 +473,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         for seed in range(args.seeds):
             for method in args.methods:
                 try:
-                    run = run_job(task, method, seed, steps[task], args.timeout)
+                    run = run_job(task, method, seed, steps[task], args.timeout, args.eval_every)
                 except (RuntimeError, subprocess.TimeoutExpired) as error:
                     log.error("%s %s seed %d failed: %s", task, method, seed, error)
                     failures.append({"task": task, "method": method, "seed": seed, "error": str(error)[-2000:]})
@@ -625,6 +487,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "seeds": list(range(args.seeds)),
         "quick": args.quick,
         "steps": steps,
+        "eval_every": args.eval_every,
         "per_task": {task: SETTINGS[task] for task in args.tasks},
         "processes": 2,
         "backend": "gloo",
@@ -673,7 +536,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--eval-every", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-every", type=int, default=0, help="also score the held-out set every k steps: curves")
     arguments = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(arguments)
     if args.quick and "--seeds" not in arguments:

@@ -1,7 +1,7 @@
 """How far diloco's 8-bit and 4-bit outer gradients move the average and the loss, with and without error feedback.
 
 A single-process simulation of ``--replicas`` DiLoCo replicas (the math of ``algorithm="diloco"``, the engine's own
-codec) training convergence.py's ``charlm`` task on its data, each replica on its own shuffle, one run per
+codec) training the convergence lab's ``charlm`` task on its data, each replica on its own shuffle, one run per
 quantization; no timing. For
 every outer step it records the relative error of the averaged pseudo-gradient against the full-precision average,
 ``|mean(D(Q(Δ_i))) - mean(Δ_i)| / |mean(Δ_i)|``, and the cosine of the two (a bias would show as a cosine that stays
@@ -20,13 +20,12 @@ from typing import Any
 
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch.utils.data import DataLoader
 
-import convergence
-from lab.models import task_loss
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab.models import task_loss, task_model
 from lab.results import machine, write_report
+from lab.tasks import task_data
 from lightning_bagua.engine.algorithms._diloco_quantize import OuterGradientCodec
 
 RESULTS = Path(__file__).parent / "results"
@@ -52,13 +51,12 @@ def load(model: nn.Module, values: torch.Tensor) -> None:
 
 
 def run(args: argparse.Namespace, quantization: str | None, error_feedback: bool) -> dict[str, Any]:
-    settings = convergence.SETTINGS[args.task]
     torch.manual_seed(0)
-    _, train_set, test_set = convergence.build_task(args.task, "ddp", settings, args.steps)
+    train_set, test_set = task_data(args.task)
     models = []
     for _ in range(args.replicas):
         torch.manual_seed(0)
-        models.append(convergence.task_model(args.task))
+        models.append(task_model(args.task))
     for model in models[1:]:
         load(model, flat(models[0]))
     inner = [torch.optim.AdamW(m.parameters(), lr=args.lr) for m in models]

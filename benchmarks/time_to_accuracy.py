@@ -63,17 +63,27 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import convergence
-import network_lab
+from lab.harness import bits_per_second, headline
 from lab.methods import resolve_algorithm, split_rank
 from lab.render import pyplot
 from lab.results import machine, write_report
+from lab.tasks import (
+    ALL_TASKS,
+    SETTINGS,
+    accepted_methods,
+    available_methods,
+    baseline_of,
+    compression_warmup,
+    is_accepted,
+    low_rank_available,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +100,6 @@ LAB_COLLECTIVE_TIMEOUT_S = 120
 # One seed keeps the full run near 40 minutes on two cores; --seeds 2 adds about a quarter of an hour.
 FULL: dict[str, Any] = {"seeds": 1, "rounds": 5, "lab_steps": 3, "lab_warmup": 3, "rates": RATES}
 QUICK: dict[str, Any] = {"seeds": 1, "rounds": 3, "lab_steps": 2, "lab_warmup": 3, "rates": ("100mbit",)}
-
-
-def methods_to_run() -> list[str]:
-    """Every method convergence.py can run in this checkout (``low_rank`` only where the engine has it)."""
-    return convergence.available_methods()
 
 
 def lab_methods(methods: list[str], ranks_per_host: int) -> list[str]:
@@ -124,29 +129,26 @@ def curve_of(lab_method: str) -> str:
 def run_curves(args: argparse.Namespace, steps: dict[str, int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Train every (task, seed, method) with held-out evaluations; return the runs and the failures.
 
-    A method that fails on one seed of a task is not started again on its other seeds (the failures seen, torch's
-    PowerSGD hook aborting on Gloo, do not depend on the seed); the skipped seeds are listed with the failure.
+    Each task is one ``convergence.py --eval-every`` run, as a user would start it.
     """
     runs, failures = [], []
     for task in args.tasks:
-        failed: dict[str, dict[str, Any]] = {}
-        for seed in range(args.seeds):
-            for method in args.methods:
-                if method in failed:
-                    failed[method]["skipped_seeds"].append(seed)
-                    continue
-                try:
-                    run = convergence.run_job(task, method, seed, steps[task], args.timeout, args.eval_every[task])
-                except (RuntimeError, subprocess.TimeoutExpired) as error:
-                    log.error("%s %s seed %d failed: %s", task, method, seed, str(error)[-2000:])
-                    failed[method] = {"task": task, "method": method, "seed": seed, "error": str(error)[-2000:],
-                                      "skipped_seeds": []}  # fmt: skip
-                    failures.append(failed[method])
-                    continue
-                runs.append(run)
-                log.info("curve %s %-22s seed %d: final accuracy %.2f %% (%.0f s)", task, method, seed,
-                         100 * run["test_acc"], run["wall_s"])  # fmt: skip
+        argv = ["--tasks", task, "--methods", *args.methods, "--seeds", str(args.seeds), "--steps", str(steps[task]),
+                "--eval-every", str(args.eval_every[task]), "--timeout", str(args.timeout)]  # fmt: skip
+        report = run_benchmark("convergence.py", argv)
+        runs += report["runs"]
+        failures += report["failures"]
     return runs, failures
+
+
+def run_benchmark(script: str, argv: list[str]) -> dict[str, Any]:
+    """Run ``benchmarks/<script> argv`` into a scratch folder and return the one results file it wrote."""
+    log.info("python benchmarks/%s %s", script, " ".join(argv))
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, str(Path(__file__).resolve().parent / script), *argv, "--out", out]
+        subprocess.run(command, check=True)
+        (path,) = Path(out).glob("*.json")
+        return dict(json.loads(path.read_text()))
 
 
 def mean_curve(runs: list[dict[str, Any]]) -> list[dict[str, float]]:
@@ -183,7 +185,7 @@ def steps_to_target(runs: list[dict[str, Any]], margin: float) -> dict[str, dict
                 finals[baseline] = statistics.fmean(chosen)
         for method in dict.fromkeys(r["method"] for r in of_task):
             chosen = [r for r in of_task if r["method"] == method]
-            baseline = convergence.baseline_of(method)
+            baseline = baseline_of(method)
             curve = mean_curve(chosen)
             entry: dict[str, Any] = {
                 "task": task,
@@ -225,15 +227,13 @@ def run_lab(
         methods = lab_methods(args.methods, ranks_per_host)
         for task in args.tasks:
             # The two-process curves' global batch, split over this layout's ranks.
-            batch = max(1, convergence.SETTINGS[task]["batch"] * 2 // world)
+            batch = max(1, SETTINGS[task]["batch"] * 2 // world)
             argv = ["--task", task, "--batch", str(batch), "--hosts", str(hosts), "--ranks-per-host",
                     str(ranks_per_host), "--steps", str(args.lab_steps), "--warmup", str(args.lab_warmup),
                     "--rounds", str(args.rounds), "--timeout", str(LAB_COLLECTIVE_TIMEOUT_S), "--rates", *args.rates,
                     "--run-steps", str(run_steps[task]), "--methods", *methods]  # fmt: skip
-            lab_args = network_lab.parse_args(argv)
             command = "python benchmarks/network_lab.py " + " ".join(argv)
-            log.info("lab %s %s: %s", layout, task, command)
-            report = network_lab.lab_report(lab_args, command)
+            report = run_benchmark("network_lab.py", argv)
             commands.append(command)
             rows += [{"task": task, "layout": layout, "batch_per_rank": batch, **row} for row in report["results"]]
             failures += [{"task": task, "layout": layout, **failure} for failure in report["failures"]]
@@ -381,7 +381,7 @@ def markdown(report: dict[str, Any]) -> str:
         target_text = ", ".join(
             f"{baseline}: {target:.2f} %"
             for baseline, target in sorted(
-                {(convergence.baseline_of(m), t) for m, t in targets if t is not None}, key=lambda item: item[0]
+                {(baseline_of(m), t) for m, t in targets if t is not None}, key=lambda item: item[0]
             )
         )
         for layout in settings["layouts"]:
@@ -410,7 +410,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "Failures (shown in the tables, not left out):", ""]
         for failure in failures:
             where = "/".join(str(failure[k]) for k in ("task", "layout", "rate", "method", "seed") if k in failure)
-            lines.append(f"- {where}: {network_lab.headline(failure['error'])}")
+            lines.append(f"- {where}: {headline(failure['error'])}")
     return "\n".join(lines) + "\n"
 
 
@@ -583,7 +583,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     if args.lab and (os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None):
         raise SystemExit("The lab needs root, iproute2 and tc; run as root, or pass --no-lab for the curves only.")
     started = time.perf_counter()
-    defaults = {task: convergence.SETTINGS[task]["quick_steps" if args.quick else "steps"] for task in args.tasks}
+    defaults = {task: SETTINGS[task]["quick_steps" if args.quick else "steps"] for task in args.tasks}
     steps = dict.fromkeys(args.tasks, args.steps) if args.steps is not None else defaults
     runs, curve_failures = run_curves(args, steps)
     curves = steps_to_target(runs, args.margin)
@@ -591,7 +591,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     settings = {
         "tasks": args.tasks,
         "methods": args.methods,
-        "low_rank_available": convergence.low_rank_available(),
+        "low_rank_available": low_rank_available(),
         "layouts": args.layouts,
         "rates": args.rates,
         "lab": args.lab,
@@ -603,8 +603,8 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "lab_steps": args.lab_steps,
         "lab_warmup": args.lab_warmup,
-        "per_task": {task: convergence.SETTINGS[task] for task in args.tasks},
-        "compression_warmup_steps": {task: convergence.compression_warmup(s) for task, s in steps.items()},
+        "per_task": {task: SETTINGS[task] for task in args.tasks},
+        "compression_warmup_steps": {task: compression_warmup(s) for task, s in steps.items()},
         "qadam_warmup_steps": {task: max(1, s // 5) for task, s in steps.items()},
         "curve_processes": 2,
         "lab_commands": lab_commands,
@@ -633,7 +633,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=convergence.ALL_TASKS)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=ALL_TASKS)
     parser.add_argument("--methods", nargs="+", default=None, help="convergence methods (default: every one)")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="hosts x ranks per host")
     parser.add_argument("--rates", nargs="+", default=None, help=f"tc rates or unshaped (default: {' '.join(RATES)})")
@@ -659,17 +659,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lab_steps = preset["lab_steps"] if args.lab_steps is None else args.lab_steps
     args.lab_warmup = preset["lab_warmup"] if args.lab_warmup is None else args.lab_warmup
     args.rates = list(preset["rates"]) if args.rates is None else args.rates
-    args.methods = methods_to_run() if args.methods is None else args.methods
-    known = convergence.accepted_methods()
-    unknown = [m for m in args.methods if not convergence.is_accepted(m)]
+    args.methods = available_methods() if args.methods is None else args.methods
+    known = accepted_methods()
+    unknown = [m for m in args.methods if not is_accepted(m)]
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {known}")
-    baselines = {convergence.baseline_of(m) for m in args.methods}
+    baselines = {baseline_of(m) for m in args.methods}
     if not baselines <= set(args.methods):
         parser.error(f"the targets need the baselines {sorted(baselines)} among --methods; add them")
     for rate in args.rates:
         if rate != "unshaped":
-            network_lab.bits_per_second(rate)
+            bits_per_second(rate)
     if args.seeds < 1 or args.rounds < 1:
         parser.error(f"--seeds and --rounds must be at least 1, got {args.seeds} and {args.rounds}")
     every = {task: EVAL_EVERY[task] // (2 if args.quick else 1) for task in args.tasks}
