@@ -1,51 +1,22 @@
 """Convergence: every Bagua algorithm against Lightning's DDP, same hyper-parameters, same seeds, two CPU processes.
 
-Each run is a fresh Lightning job of two Gloo processes on this machine (``Trainer(accelerator="cpu", devices=2)``,
-``deterministic=True``, one torch thread per process). Within a task every method trains the same model from the
-same initial weights (``seed_everything(seed)``) on the same shuffled data with the same optimizer settings; only the
-communication differs. After training, both ranks score their own model on their half of the held-out data and the
-metrics are averaged over the ranks (for the decentralized algorithms and async the ranks' models may differ).
+Each run is a fresh Lightning job of two Gloo processes (``Trainer(accelerator="cpu", devices=2)``, deterministic,
+one torch thread each). Within a task every method trains the same model from the same weights on the same data
+with the same optimizer settings (:data:`lab.tasks.SETTINGS`); only the communication differs. After training
+both ranks score their own model on their half of the held-out set, and the metrics are averaged over the ranks.
 
-Methods:
+Methods (:mod:`lab.tasks`): by default ``ddp`` (SGD with momentum, the baseline), ``ddp_adam`` (qadam's baseline)
+and the engine's ``gradient_allreduce``, ``bytegrad``, ``decentralized``, ``low_precision_decentralized``,
+``async`` and ``qadam``. By name: DDP with torch's hooks (``ddp_fp16``, ``ddp_powersgd_r<k>``, registered on CPU
+by :class:`CPUCommHookDDPStrategy`, which fails a run whose hook never ran), ``low_rank_r<k>`` and
+``low_rank_alt_r<k>``, ``auto``, ``diloco_h<H>`` and torchft's DiLoCo ``torchft_diloco_h<H>``
+(``benchmarks/torchft_peer.py``). PowerSGD and ``low_rank`` compress after the same uncompressed twentieth of
+the steps. On one node ``hierarchical`` would only average inside the node, so the algorithms run flat.
 
-- ``ddp``: Lightning's ``strategy="ddp"`` with SGD (momentum): the baseline of every SGD algorithm;
-- ``ddp_adam``: ``strategy="ddp"`` with torch's Adam: the baseline of ``qadam``;
-- ``gradient_allreduce``, ``bytegrad``, ``decentralized``, ``low_precision_decentralized``, ``async``: the
-  ``BaguaStrategy`` algorithm with the same SGD settings as ``ddp``;
-- ``qadam``: ``lightning_bagua.QAdamOptimizer`` with Adam's learning rate and a warm-up of a fifth of the steps.
-
-More methods, not run by default (name them with ``--methods``; ``benchmarks/time_to_accuracy.py`` runs them all):
-
-- ``ddp_fp16``, ``ddp_powersgd_r1``, ``_r4``, ``_r8``: DDP with torch's ``fp16_compress_hook`` or PowerSGD hook
-  (rank 1 or 4), passed as a Lightning user does (``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``).
-  Lightning registers DDP hooks on CUDA only, so these run under ``CPUCommHookDDPStrategy``, which registers the
-  hook on CPU too and counts its calls: a run whose hook never ran, or whose PowerSGD never compressed, fails;
-- ``low_rank_r1``, ``_r4``, ``_r8``: the engine's ``low_rank`` algorithm at rank 1, 4 or 8, where the engine has it
-  (``_r16`` by name, not by default);
-  ``low_rank_alt_r1``, ``_r4``, ``_r8`` the same with ``alternate=True`` (one factor per step, ACP-SGD);
-- ``auto``: ``BaguaStrategy(algorithm="auto")``, its measuring steps part of the run; the result holds its pick;
-- ``diloco_h<H>``, ``torchft_diloco_h<H>``: the engine's ``diloco`` (flat), and torchft's DiLoCo
-  (``benchmarks/torchft_peer.py``: ``strategy="ddp"`` with the peer's Lightning callback, torchft in an environment
-  of its own) at the same H and fragment settings, full precision (torchft quantizes only with Triton on CUDA).
-
-PowerSGD and ``low_rank`` compress after the same uncompressed start, a twentieth of the steps (at least 2).
-
-On one node, ``hierarchical`` would reduce bytegrad, qadam and both decentralized algorithms to a full-precision
-average inside the node, so they run flat (``hierarchical=False``): what is measured is the algorithm itself.
-
-Tasks:
-
-- ``digits``: the example's task (``examples/train.py``: scikit-learn's 8x8 digits, its two-layer perceptron and
-  its split); reported: test accuracy and loss.
-- ``charlm``: next-byte prediction on real text available offline, the Python standard library's own source (the
-  ``*.py`` files at the top of the standard library directory, sorted by name; the last tenth of the bytes is held
-  out), with a small causal convolutional network over 128-byte windows; reported: held-out next-byte accuracy,
-  loss (nats per byte) and perplexity.
-- ``bytemlp`` (not run by default): next-byte prediction on the same text from the previous 32 bytes, with a
-  wide perceptron of 2.4M parameters whose compute is small for its size, so communication sets the pace on slow
-  links; held-out: every 32nd position of the held-out tenth.
-
-``--eval-every k`` also scores the held-out set every k steps and keeps the learning curve of every run.
+Tasks (:func:`lab.tasks.task_data`, :mod:`lab.models`): ``digits`` (the example's), ``charlm`` (a causal
+convolutional byte model on the standard library's source) and, by name, ``bytemlp`` (a 2.4M wide byte perceptron
+whose compute is small for its size). ``--eval-every k`` also scores the held-out set every k steps and keeps the
+learning curve of every run (``benchmarks/time_to_accuracy.py`` runs it so).
 
 Run it::
 
@@ -54,7 +25,7 @@ Run it::
 
 It writes ``benchmarks/results/convergence_cpu.json`` (machine, versions, settings, the command, every run),
 ``convergence_cpu.md`` (mean and spread over the seeds, and the difference to the method's DDP baseline) and, with
-matplotlib (``pip install -r requirements/benchmarks.txt``), ``convergence_cpu.png``.
+matplotlib, ``convergence_cpu.png``.
 """
 
 import argparse

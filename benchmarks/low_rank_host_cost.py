@@ -18,14 +18,13 @@ beside ``low_rank``'s are in ``time_to_accuracy_cpu.md`` and the network lab::
 """
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from lab.harness import free_port, rotated
 from lab.models import task_model
-from lab.results import write_report
+from lab.results import command_line, machine, spread, write_report
 from lightning_bagua.engine.algorithms.low_rank import _factors, hook
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter
@@ -111,18 +110,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                         rounds[setting].append(statistics.median(timers[setting](args.steps)))
                 for setting in SETTINGS:
                     values = rounds[setting]
-                    results.append(
-                        {
-                            "task": task,
-                            "rank": rank,
-                            "form": "alternate" if alternate else "two-sided",
-                            "setting": setting,
-                            "median_s": statistics.median(values),
-                            "min_s": min(values),
-                            "max_s": max(values),
-                            "rounds_s": values,
-                        }
-                    )
+                    form = "alternate" if alternate else "two-sided"
+                    figures = {f"{k}_s": v for k, v in spread(values).items() if k in ("median", "min", "max")}
+                    results.append({"task": task, "rank": rank, "form": form, "setting": setting, **figures,
+                                    "rounds_s": values})  # fmt: skip
                 print(f"{task} r{rank} {'alternate' if alternate else 'two-sided'}: done", flush=True)
     return results
 
@@ -175,15 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         results = measure(args)
     finally:
         dist.destroy_process_group()
-    report = {
-        "benchmark": "low_rank_host_cost",
-        "command": "python benchmarks/low_rank_host_cost.py " + " ".join(args.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "results": results,
-    }
-    report["command"] = report["command"].strip()
+    command = command_line(["benchmarks/low_rank_host_cost.py", *args.argv])
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    report = {"benchmark": "low_rank_host_cost", "command": command, "date": date, "machine": machine()}
+    report |= {"settings": {k: v for k, v in vars(args).items() if k not in {"argv", "out"}}, "results": results}
     table = markdown(report)
     print(table)
     if not args.no_save:

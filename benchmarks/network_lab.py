@@ -1,37 +1,20 @@
 """CPU network lab: Gloo ranks on network-namespace hosts joined by rate-limited links.
 
-Each host is a network namespace with an address of its own in 127.81.0.0/16 (routed over its link with
-``route_localnet``). Two hosts are joined by a veth pair; more hosts each have a veth to a bridge in a switch
-namespace. ``tc`` shapes both ends of every link with a token bucket, so every collective that leaves a host
-crosses a link of the chosen rate, as between machines; ranks of one host talk inside its namespace, unshaped,
-as the GPUs of one machine would. For each rate, every method trains the same model for the same steps on every
-rank, and the median step time (after a warm-up) and the payload bytes per step are recorded. The methods are
-interleaved: the ranks' workers start once per rate and go round-robin over the methods, ``--rounds`` times (5 by
-default), each round starting one method later; every (round, method) trains a fresh model and is timed by its
-slowest rank's median step. The report gives the median over the rounds and their spread (min, max, quartiles),
-with the machine, the versions and the command. A method that fails (torch's PowerSGD hook, say) is recorded
-with its error, shown as "failed", and the rest goes on.
+Each host is a network namespace (:func:`lab.harness.lab_hosts`): two hosts share a veth pair, more hosts each
+have a veth to a bridge; ``tc`` shapes both ends of every link, so every collective that leaves a host crosses a
+link of the chosen rate, and ranks of one host talk inside it, unshaped. For each rate the ranks' workers start
+once and go round-robin over the methods, ``--rounds`` times, each round starting one method later; every (round,
+method) trains a fresh model and is timed by its slowest rank's median step after a warm-up. The report gives the
+median over the rounds with its spread, the payload bytes per step, the machine and the command. A method that
+fails (torch's PowerSGD hook, say) is recorded with its error, shown as "failed", and the rest goes on.
 
-- ``single``: no communication, every rank stepping its own model at the same time (the no-communication limit
-  under the same load as the other methods);
-- ``ddp``: torch's DistributedDataParallel, the engine under Lightning's ``strategy="ddp"``;
-- ``ddp_fp16``: DDP with torch's ``fp16_compress_hook``;
-- ``ddp_powersgd``, ``ddp_powersgd_r4``, ``ddp_powersgd_r8``: DDP with torch's PowerSGD hook at rank 1, 4 and 8
-  (after two uncompressed steps, inside the warm-up);
-- every algorithm of :mod:`lightning_bagua.engine` under ``BaguaDistributedDataParallel``, with its defaults;
-  one that takes ``rank`` (``low_rank``) runs at rank 1, 4 and 8 (``low_rank_r1``, ``low_rank_r4``, ``low_rank_r8``),
-  and so does each variant of ``ALGORITHM_VARIANTS`` (``low_rank_alt_r<k>``: ``low_rank`` with ``alternate=True``);
-  with several ranks per host, each algorithm that takes ``hierarchical`` runs twice instead, as
-  ``name:flat`` and ``name:hierarchical`` (reduce inside the host, communicate between hosts' leaders only).
-- ``ddp_adam`` (DDP with Adam, qadam's baseline) and ``ddp_powersgd_r1`` (= ``ddp_powersgd``) on request.
-- ``torchft_diloco_h<H>`` (``torchft_diloco``: H=100) on request: torchft's DiLoCo (``benchmarks/torchft_peer.py``,
-  torchft in an environment of its own) at ``diloco_h<H>``'s H and fragment settings, timed over whole periods as
-  diloco is, its bytes from the peer's counter; full precision (torchft quantizes only with Triton on CUDA) and one
-  replica per rank (flat) at any layout, both recorded in the row's ``note``. Without torchft it fails with how to
-  install it, and the rest goes on.
-
-The model is the lab's MLP (``--width``, ``--depth``) or, with ``--task``, the network of a task of
-``benchmarks/convergence.py`` (``digits``, ``charlm``, ``bytemlp``) on random inputs of its shapes.
+Methods: ``single`` (every rank stepping without communication: the floor under the same load), ``ddp``,
+``ddp_fp16`` and ``ddp_powersgd`` / ``_r4`` / ``_r8`` (torch's DDP and hooks), and every engine algorithm with its
+defaults, ``low_rank`` and ``low_rank_alt`` at ranks 1, 4 and 8; with several ranks per host each algorithm that
+takes ``hierarchical`` runs as ``name:flat`` and ``name:hierarchical``. By name: ``ddp_adam`` (qadam's baseline),
+``diloco_h<H>`` and ``torchft_diloco_h<H>`` (``benchmarks/torchft_peer.py``; full precision, one replica per rank),
+both timed over whole sync periods. The model is the lab's MLP (``--width``, ``--depth``) or, with ``--task``, a
+convergence task's network (:mod:`lab.models`) on random inputs of its shapes.
 
 Run it as root (namespaces and ``tc`` need it)::
 
@@ -41,16 +24,12 @@ Run it as root (namespaces and ``tc`` need it)::
     python benchmarks/network_lab.py --ranks-per-host 2 --rates 1gbit 100mbit          # 4 ranks, 2 nodes x 2
     python benchmarks/network_lab.py --hosts 4 --methods ddp decentralized             # 4 ranks, 4 nodes x 1
     python benchmarks/network_lab.py --no-local-world-size --rates 100mbit --methods ddp bytegrad
+    python benchmarks/network_lab.py --check-links 100 10000   # single messages over each link, two bucket sizes
 
-The ranks rendezvous through ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) and get
-``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK`` as torchrun sets them; with ``--no-local-world-size`` they do not, as
-under a plain ``env://`` launcher, and the engine derives the node layout from the hosts the ranks run on.
-
-It writes ``benchmarks/results/network_lab_cpu.json`` (settings, machine, versions, every measurement) and
-``network_lab_cpu.md`` (the table: step time and its ratio to DDP's), and ``network_lab_cpu.png`` when
-matplotlib is installed (``pip install -r requirements/benchmarks.txt``). Other layouts than 2 hosts x 1 rank
-write ``network_lab_cpu_<hosts>x<ranks per host>.*`` instead, so the two-rank results are never overwritten, and
-runs without ``LOCAL_WORLD_SIZE`` add ``_hosts`` to the name, and a ``--task`` adds ``_<task>``.
+The ranks get ``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK`` as torchrun sets them; with ``--no-local-world-size`` they do
+not, and the engine derives the node layout from the hosts. It writes ``benchmarks/results/network_lab_cpu.json``,
+``.md`` (step time and its ratio to DDP's) and ``.png``; other layouts write ``network_lab_cpu_<hosts>x<ranks per
+host>.*``, runs without ``LOCAL_WORLD_SIZE`` add ``_hosts`` and a ``--task`` adds ``_<task>``.
 """
 
 import argparse

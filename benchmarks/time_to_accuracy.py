@@ -1,57 +1,32 @@
 """Time to accuracy: how long each method takes to reach DDP's held-out accuracy, per link rate and layout.
 
 "Faster per step" says nothing about a method that needs more steps. This benchmark measures the two factors
-separately on the same task models and multiplies them:
+separately on the same task networks and multiplies them:
 
-1. **Steps to target** (``benchmarks/convergence.py``): every method trains every task on two Gloo processes
-   under Lightning, with the same seeds, data order, optimizer settings and schedule, and the held-out set is
-   scored every ``k`` steps. The target of a task is its DDP baseline's final held-out accuracy (the mean over the
-   seeds) less a margin (``--margin``, 0.5 points by default); the baseline is DDP with SGD for the SGD methods
-   and DDP with Adam for ``qadam``. A method's steps to target are the first evaluation at which its accuracy,
-   averaged over the seeds, reaches the target; a method that never does is shown as "not reached".
-2. **Step time** (``benchmarks/network_lab.py``): the same task networks, the same per-rank batch, timed on
-   network-namespace hosts joined by ``tc``-shaped links (two hosts of one rank, and two hosts of two ranks),
-   every method interleaved with the others (round-robin, rotated each round) over ``--rounds`` rounds; the
-   median over the rounds is used, and the spread (min, max, quartiles) is reported with it.
+1. **Steps to target**: ``benchmarks/convergence.py --eval-every k`` trains every method on every task on two
+   Gloo processes. The target of a task is its DDP baseline's final held-out accuracy (mean over the seeds) less
+   ``--margin`` points (DDP with Adam for ``qadam``); a method's steps to target are the first evaluation at which
+   its accuracy, averaged over the seeds, reaches it, else "not reached".
+2. **Step time**: ``benchmarks/network_lab.py`` times the same networks at the same global batch on hosts joined by
+   ``tc``-shaped links (layouts 2x1 and 2x2: hosts x ranks per host), the methods interleaved over ``--rounds``;
+   the median over the rounds is used and its spread reported. In 2x2 every algorithm that takes
+   ``hierarchical`` is timed ``:flat`` and ``:hierarchical``, both on the two-process curve.
 
-**Time to target = steps to target x median step time** (uncompressed warm-up steps are counted at the
-compressed step's time). The **communication overhead** of a method is its median step time less the
-``single`` step (every rank stepping without communication, measured in the same rounds); for a method at a
-PowerSGD rank (``low_rank_r<k>``) it is also given as a ratio to ``ddp_powersgd_r<k>``'s at the same rate.
-
-Methods: ``ddp``, ``ddp_fp16`` (torch's ``fp16_compress_hook``), ``ddp_powersgd_r1``, ``_r4`` and ``_r8``
-(torch's PowerSGD hook, set up as a Lightning user would with ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``;
-Lightning registers hooks on CUDA only, so convergence.py registers them on CPU itself and checks that they ran),
-``gradient_allreduce``, ``bytegrad``, ``decentralized``, ``low_precision_decentralized``, ``async``, ``ddp_adam``
-and ``qadam``, and ``low_rank_r1``, ``_r4`` and ``_r8`` where the engine has ``low_rank``. In the two-by-two
-layout every algorithm that takes ``hierarchical`` is timed as ``:flat`` and ``:hierarchical``.
-
-The learning curves come from two processes (a per-process batch of B). The two-by-two lab halves the per-rank
-batch, so four ranks see the same global batch: DDP, gradient_allreduce and every ``:hierarchical`` variant (an
-exact average inside a host, compression between the two hosts) compute what the two-process run computed; a
-``:flat`` compressed method over four ranks compresses differently, and its two-process curve is an
-approximation.
-
-Torch's PowerSGD hook fails on Gloo when DDP's gradient spans more than one bucket: the ranks' collectives
-interleave differently, and a run aborts with a size mismatch ("Received data size doesn't match expected
-size"), a reset connection, or a receive that waits until its timeout. Under Lightning's defaults (a first
-bucket of 1 MB) that is the case for ``bytemlp``: its training fails, and the failure is reported (not left
-out). The lab's DDP uses 10 MB buckets (the engine's bucket size), where ``bytemlp``'s gradient is one bucket,
-so its step time and overhead are still measured. A method that fails on one seed is not started again on the
-task's other seeds.
-
-Tasks (convergence.py): ``digits`` (the example's perceptron, 9k parameters), ``charlm`` (a causal convolutional
-byte model, 0.1M) and ``bytemlp`` (a wide byte perceptron, 2.4M, where the link sets the pace on slow links).
+**Time to target = steps to target x median step time.** The **overhead** of a method is its step less the
+no-communication step (``single``) of the same rounds, for ``low_rank_r<k>`` also as a ratio to
+``ddp_powersgd_r<k>``'s. ``auto`` is counted with its measuring steps; ``diloco`` beside its no-communication
+floor. Torch's PowerSGD hook fails on Gloo when DDP's gradient spans several buckets (``bytemlp`` under
+Lightning's 1 MB first bucket): the failure is reported, and the lab's DDP (10 MB buckets) still times its step.
 
 Run it as root (the lab needs network namespaces and ``tc``), on a quiet machine::
 
     python benchmarks/time_to_accuracy.py            # every task, method, rate and layout (40-45 min, 2 quiet cores)
-    python benchmarks/time_to_accuracy.py --seeds 2  # two seeds for the learning curves (about 20 min more)
     python benchmarks/time_to_accuracy.py --quick    # short runs, one seed, 100mbit only, 3 rounds (about 10 min)
+    python benchmarks/time_to_accuracy.py --no-lab   # the learning curves only (no root needed)
+    python benchmarks/time_to_accuracy.py --render benchmarks/results/slow_links/time_to_accuracy_cpu.json
 
-It writes ``benchmarks/results/time_to_accuracy_cpu.json`` (machine, versions, command, date, settings, every
-curve, every lab row, every failure, and the combined table), ``time_to_accuracy_cpu.md`` and, with matplotlib,
-``time_to_accuracy_cpu.png``.
+It writes ``benchmarks/results/time_to_accuracy_cpu.json`` (every curve, lab row and failure, and the combined
+table), ``time_to_accuracy_cpu.md`` and, with matplotlib, ``time_to_accuracy_cpu.png``.
 """
 
 import argparse
