@@ -57,7 +57,7 @@ from typing_extensions import override
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.methods import TORCHFT_NOTE, resolve_algorithm, split_rank, torchft_settings
 from lab.models import CONTEXT, task_loss, task_model
-from lab.render import pyplot
+from lab.render import markdown_table, pyplot
 from lab.results import machine, spread, write_report
 from lab.tasks import (
     ADAM_METHODS,
@@ -373,6 +373,22 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
+def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The summary as a table, a row per task and method; the documentation's ``convergence`` table is this one."""
+    rows = []
+    for row in report["summary"]:
+        acc, loss = row["accuracy_pct"], row["loss"]
+        delta = f"{row['accuracy_delta_pts']:+.2f}" if "accuracy_delta_pts" in row else "-"
+        loss_delta = f"{row['loss_delta']:+.4f}" if "loss_delta" in row else "-"
+        accuracy = f"{acc['mean']:.2f} ± {acc['std']:.2f} [{acc['min']:.2f}, {acc['max']:.2f}]"
+        loss_text = f"{loss['mean']:.4f} ± {loss['std']:.4f}"
+        rows.append(
+            [row["task"], row["method"], row["baseline"], accuracy, delta, loss_text, loss_delta, str(acc["n"])]
+        )
+    header = ["task", "method", "baseline", "accuracy %", "Δ accuracy (points)", "loss", "Δ loss", "seeds"]
+    return header, rows
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The table of the summary, with the command that wrote it."""
     lines = [
@@ -380,21 +396,11 @@ def markdown(report: dict[str, Any]) -> str:
         "difference of the means to the method's DDP baseline (qadam: DDP with Adam). Two Gloo processes on CPU.",
         f"Written by `{report['command']}`; every run is in `convergence_cpu.json`.",
         "",
-        "| task | method | baseline | accuracy % | Δ accuracy (points) | loss | Δ loss | seeds |",
-        "|---|---|---|---|---|---|---|---|",
+        markdown_table(*table(report)),
     ]
-    for row in report["summary"]:
-        acc, loss = row["accuracy_pct"], row["loss"]
-        delta = f"{row['accuracy_delta_pts']:+.2f}" if "accuracy_delta_pts" in row else "-"
-        loss_delta = f"{row['loss_delta']:+.4f}" if "loss_delta" in row else "-"
-        lines.append(
-            f"| {row['task']} | {row['method']} | {row['baseline']} "
-            f"| {acc['mean']:.2f} ± {acc['std']:.2f} [{acc['min']:.2f}, {acc['max']:.2f}] | {delta} "
-            f"| {loss['mean']:.4f} ± {loss['std']:.4f} | {loss_delta} | {acc['n']} |"
-        )
     if any(row["task"] == "charlm" for row in report["summary"]):
-        lines += ["", "charlm loss is in nats per byte; its perplexity is exp(loss)."]
-    return "\n".join(lines) + "\n"
+        lines += ["charlm loss is in nats per byte; its perplexity is exp(loss).\n"]
+    return "\n".join(lines)
 
 
 def chart(report: dict[str, Any], path: Path) -> bool:

@@ -69,7 +69,7 @@ from lab.methods import (
     torchft_settings,
 )
 from lab.models import random_batch, task_loss, task_model
-from lab.render import pyplot
+from lab.render import markdown_table, pyplot
 from lab.results import machine, write_report
 
 RESULTS = Path(__file__).parent / "results"
@@ -491,23 +491,17 @@ def describe(hosts: int, ranks_per_host: int, from_hosts: bool = False) -> str:
     return f"{hosts * ranks_per_host} Gloo ranks, {hosts} hosts x {ranks_per_host}, over {link}{without}"
 
 
-def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str], report: dict[str, Any]) -> str:
+def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The table of a report: a row per method, its step at every rate (ms [min, max], ratio to DDP's), its payload.
+
+    The documentation's ``network_lab`` table is this one.
+    """
+    rates, results = report["settings"]["rates"], report["results"]
     by_key = {(r["rate"], r["method"]): r for r in results}
-    settings = report["settings"]
-    hosts, ranks_per_host = settings["hosts"], settings["ranks_per_host"]
-    from_hosts = settings.get("no_local_world_size", False)
-    lines = [
-        f"Median step time in ms over {settings['rounds']} interleaved rounds [min, max] (ratio of the medians to"
-        f" DDP's at the same rate), {describe(hosts, ranks_per_host, from_hosts)}; task {settings['task']}.",
-        f"Written by `{report['command']}`;"
-        f" the numbers are in `{layout_name(hosts, ranks_per_host, from_hosts, settings['task'])}.json`.",
-        "",
-        "| method | " + " | ".join(rates) + " | payload MB/step |",
-        "|---|" + "---|" * len(rates) + "---|",
-    ]
-    failed = {(f["rate"], f["method"]): f for f in report.get("failures", [])}
-    for method in methods:
-        cells = []
+    failed = {(f["rate"], f["method"]) for f in report.get("failures", [])}
+    rows = []
+    for method in report["settings"]["methods"]:
+        cells = [method]
         for rate in rates:
             row, ddp = by_key.get((rate, method)), by_key.get((rate, "ddp"))
             if row is None:
@@ -521,10 +515,24 @@ def markdown(results: list[dict[str, Any]], rates: list[str], methods: list[str]
             cells.append(f"{row['bytes_per_round'] / 1e6:.2f} per round")
         else:
             cells.append("" if row is None or row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    for (rate, method), failure in failed.items():
-        lines.append(f"\n{method} at {rate} failed: {headline(failure['error'])}")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return ["method", *rates, "payload MB/step"], rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    settings = report["settings"]
+    hosts, ranks_per_host = settings["hosts"], settings["ranks_per_host"]
+    from_hosts = settings.get("no_local_world_size", False)
+    lines = [
+        f"Median step time in ms over {settings['rounds']} interleaved rounds [min, max] (ratio of the medians to"
+        f" DDP's at the same rate), {describe(hosts, ranks_per_host, from_hosts)}; task {settings['task']}.",
+        f"Written by `{report['command']}`;"
+        f" the numbers are in `{layout_name(hosts, ranks_per_host, from_hosts, settings['task'])}.json`.",
+        "",
+        markdown_table(*table(report)),
+    ]
+    lines += [f"{f['method']} at {f['rate']} failed: {headline(f['error'])}\n" for f in report.get("failures", [])]
+    return "\n".join(lines)
 
 
 def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], path: Path, title: str) -> bool:
@@ -742,7 +750,7 @@ def orchestrate(args: argparse.Namespace) -> None:
         return
     report = lab_report(args, "python benchmarks/network_lab.py " + " ".join(args.argv))
     methods = report["settings"]["methods"]
-    table = markdown(report["results"], args.rates, methods, report)
+    table = markdown(report)
     if not args.no_save:
         out = Path(args.out)
         stem = layout_name(args.hosts, args.ranks_per_host, args.no_local_world_size, args.task)

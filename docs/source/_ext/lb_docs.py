@@ -371,21 +371,10 @@ def _startup_time() -> tuple[list[str], list[list[str]], list[str]]:
 
 
 def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list[str]], list[str]]:
-    # One function for every layout the lab writes (network_lab_cpu, network_lab_cpu_2x2, ...): same columns.
+    # Every layout the lab writes (network_lab_cpu, network_lab_cpu_2x2, ...) has the lab's own table.
     data = _load(results)
-    rates: list[str] = list(dict.fromkeys(row["rate"] for row in data["results"]))
-    by_key = {(row["rate"], row["method"]): row for row in data["results"]}
-    rows = []
-    for method in dict.fromkeys(row["method"] for row in data["results"]):
-        first = next(by_key[(rate, method)] for rate in rates if (rate, method) in by_key)
-        if first.get("bytes_per_round") is not None:  # async averages on a timer: its payload is per round
-            cells = [method, f"{first['bytes_per_round'] / 1e6:.2f} MB per averaging round"]
-        else:
-            payload = first["bytes_per_step"]
-            cells = [method, "-" if payload is None else f"{payload / 1e6:.2f} MB"]
-        cells += [_step_cell(by_key.get((rate, method)), by_key.get((rate, "ddp")), spread=False) for rate in rates]
-        rows.append(cells)
-    return ["method", "payload / step", *rates], rows, [data["command"]]
+    header, rows = _benchmark_module("network_lab").table(data)
+    return header, rows, [data["command"]]
 
 
 def _step_breakdown(results: str) -> tuple[list[str], list[list[str]], list[str]]:
@@ -497,22 +486,7 @@ def _gpu_time_to_target() -> tuple[list[str], list[list[str]], list[str]]:
 
 def _convergence() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("convergence_cpu")
-    rows = []
-    for row in data["summary"]:
-        acc, loss = row["accuracy_pct"], row["loss"]
-        delta = f"{row['accuracy_delta_pts']:+.2f}" if "accuracy_delta_pts" in row else "-"
-        rows.append(
-            [
-                row["task"],
-                row["method"],
-                row["baseline"],
-                f"{acc['mean']:.2f} ± {acc['std']:.2f} [{acc['min']:.2f}, {acc['max']:.2f}]",
-                delta,
-                f"{loss['mean']:.4f} ± {loss['std']:.4f}",
-                str(acc["n"]),
-            ]
-        )
-    header = ["task", "method", "baseline", "accuracy % (mean ± std [min, max])", "Δ points", "loss", "seeds"]
+    header, rows = _benchmark_module("convergence").table(data)
     return header, rows, [data["command"]]
 
 
