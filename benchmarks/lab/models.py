@@ -6,6 +6,7 @@ random inputs of their shapes (:func:`random_batch`); the GPU lab trains :class:
 
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -62,18 +63,25 @@ class ByteMLP(nn.Module):
 def task_model(task: str) -> nn.Module:
     """The bare network of ``task`` (what the network lab times): the digits perceptron, CausalConvLM, ByteMLP."""
     if task == "digits":
-        # The example's script is not a package: its folder goes on the path (imported here: it imports Lightning).
-        examples = str(Path(__file__).resolve().parents[2] / "examples")
-        if examples not in sys.path:
-            sys.path.insert(0, examples)
-        from train import DigitsClassifier
-
-        return DigitsClassifier(lr=3e-3).net  # the network alone: the learning rate is the LightningModule's
+        return example_script().DigitsClassifier(lr=3e-3).net  # the network alone: the LightningModule has the lr
     if task == "charlm":
         return CausalConvLM()
     if task == "bytemlp":
         return ByteMLP()
     raise ValueError(f"Unknown task {task!r}; choose one of {TASK_NETWORKS}.")
+
+
+def example_script() -> ModuleType:
+    """``examples/train.py``, whose digits model and data the tasks reuse (imported on demand: it imports Lightning).
+
+    The example is a script, not a package: its folder goes on the path.
+    """
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import train
+
+    return train
 
 
 def random_batch(task: str, batch: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -11,7 +11,6 @@ CPU network lab's step times, ``benchmarks/diloco_quantization.py`` simulates di
   and the DDP run each method is compared with.
 """
 
-import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from lab.methods import (
     split_rank,
     torchft_settings,
 )
-from lab.models import BYTEMLP_CONTEXT, CONTEXT
+from lab.models import BYTEMLP_CONTEXT, CONTEXT, example_script
 
 TASKS = ("digits", "charlm")  # the default; ``bytemlp`` is the larger model where communication binds
 ALL_TASKS = (*TASKS, "bytemlp")
@@ -152,13 +151,7 @@ class ByteContexts(Dataset):
 def task_data(task: str) -> tuple[Dataset, Dataset]:
     """The training set and the held-out set of ``task``; ``charlm`` and ``bytemlp`` split the text 9:1."""
     if task == "digits":
-        # The example is a script, not a package: its folder goes on the path so its data and split are reused.
-        examples = str(Path(__file__).resolve().parents[2] / "examples")
-        if examples not in sys.path:
-            sys.path.insert(0, examples)
-        from train import load_data
-
-        return load_data()
+        return example_script().load_data()
     text, _ = standard_library_text()
     split = len(text) * 9 // 10
     if task == "charlm":
