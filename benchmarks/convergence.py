@@ -10,7 +10,7 @@ and the engine's ``gradient_allreduce``, ``bytegrad``, ``decentralized``, ``low_
 ``async`` and ``qadam``. By name: DDP with torch's hooks (``ddp_fp16``, ``ddp_powersgd_r<k>``, registered on CPU
 by :class:`CPUCommHookDDPStrategy`, which fails a run whose hook never ran), ``low_rank_r<k>`` and
 ``low_rank_alt_r<k>``, ``auto``, ``diloco_h<H>`` and torchft's DiLoCo ``torchft_diloco_h<H>``
-(``benchmarks/torchft_peer.py``). PowerSGD and ``low_rank`` compress after the same uncompressed twentieth of
+(:mod:`lab.torchft_peer`). PowerSGD and ``low_rank`` compress after the same uncompressed twentieth of
 the steps. On one node ``hierarchical`` would only average inside the node, so the algorithms run flat.
 
 Tasks (:func:`lab.tasks.task_data`, :mod:`lab.models`): ``digits`` (the example's), ``charlm`` (a causal
@@ -245,7 +245,7 @@ def job(args: argparse.Namespace) -> None:
     callbacks: list[Any] = []
     peer_settings = torchft_settings(args.method)
     if peer_settings is not None:  # torchft's DiLoCo: DDP whose all-reduce the peer's callback switches off
-        import torchft_peer
+        from lab import torchft_peer
 
         torchft_peer.require_torchft()  # before any process starts
         strategy: Any = "ddp"

@@ -12,7 +12,7 @@ Methods: ``single`` (every rank stepping without communication: the floor under 
 ``ddp_fp16`` and ``ddp_powersgd`` / ``_r4`` / ``_r8`` (torch's DDP and hooks), and every engine algorithm with its
 defaults, ``low_rank`` and ``low_rank_alt`` at ranks 1, 4 and 8; with several ranks per host each algorithm that
 takes ``hierarchical`` runs as ``name:flat`` and ``name:hierarchical``. By name: ``ddp_adam`` (qadam's baseline),
-``diloco_h<H>`` and ``torchft_diloco_h<H>`` (``benchmarks/torchft_peer.py``; full precision, one replica per rank),
+``diloco_h<H>`` and ``torchft_diloco_h<H>`` (:mod:`lab.torchft_peer`; full precision, one replica per rank),
 both timed over whole sync periods. The model is the lab's MLP (``--width``, ``--depth``) or, with ``--task``, a
 convergence task's network (:mod:`lab.models`) on random inputs of its shapes.
 
@@ -166,7 +166,7 @@ def wrap(
         return model, optimizer, None, None
     peer_settings = torchft_settings(method)
     if peer_settings is not None:  # torchft's DiLoCo, one replica per rank: its counter counts what it all-reduced
-        import torchft_peer
+        from lab import torchft_peer
 
         peer = torchft_peer.torchft_diloco(model, optimizer, **peer_settings)
         return peer, optimizer, peer.communication_counter, None

@@ -1,5 +1,5 @@
-"""benchmarks/torchft_peer.py: torchft's DiLoCo as the labs' peer. The fragment split and the checks of bad input run
-everywhere; the two-rank run needs torchft, which is not a dependency (requirements/benchmarks-torchft.txt)."""
+"""benchmarks/lab/torchft_peer.py: torchft's DiLoCo as the labs' peer. The fragment split and the checks of bad input
+run everywhere; the two-rank run needs torchft, which is not a dependency (requirements/benchmarks-torchft.txt)."""
 
 import importlib.util
 import itertools
@@ -20,7 +20,7 @@ NO_TORCHFT = "torchft is not installed (pip install -r requirements/benchmarks-t
 def peer() -> Any:
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        spec = importlib.util.spec_from_file_location("torchft_peer", BENCHMARKS / "torchft_peer.py")
+        spec = importlib.util.spec_from_file_location("lab.torchft_peer", BENCHMARKS / "lab" / "torchft_peer.py")
         assert spec is not None
         assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -105,7 +105,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, {benchmarks!r})
-from torchft_peer import lightning_callback
+from lab.torchft_peer import lightning_callback
 
 
 class Regression(LightningModule):

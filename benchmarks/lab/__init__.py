@@ -6,6 +6,9 @@
   ``tc`` links, worker output.
 - :mod:`lab.results`: one results schema (benchmark, command, date, machine, versions, settings, peers, rows), the
   machine record, the spread of repeated figures.
+- :mod:`lab.tasks`: the convergence tasks' settings and data sets, the methods they train and their baselines.
+- :mod:`lab.torchft_peer`: torchft's DiLoCo as a peer of the engine's ``diloco`` (torchft in an environment of
+  its own).
 - :mod:`lab.render`: markdown tables and charts, which the documentation imports instead of rendering again.
 
 The benchmarks are scripts: each runs with ``benchmarks/`` as its folder on ``sys.path`` and imports ``lab.*``.

@@ -2,7 +2,7 @@
 
 ``low_rank_r4`` is ``low_rank`` at rank 4 (:func:`split_rank`); a stem may stand for an algorithm with keywords of
 its own (:data:`ALGORITHM_VARIANTS`, :func:`resolve_algorithm`); ``diloco_h20`` is ``diloco`` syncing every 20
-steps, and ``torchft_diloco_h20`` torchft's DiLoCo at the same settings (``benchmarks/torchft_peer.py``).
+steps, and ``torchft_diloco_h20`` torchft's DiLoCo at the same settings (:mod:`lab.torchft_peer`).
 """
 
 from typing import Any
@@ -43,7 +43,7 @@ def diloco_period(stem: str) -> int | None:
 
 
 TORCHFT_METHODS = ("torchft_diloco", *(f"torchft_{method}" for method in DILOCO_METHODS))
-"""torchft's DiLoCo (``benchmarks/torchft_peer.py``) by name: ``torchft_diloco_h<H>`` mirrors ``diloco_h<H>``."""
+"""torchft's DiLoCo (:mod:`lab.torchft_peer`) by name: ``torchft_diloco_h<H>`` mirrors ``diloco_h<H>``."""
 TORCHFT_NOTE = (
     "torchft's DiLoCo, full precision: torchft quantizes outer gradients only with Triton on CUDA (diloco sends uint8)"
 )

@@ -1,6 +1,6 @@
-"""Check that torchft's DiLoCo runs here through :mod:`torchft_peer`, and that it computes what DiLoCo means.
+"""Check that torchft's DiLoCo runs here through :mod:`lab.torchft_peer`, and that it computes what DiLoCo means.
 
-Two Gloo processes on the loopback train a small MLP under :func:`torchft_peer.torchft_diloco` (H=4, 2 fragments,
+Two Gloo processes on the loopback train a small MLP under :func:`lab.torchft_peer.torchft_diloco` (H=4, 2 fragments,
 no delay, no mixing) for a few outer rounds, as the network lab's workers do (a default Gloo group first, then the
 peer). Then this process replays the same run alone, with both ranks' models, their inner SGD and the same
 batches, and the DiLoCo math written out: every ``H / fragments`` steps the next fragment's pseudo-gradient
@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# The peer is a benchmark script: benchmarks/ goes on the path, as the labs run it.
+# The peer is in the benchmarks' lab package: benchmarks/ goes on the path, as the labs run it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from lab.harness import free_port
-from torchft_peer import split_fragments, torchft_diloco
+from lab.torchft_peer import split_fragments, torchft_diloco
 
 WORLD_SIZE = 2
 SYNC_EVERY = 4

@@ -18,8 +18,8 @@ trains torchft's DiLoCo exactly as it trains its other methods (``optimizer.zero
    an outer optimizer of its own (SGD, Nesterov momentum): with one outer optimizer over the whole model, a
    fragment's sync would also step the other fragments with the inner step's gradients still on them.
 
-Under Lightning (convergence.py), :func:`lightning_callback` does the same with ``strategy="ddp"``, whose gradient
-all-reduce it switches off.
+Under Lightning (``benchmarks/convergence.py``), :func:`lightning_callback` does the same with ``strategy="ddp"``,
+whose gradient all-reduce it switches off.
 
 Every wait has ``timeout`` (collectives, quorum, connections), and a failed commit raises at once
 (``max_retries=0``) instead of torchft's retry-forever: a dead peer ends the run with a message.
