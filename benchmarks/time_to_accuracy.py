@@ -628,12 +628,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(arguments)
     if args.render is not None:
         return args
-    preset = QUICK if args.quick else FULL
-    args.seeds = preset["seeds"] if args.seeds is None else args.seeds
-    args.rounds = preset["rounds"] if args.rounds is None else args.rounds
-    args.lab_steps = preset["lab_steps"] if args.lab_steps is None else args.lab_steps
-    args.lab_warmup = preset["lab_warmup"] if args.lab_warmup is None else args.lab_warmup
-    args.rates = list(preset["rates"]) if args.rates is None else args.rates
+    for key, value in (QUICK if args.quick else FULL).items():  # what the command line leaves open
+        if getattr(args, key) is None:
+            setattr(args, key, list(value) if key == "rates" else value)
     args.methods = available_methods() if args.methods is None else args.methods
     known = accepted_methods()
     unknown = [m for m in args.methods if not is_accepted(m)]
