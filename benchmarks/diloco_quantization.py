@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.models import task_loss, task_model
-from lab.results import machine, write_report
+from lab.results import new_report, write_report
 from lab.tasks import task_data
 from lightning_bagua.engine.algorithms._diloco_quantize import OuterGradientCodec
 
@@ -114,10 +114,10 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     rows = [{"case": name, **run(args, quantization, feedback)} for name, quantization, feedback in CASES]
+    report = new_report("diloco_quantization", vars(args), rows)
     lines = [
         f"DiLoCo's outer gradients quantized: {args.replicas} simulated replicas, task {args.task}, {args.steps} AdamW"
-        f" steps, outer Nesterov every {args.sync_every}. Written by `python benchmarks/diloco_quantization.py"
-        f" {' '.join(sys.argv[1:])}`.",
+        f" steps, outer Nesterov every {args.sync_every}. Written by `{report['command']}`.",
         "",
         "| case | relative error of the average (median, max) | min cosine to fp32 | held-out loss |",
         "|---|---|---|---|",
@@ -129,7 +129,6 @@ def main() -> None:
         )
     print("\n".join(lines))
     if not args.no_save:
-        report = {"args": vars(args), "machine": machine(), "rows": rows}
         write_report(Path(args.out), "diloco_quantization", report, "\n".join(lines) + "\n")
 
 
