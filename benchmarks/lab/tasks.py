@@ -1,8 +1,8 @@
 """The convergence tasks and methods: their settings, data sets, method lists and baselines.
 
 ``benchmarks/convergence.py`` trains them, ``benchmarks/time_to_accuracy.py`` combines its learning curves with the
-CPU network lab's step times, ``benchmarks/diloco_quantization.py`` simulates diloco on their data. The networks are
-:mod:`lab.models`'.
+CPU network lab's step times, ``benchmarks/diloco_quantization.py`` simulates diloco on their data. The networks
+are in :mod:`lab.models`.
 
 - :data:`SETTINGS`: per task, the optimizers' settings, the batch per process and the training steps.
 - :func:`task_data`: a task's training and held-out sets (the example's digits; the standard library's source as
