@@ -4,11 +4,11 @@ It runs the benchmark scripts one after the other, each as a subprocess with its
 its own ``benchmarks/results/*.json``), then reads those JSON files and writes the targets check:
 
 - ``--cpu``: the CPU network lab (``network_lab.py``; it needs root, ``ip`` and ``tc``, and is skipped with the
-  reason otherwise), the convergence runs (``convergence.py``), the codec on CPU (``codec_throughput.py --cpu``),
+  reason otherwise), the convergence runs (``convergence.py``), the codec on CPU (``micro/codec_throughput.py --cpu``),
   the engine overhead on CPU (``engine_overhead.py --cpu``) and the fused optimizer on CPU
-  (``fused_optimizer.py``);
+  (``micro/fused_optimizer.py``);
 - ``--gpu`` (two GPUs): the GPU network lab in both regimes and its report (``gpu_network_lab.py``), the codec
-  (``codec_throughput.py``), bucket autotuning over sockets (``autotune_sockets.py``) and the engine overhead
+  (``micro/codec_throughput.py``), bucket autotuning over sockets (``autotune_sockets.py``) and the engine overhead
   (``engine_overhead.py --devices 2``);
 - ``--report-only``: run nothing, rebuild the targets check from the JSON files there are;
 - ``--readme``: rewrite the README's algorithm table and chart from the GPU lab's results
@@ -19,7 +19,7 @@ bar with the figure read from the results, pass or miss, or "not run" and why (u
 missing). Byte counts compare the payload the engine's ``CommunicationCounter`` counted (the network lab
 records it) with the payload the algorithm's definition implies under the counter's convention (a byte is
 counted once for each collective that takes it as input), for a model of the lab's size on two ranks; the wire
-bytes of ``docs/source/_ext/traffic.py`` (the bytes that leave the rank) are listed beside them.
+bytes of ``lab/traffic.py`` (the bytes that leave the rank) are listed beside them.
 
 Run it::
 
@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 BENCHMARKS = Path(__file__).resolve().parent
 RESULTS = BENCHMARKS / "results"
 ROOT = BENCHMARKS.parent
-sys.path.insert(0, str(ROOT / "docs" / "source" / "_ext"))
-import traffic  # noqa: E402  (the traffic model lives with the documentation that draws its tables)
+sys.path.insert(0, str(BENCHMARKS))
+from lab import traffic  # noqa: E402
 
 TOLERANCE = 0.10  # bytes per step: measured within 10 % of the count the algorithm implies
 
@@ -78,7 +78,7 @@ def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         ("convergence", ["convergence.py", *(["--quick"] if quick else [])], None),
         (
             "codec_throughput",
-            ["codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])],
+            ["micro/codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])],
             None,
         ),
         (
@@ -86,7 +86,7 @@ def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
             ["engine_overhead.py", "--cpu", "--devices", "2", *(["--rounds", "1"] if quick else [])],
             None,
         ),
-        ("fused_optimizer", ["fused_optimizer.py", *(["--rounds", "1"] if quick else [])], None),
+        ("fused_optimizer", ["micro/fused_optimizer.py", *(["--rounds", "1"] if quick else [])], None),
     ]
 
 
@@ -121,7 +121,7 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         ("step_breakdown_interleaved", interleaved, reason),
         ("step_breakdown_bucket_cap", bucket_cap_nvlink, reason),
         ("gpu_bucket_cap_sockets", bucket_cap_sockets, reason),
-        ("codec_throughput", ["codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
+        ("codec_throughput", ["micro/codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
         ("autotune_sockets", ["autotune_sockets.py"], reason),
         ("engine_overhead", ["engine_overhead.py", "--devices", "2"], reason),
     ]

@@ -7,6 +7,8 @@
 - :mod:`lab.results`: one results schema (benchmark, command, date, machine, versions, settings, peers, rows), the
   machine record, the spread of repeated figures.
 - :mod:`lab.render`: markdown tables and charts, which the documentation imports instead of rendering again.
+- :mod:`lab.traffic`: the bytes each algorithm sends per step, by its definition; the targets check and the
+  documentation's tables both evaluate it.
 
 The benchmarks are scripts: each runs with ``benchmarks/`` as its folder on ``sys.path`` and imports ``lab.*``.
 """
