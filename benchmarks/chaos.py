@@ -27,14 +27,11 @@ Run with the project's interpreter, for instance
 
 import argparse
 import contextlib
-import datetime
 import hashlib
 import json
 import os
-import platform
 import random
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,8 +46,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lab.harness import free_port
+from lab.jobs import REPO, job_env, kill_all, live_processes, torchrun
+from lab.render import markdown_table
+from lab.results import RESULTS, new_report, write_report
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "chaos_script.py"
 ALGORITHMS = (
     "ddp",
@@ -81,7 +80,6 @@ STRAGGLE_S = 2.0
 # async's final loss in this short job follows its averaging rounds' timing: undisturbed jobs of one seed end as far
 # apart as jobs of different seeds, so the reference spread needs more than a few of them.
 ASYNC_SEEDS = 6
-LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Often enough to catch a 0.3 s save and a step of ~10 ms, rarely enough to leave the CPUs to the job.
 POLL_S = 0.005
 _RENDEZVOUS_FAILED = "The connection to the C10d store has failed"
@@ -161,14 +159,6 @@ def algorithm_keywords(algorithm: str, layout: Layout) -> dict[str, Any]:
     return keywords
 
 
-def worker_env() -> dict[str, str]:
-    """Return the environment for torchrun: the repository on the path, no launch variables of our own."""
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
-    paths = [str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    return env
-
-
 def agent_commands(
     layout: Layout, algorithm: str, out: Path, device: str, seed: int, save_last: str, extra: list[str]
 ) -> list[list[str]]:
@@ -199,9 +189,7 @@ def agent_commands(
     ]
     return [
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *torchrun(),
             "--nnodes",
             str(layout.nodes),
             "--nproc-per-node",
@@ -224,33 +212,9 @@ def agent_commands(
     ]
 
 
-def parent_pid(pid: int) -> int | None:
-    """Return ``pid``'s parent, or None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name, in parentheses, may hold spaces: the fields after its closing parenthesis are fixed.
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def worker_pids(agents: list[int]) -> dict[int, int]:
     """Return ``{rank: pid}`` for the live worker processes whose parent is one of the torchrun ``agents``."""
-    workers = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or parent_pid(int(entry.name)) not in agents:
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            status = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if status == "Z":  # killed, not yet reaped: no longer a target
-            continue
-        for item in environ:
-            if item.startswith(b"RANK="):
-                workers[int(item[5:])] = int(entry.name)
-    return workers
+    return {int(env["RANK"]): pid for pid, parent, env in live_processes() if parent in agents and "RANK" in env}
 
 
 class Markers:
@@ -285,9 +249,11 @@ class Job:
 
     def __init__(self, commands: list[list[str]], log: Path) -> None:
         self.log = log.open("w")
+        # The repository's own sources first: the harness measures the code of this tree.
+        env = job_env([REPO / "src", REPO])
         self.processes = [
             subprocess.Popen(
-                command, env=worker_env(), cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+                command, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
             )
             for command in commands
         ]
@@ -313,12 +279,8 @@ class Job:
     def kill_tree(self) -> None:
         """SIGKILL every process of the job: the workers (each in a session of its own), then the agents."""
         # Workers first: once their agent is gone they are re-parented, and no longer found as its children.
-        for pid in worker_pids(self.agents).values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        for process in self.processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+        kill_all(worker_pids(self.agents).values(), group=True)
+        kill_all(self.agents, group=True)
 
     def finish(self, deadline: float) -> tuple[list[int | None], bool]:
         """Wait for the agents until ``deadline``; kill a job still running then. Return exit codes and hang."""
@@ -343,8 +305,7 @@ def kill_rank(job: Job, kind: str, rank: int | None, rng: random.Random, markers
         rank = rng.choice(sorted(workers))
     pid = workers[rank]
     state = markers.last(rank)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    kill_all([pid])
     return Kill(kind, rank, pid, True, f"{detail}; rank {rank} was at: {state}")
 
 
@@ -569,40 +530,39 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
+def summary_table(rows: list[dict[str, Any]], strong: str = "**") -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the counts per algorithm and layout, and a total row (its cells in ``strong``) where there
+    are several."""
+    header = ["algorithm", "layout", "runs", "kills", *KINDS, "missed aim", "restarts", "exact", "not exact",
+              "torn ckpts", "leftover .partial", "hangs"]  # fmt: skip
+    cells: list[list[str]] = []
+    totals: list[int] = []
+    for row in rows:
+        counts = [row["runs"], row["kills"], *(row["kills_by_kind"].get(kind, 0) for kind in KINDS)]
+        counts += [row[key] for key in ("kills_missed_aim", "restarts", "exact", "not_exact", "torn_checkpoints")]
+        counts += [row.get("leftover_partials", 0), row["hangs"]]
+        cells.append([row["algorithm"], row["layout"], *map(str, counts)])
+        totals = [a + b for a, b in zip(totals, counts, strict=True)] if totals else counts
+    if len(rows) > 1:
+        cells.append([f"{strong}all{strong}", "", *(f"{strong}{count}{strong}" for count in totals)])
+    return header, cells
+
+
 def markdown(report: dict[str, Any]) -> str:
     """Return the report as a Markdown page: the command, the settings, then the counts per algorithm and layout."""
+    machine = report["machine"]
     lines = [
         f"# Chaos: {report['name']} ({report['device']})",
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Date: {report['date']}. Machine: {report['machine']['platform']}, {report['machine']['cpu_count']} CPUs, "
-        f"torch {report['machine']['torch']}.",
+        f"Date: {report['date']}. Machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
+        f"torch {machine['torch']}.",
         "",
-        "| algorithm | layout | runs | kills | mid_step | collective | checkpoint_save | restart | missed aim | "
-        "restarts | exact | not exact | torn ckpts | leftover .partial | hangs |",
-        "|" + " --- |" * 15,
+        markdown_table(*summary_table(report["rows"])),
+        "`restart` kills follow a `mid_step` kill in the same run (counted as `restart_trigger`).",
+        "",
     ]
-    totals: list[int] = []
-    for row in report["summary"]:
-        by_kind = row["kills_by_kind"]
-        counts = [
-            row["runs"],
-            row["kills"],
-            *(by_kind.get(kind, 0) for kind in KINDS),
-            row["kills_missed_aim"],
-            row["restarts"],
-            row["exact"],
-            row["not_exact"],
-            row["torn_checkpoints"],
-            row["leftover_partials"],
-            row["hangs"],
-        ]
-        lines.append(f"| {row['algorithm']} | {row['layout']} | " + " | ".join(str(c) for c in counts) + " |")
-        totals = [a + b for a, b in zip(totals, counts, strict=True)] if totals else counts
-    if len(report["summary"]) > 1:
-        lines.append("| **all** | | " + " | ".join(f"**{c}**" for c in totals) + " |")
-    lines += ["", "`restart` kills follow a `mid_step` kill in the same run (counted as `restart_trigger`).", ""]
     problems = [r for r in report["runs"] if not r["exact"] or r["hang"] or r["torn"]]
     if problems:
         lines += ["## Runs that did not end exact", ""]
@@ -644,17 +604,15 @@ def merge_reports(paths: list[Path], out: Path, name: str) -> int:
         raise ValueError(f"--merge takes reports of one device, got {sorted(devices)} from {[str(p) for p in paths]}")
     runs = [run for report in reports for run in report["runs"]]
     merged = {
-        **reports[0],
+        **{key: value for key, value in reports[0].items() if key != "summary"},
         "command": " ; ".join(report["command"] for report in reports),
         "name": name,
         "date": max(report["date"] for report in reports),
         "settings": {**reports[0]["settings"], "parts": [report["settings"] for report in reports]},
-        "summary": summarize([run_from_record(run) for run in runs]),
+        "rows": summarize([run_from_record(run) for run in runs]),
         "runs": runs,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(merged, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(merged))
+    write_report(out, name, merged, markdown(merged))
     print(f"wrote {out / name}.json and .md from {len(reports)} reports")
     return int(any(r["hang"] or r["torn"] or not r["exact"] for r in runs))
 
@@ -680,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout-s", type=float, default=240.0, help="a run still going after this is a hang")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="results file stem (default chaos_<device>)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lightning_bagua_chaos_cache")
     parser.add_argument(
@@ -735,45 +693,29 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                     runs.append(run)
-    import torch
-
-    report = {
-        "benchmark": "SIGKILL a random worker at a random moment of an elastic torchrun job; count exact finishes",
-        "command": command,
-        "device": args.device,
-        "name": args.name or f"chaos_{args.device}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-        },
-        "settings": {
-            "kills_per_configuration": args.kills,
-            "algorithms": args.algorithms,
-            "layouts": args.layouts,
-            "kinds": args.kinds,
-            "seed": args.seed,
-            "timeout_s": args.timeout_s,
-            "max_restarts": MAX_RESTARTS,
-            "samples": SAMPLES,
-            "batch": BATCH,
-            "epochs": EPOCHS,
-            "checkpoint_every": CHECKPOINT_EVERY,
-            "save_last": args.save_last,
-            "save_delay_s": SAVE_DELAY_S,
-            "straggle_s": STRAGGLE_S,
-            "async_seeds": ASYNC_SEEDS,
-            "near_tolerance": NEAR_TOLERANCE,
-        },
-        "summary": summarize(runs),
-        "runs": [asdict(run) for run in runs],
+    settings = {
+        "kills_per_configuration": args.kills,
+        "algorithms": args.algorithms,
+        "layouts": args.layouts,
+        "kinds": args.kinds,
+        "seed": args.seed,
+        "timeout_s": args.timeout_s,
+        "max_restarts": MAX_RESTARTS,
+        "samples": SAMPLES,
+        "batch": BATCH,
+        "epochs": EPOCHS,
+        "checkpoint_every": CHECKPOINT_EVERY,
+        "save_last": args.save_last,
+        "save_delay_s": SAVE_DELAY_S,
+        "straggle_s": STRAGGLE_S,
+        "async_seeds": ASYNC_SEEDS,
+        "near_tolerance": NEAR_TOLERANCE,
     }
+    benchmark = "SIGKILL a random worker at a random moment of an elastic torchrun job; count exact finishes"
+    report = new_report(benchmark, settings, summarize(runs), command=command)
     name = args.name or f"chaos_{args.device}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(markdown(report))
+    report.update(device=args.device, name=name, runs=[asdict(run) for run in runs])
+    write_report(args.out, name, report, markdown(report))
     print(f"wrote {args.out / name}.json and .md")
     return int(any(r.hang or r.torn or not r.exact for r in runs))
 

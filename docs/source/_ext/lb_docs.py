@@ -428,19 +428,10 @@ def _bucket_cap(results: str) -> tuple[list[str], list[list[str]], list[str]]:
 
 
 def _chaos(results: str) -> tuple[list[str], list[list[str]], list[str]]:
-    # The harness's counts per algorithm and layout, and a total row where there are several.
+    # The harness's own table of counts per algorithm and layout (files before the lab's schema call them summary).
     data = _load(results)
-    kinds = ("mid_step", "collective", "checkpoint_save", "restart")
-    columns = ("runs", "kills", "kills_missed_aim", "restarts", "exact", "not_exact", "torn_checkpoints", "hangs")
-    rows, totals = [], [0] * (len(kinds) + len(columns))
-    for row in data["summary"]:
-        counts = [row["kills_by_kind"].get(kind, 0) for kind in kinds] + [row[column] for column in columns]
-        totals = [total + count for total, count in zip(totals, counts, strict=True)]
-        rows.append([row["algorithm"], row["layout"], *map(str, counts)])
-    if len(rows) > 1:
-        rows.append(["all", "", *map(str, totals)])
-    header = ["algorithm", "layout", *(f"{kind} kills" for kind in kinds), "runs", "kills", "missed aim"]
-    return [*header, "restarts", "exact", "not exact", "torn ckpts", "hangs"], rows, data["command"].split(" ; ")
+    header, rows = _benchmark_module("chaos").summary_table(data.get("rows") or data["summary"], strong="")
+    return header, rows, data["command"].split(" ; ")
 
 
 def _step_cell(row: dict[str, Any] | None, ddp: dict[str, Any] | None, spread: bool) -> str:
