@@ -51,6 +51,8 @@ RESULTS = BENCHMARKS / "results"
 ROOT = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))
 from lab import traffic  # noqa: E402
+from lab.render import markdown_table, pyplot  # noqa: E402
+from lab.results import write_report as write_results  # noqa: E402
 
 TOLERANCE = 0.10  # bytes per step: measured within 10 % of the count the algorithm implies
 
@@ -528,19 +530,20 @@ def check_targets(results: Path) -> list[dict[str, Any]]:
 def markdown(report: dict[str, Any]) -> str:
     """The targets table."""
     counts = {s: sum(t["status"] == s for t in report["targets"]) for s in ("pass", "miss", "not run")}
-    lines = [
-        f"Performance targets: {counts['pass']} pass, {counts['miss']} miss, {counts['not run']} not run.",
-        f"Written by `{report['command']}` from the JSON files in `benchmarks/results/` (see `targets.json`).",
-        "Step-time and byte figures are ratios (x); accuracy figures are points against the baseline's mean.",
-        "",
-        "| target | bar | measured | status | detail | source |",
-        "|---|---|---|---|---|---|",
-    ]
-    for t in report["targets"]:
-        figure = "-" if t["measured"] is None else _figure(t)
-        source = f"`{t['source']}`" + (f" (`{t['command']}`)" if t["command"] else "")
-        lines.append(f"| {t['target']} | {t['bar']} | {figure} | {t['status']} | {t['detail']} | {source} |")
-    return "\n".join(lines) + "\n"
+    rows = [
+        [t["target"], t["bar"], "-" if t["measured"] is None else _figure(t), t["status"], t["detail"],
+         f"`{t['source']}`" + (f" (`{t['command']}`)" if t["command"] else "")]
+        for t in report["targets"]
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            f"Performance targets: {counts['pass']} pass, {counts['miss']} miss, {counts['not run']} not run.",
+            f"Written by `{report['command']}` from the JSON files in `benchmarks/results/` (see `targets.json`).",
+            "Step-time and byte figures are ratios (x); accuracy figures are points against the baseline's mean.",
+            "",
+            markdown_table(["target", "bar", "measured", "status", "detail", "source"], rows),
+        ]
+    )
 
 
 def _figure(t: dict[str, Any]) -> str:
@@ -549,13 +552,8 @@ def _figure(t: dict[str, Any]) -> str:
 
 def chart(report: dict[str, Any], path: Path) -> bool:
     """Each measured target as its figure over its bar (pass when the bar is on the right side of 1)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no chart")
+    plt = pyplot()
+    if plt is None:
         return False
     measured = [t for t in report["targets"] if t["measured"] is not None and "points" not in t["bar"]]
     accuracy = [t for t in report["targets"] if t["measured"] is not None and "points" in t["bar"]]
@@ -592,10 +590,8 @@ def write_report(results: Path, out: Path, command: str, runs: list[dict[str, An
         "suite_runs": runs,
         "targets": check_targets(results),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "targets.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
-    (out / "targets.md").write_text(table)
+    write_results(out, "targets", report, table)
     chart(report, out / "targets.png")
     print(table)
     return report
