@@ -1,9 +1,11 @@
 """Kill a random rank at a random moment of an elastic job, and check that the job still ends where it should.
 
-Each run launches ``benchmarks/chaos_script.py`` (a small Trainer fit with ``ModelCheckpoint(every_n_train_steps=5,
-save_last=True)``, a shuffled ``DataLoader`` and ``ckpt_path="last"``) under ``torchrun --max-restarts``, with a
-c10d rendezvous on 127.0.0.1. The harness, not the job, then SIGKILLs one worker, picked at random, at a moment of a
-kind picked at random:
+Each run launches the job, ``chaos.py job`` (:func:`job`: the user's script of issue 34, a small Trainer fit with
+``ModelCheckpoint(every_n_train_steps=5, save_last=True)`` or ``"link"``, a shuffled ``DataLoader`` and
+``ckpt_path="last"``; dropout and a draw from Python's ``random`` make resuming restore the generators too), under
+``torchrun --max-restarts``, with a c10d rendezvous on 127.0.0.1. Every rank of the job appends its progress to a
+marker file (:class:`Markers`); the harness, not the job, watches them and SIGKILLs one worker, picked at random, at
+a moment of a kind picked at random:
 
 - ``mid_step``: once a rank has started a training step picked at random, within that step's first milliseconds;
 - ``collective``: the job is told to make one rank sleep before its backward at a step picked at random; once it
@@ -20,21 +22,24 @@ and cached): bit for bit for the synchronous algorithms, ``ddp`` and ``diloco``,
 final loss over a few seeds, widened by that spread on either side. A job still running after ``--timeout-s`` is
 killed and counted as a hang.
 
+Two job options shape it without changing its arithmetic: ``--save-delay-s`` holds every checkpoint save open
+(one entry is slow to pickle, :class:`SlowToPickle`), and ``--straggle-rank/--straggle-step`` make one rank sleep
+before its backward once. Each rank that finishes writes ``OUT/final/rank{r}.pt``: its weights, the loss of those
+weights on the whole data set, its step count, the launcher's restart count and a trace of each step's inputs.
+
 Results go to ``benchmarks/results/chaos_<device>.json`` and ``.md`` (``--name`` to change), with the command.
 Run with the project's interpreter, for instance
 ``.venv/bin/python benchmarks/chaos.py --kills 4 --algorithms gradient_allreduce async --layouts 2``.
 """
 
 import argparse
+import collections
 import contextlib
-import datetime
 import hashlib
 import json
 import os
-import platform
 import random
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,12 +51,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lab.harness import free_port
+from lab.jobs import REPO, job_env, kill_all, live_processes, torchrun
+from lab.render import markdown_table
+from lab.results import RESULTS, new_report, write_report
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "chaos_script.py"
+SCRIPT = Path(__file__).resolve()
 ALGORITHMS = (
     "ddp",
     "gradient_allreduce",
@@ -69,8 +80,8 @@ BIT_EXACT = SYNCHRONOUS | {"diloco"}
 NEAR_TOLERANCE = 1e-5
 KINDS = ("mid_step", "collective", "checkpoint_save", "restart")
 LAYOUTS = ("2", "4", "2x2")
-# The job: 96 samples in batches of 4 per rank, 3 epochs, a checkpoint every 5 steps (chaos_script.py's defaults).
-SAMPLES, BATCH, EPOCHS, CHECKPOINT_EVERY = 96, 4, 3, 5
+# The job: 96 samples of 8 features in batches of 4 per rank, 3 epochs, a checkpoint every 5 steps.
+SAMPLES, FEATURES, BATCH, EPOCHS, CHECKPOINT_EVERY = 96, 8, 4, 3, 5
 # The job's `ModelCheckpoint(save_last=...)` (`--save-last`): "true" saves last.ckpt, "link" links it to the newest
 # checkpoint.
 SAVE_LAST_CHOICES = ("true", "link")
@@ -81,7 +92,6 @@ STRAGGLE_S = 2.0
 # async's final loss in this short job follows its averaging rounds' timing: undisturbed jobs of one seed end as far
 # apart as jobs of different seeds, so the reference spread needs more than a few of them.
 ASYNC_SEEDS = 6
-LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Often enough to catch a 0.3 s save and a step of ~10 ms, rarely enough to leave the CPUs to the job.
 POLL_S = 0.005
 _RENDEZVOUS_FAILED = "The connection to the C10d store has failed"
@@ -161,14 +171,6 @@ def algorithm_keywords(algorithm: str, layout: Layout) -> dict[str, Any]:
     return keywords
 
 
-def worker_env() -> dict[str, str]:
-    """Return the environment for torchrun: the repository on the path, no launch variables of our own."""
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
-    paths = [str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    return env
-
-
 def agent_commands(
     layout: Layout, algorithm: str, out: Path, device: str, seed: int, save_last: str, extra: list[str]
 ) -> list[list[str]]:
@@ -177,6 +179,7 @@ def agent_commands(
     job_id = f"chaos-{uuid.uuid4().hex[:8]}"
     script = [
         str(SCRIPT),
+        "job",
         "--out",
         str(out),
         "--algorithm",
@@ -199,9 +202,7 @@ def agent_commands(
     ]
     return [
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *torchrun(),
             "--nnodes",
             str(layout.nodes),
             "--nproc-per-node",
@@ -224,40 +225,25 @@ def agent_commands(
     ]
 
 
-def parent_pid(pid: int) -> int | None:
-    """Return ``pid``'s parent, or None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name, in parentheses, may hold spaces: the fields after its closing parenthesis are fixed.
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def worker_pids(agents: list[int]) -> dict[int, int]:
     """Return ``{rank: pid}`` for the live worker processes whose parent is one of the torchrun ``agents``."""
-    workers = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or parent_pid(int(entry.name)) not in agents:
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            status = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if status == "Z":  # killed, not yet reaped: no longer a target
-            continue
-        for item in environ:
-            if item.startswith(b"RANK="):
-                workers[int(item[5:])] = int(entry.name)
-    return workers
+    return {int(env["RANK"]): pid for pid, parent, env in live_processes() if parent in agents and "RANK" in env}
 
 
 class Markers:
-    """Read the job's marker files: ``<restart> <phase> <step> <time>`` lines, one file per rank."""
+    """The job's marker files, ``<restart> <phase> <step> <time>`` lines, one file per rank: a rank of the job
+    writes its own (``rank``), the harness reads them all."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, rank: int | None = None) -> None:
         self.directory = directory
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.rank = rank
+
+    def write(self, phase: str, step: int) -> None:
+        """Append this rank's progress, flushed at once so that the harness sees it as it happens."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with (self.directory / f"rank{self.rank}.log").open("a") as file:
+            file.write(f"{self.restart} {phase} {step} {time.time():.4f}\n")
 
     def lines(self) -> list[tuple[int, int, str, int]]:
         """Return every marker line so far as ``(rank, restart, phase, step)``."""
@@ -285,9 +271,11 @@ class Job:
 
     def __init__(self, commands: list[list[str]], log: Path) -> None:
         self.log = log.open("w")
+        # The repository's own sources first: the harness measures the code of this tree.
+        env = job_env([REPO / "src", REPO])
         self.processes = [
             subprocess.Popen(
-                command, env=worker_env(), cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+                command, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
             )
             for command in commands
         ]
@@ -313,12 +301,8 @@ class Job:
     def kill_tree(self) -> None:
         """SIGKILL every process of the job: the workers (each in a session of its own), then the agents."""
         # Workers first: once their agent is gone they are re-parented, and no longer found as its children.
-        for pid in worker_pids(self.agents).values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        for process in self.processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+        kill_all(worker_pids(self.agents).values(), group=True)
+        kill_all(self.agents, group=True)
 
     def finish(self, deadline: float) -> tuple[list[int | None], bool]:
         """Wait for the agents until ``deadline``; kill a job still running then. Return exit codes and hang."""
@@ -343,8 +327,7 @@ def kill_rank(job: Job, kind: str, rank: int | None, rng: random.Random, markers
         rank = rng.choice(sorted(workers))
     pid = workers[rank]
     state = markers.last(rank)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    kill_all([pid])
     return Kill(kind, rank, pid, True, f"{detail}; rank {rank} was at: {state}")
 
 
@@ -410,8 +393,6 @@ def aim_and_kill(job: Job, kind: str, layout: Layout, out: Path, rng: random.Ran
 
 def load_checkpoints(directory: Path) -> tuple[int, list[str]]:
     """Load every ``.ckpt`` in ``directory`` as Lightning does; return how many and the names of those that fail."""
-    import torch
-
     torn = []
     paths = sorted(directory.glob("*.ckpt")) if directory.exists() else []
     for path in paths:
@@ -428,8 +409,6 @@ def load_checkpoints(directory: Path) -> tuple[int, list[str]]:
 
 def read_finals(out: Path, world_size: int) -> list[dict[str, Any]] | None:
     """Return every rank's final record, or None when some rank did not finish."""
-    import torch
-
     paths = [out / "final" / f"rank{rank}.pt" for rank in range(world_size)]
     if not all(path.exists() for path in paths):
         return None
@@ -449,8 +428,6 @@ def undisturbed(
     algorithm: str, layout: Layout, device: str, seed: int, save_last: str, cache: Path, timeout_s: float
 ) -> list[dict[str, Any]]:
     """Return the final records of the undisturbed job, running it once and caching it."""
-    import torch
-
     path = cache / f"{cache_key(algorithm, layout, device, seed, save_last)}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
@@ -470,8 +447,6 @@ def undisturbed(
 
 def compare(algorithm: str, finals: list[dict[str, Any]], references: list[list[dict[str, Any]]]) -> tuple[bool, str]:
     """Compare a disturbed job's final records with the undisturbed job's (several seeds for ``async``)."""
-    import torch
-
     reference = references[0]
     if algorithm == "async":
         losses = [min(f["loss"] for f in ref) for ref in references] + [
@@ -569,40 +544,39 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
+def summary_table(rows: list[dict[str, Any]], strong: str = "**") -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the counts per algorithm and layout, and a total row (its cells in ``strong``) where there
+    are several."""
+    header = ["algorithm", "layout", "runs", "kills", *KINDS, "missed aim", "restarts", "exact", "not exact",
+              "torn ckpts", "leftover .partial", "hangs"]  # fmt: skip
+    cells: list[list[str]] = []
+    totals: list[int] = []
+    for row in rows:
+        counts = [row["runs"], row["kills"], *(row["kills_by_kind"].get(kind, 0) for kind in KINDS)]
+        counts += [row[key] for key in ("kills_missed_aim", "restarts", "exact", "not_exact", "torn_checkpoints")]
+        counts += [row.get("leftover_partials", 0), row["hangs"]]
+        cells.append([row["algorithm"], row["layout"], *map(str, counts)])
+        totals = [a + b for a, b in zip(totals, counts, strict=True)] if totals else counts
+    if len(rows) > 1:
+        cells.append([f"{strong}all{strong}", "", *(f"{strong}{count}{strong}" for count in totals)])
+    return header, cells
+
+
 def markdown(report: dict[str, Any]) -> str:
     """Return the report as a Markdown page: the command, the settings, then the counts per algorithm and layout."""
+    machine = report["machine"]
     lines = [
         f"# Chaos: {report['name']} ({report['device']})",
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Date: {report['date']}. Machine: {report['machine']['platform']}, {report['machine']['cpu_count']} CPUs, "
-        f"torch {report['machine']['torch']}.",
+        f"Date: {report['date']}. Machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
+        f"torch {machine['torch']}.",
         "",
-        "| algorithm | layout | runs | kills | mid_step | collective | checkpoint_save | restart | missed aim | "
-        "restarts | exact | not exact | torn ckpts | leftover .partial | hangs |",
-        "|" + " --- |" * 15,
+        markdown_table(*summary_table(report["rows"])),
+        "`restart` kills follow a `mid_step` kill in the same run (counted as `restart_trigger`).",
+        "",
     ]
-    totals: list[int] = []
-    for row in report["summary"]:
-        by_kind = row["kills_by_kind"]
-        counts = [
-            row["runs"],
-            row["kills"],
-            *(by_kind.get(kind, 0) for kind in KINDS),
-            row["kills_missed_aim"],
-            row["restarts"],
-            row["exact"],
-            row["not_exact"],
-            row["torn_checkpoints"],
-            row["leftover_partials"],
-            row["hangs"],
-        ]
-        lines.append(f"| {row['algorithm']} | {row['layout']} | " + " | ".join(str(c) for c in counts) + " |")
-        totals = [a + b for a, b in zip(totals, counts, strict=True)] if totals else counts
-    if len(report["summary"]) > 1:
-        lines.append("| **all** | | " + " | ".join(f"**{c}**" for c in totals) + " |")
-    lines += ["", "`restart` kills follow a `mid_step` kill in the same run (counted as `restart_trigger`).", ""]
     problems = [r for r in report["runs"] if not r["exact"] or r["hang"] or r["torn"]]
     if problems:
         lines += ["## Runs that did not end exact", ""]
@@ -644,17 +618,15 @@ def merge_reports(paths: list[Path], out: Path, name: str) -> int:
         raise ValueError(f"--merge takes reports of one device, got {sorted(devices)} from {[str(p) for p in paths]}")
     runs = [run for report in reports for run in report["runs"]]
     merged = {
-        **reports[0],
+        **{key: value for key, value in reports[0].items() if key != "summary"},
         "command": " ; ".join(report["command"] for report in reports),
         "name": name,
         "date": max(report["date"] for report in reports),
         "settings": {**reports[0]["settings"], "parts": [report["settings"] for report in reports]},
-        "summary": summarize([run_from_record(run) for run in runs]),
+        "rows": summarize([run_from_record(run) for run in runs]),
         "runs": runs,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(merged, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(merged))
+    write_report(out, name, merged, markdown(merged))
     print(f"wrote {out / name}.json and .md from {len(reports)} reports")
     return int(any(r["hang"] or r["torn"] or not r["exact"] for r in runs))
 
@@ -680,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout-s", type=float, default=240.0, help="a run still going after this is a hang")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="results file stem (default chaos_<device>)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lightning_bagua_chaos_cache")
     parser.add_argument(
@@ -697,8 +669,6 @@ def main(argv: list[str] | None = None) -> int:
         return merge_reports(args.merge, args.out, args.name or f"chaos_{args.device}")
     layouts = [Layout.parse(name) for name in args.layouts]
     if args.device == "cuda":
-        import torch
-
         # One GPU per worker on this host: NCCL refuses two ranks on one GPU.
         layouts = [layout for layout in layouts if layout.world_size <= torch.cuda.device_count()]
     rng = random.Random(args.seed)
@@ -735,48 +705,187 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                     runs.append(run)
-    import torch
-
-    report = {
-        "benchmark": "SIGKILL a random worker at a random moment of an elastic torchrun job; count exact finishes",
-        "command": command,
-        "device": args.device,
-        "name": args.name or f"chaos_{args.device}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-        },
-        "settings": {
-            "kills_per_configuration": args.kills,
-            "algorithms": args.algorithms,
-            "layouts": args.layouts,
-            "kinds": args.kinds,
-            "seed": args.seed,
-            "timeout_s": args.timeout_s,
-            "max_restarts": MAX_RESTARTS,
-            "samples": SAMPLES,
-            "batch": BATCH,
-            "epochs": EPOCHS,
-            "checkpoint_every": CHECKPOINT_EVERY,
-            "save_last": args.save_last,
-            "save_delay_s": SAVE_DELAY_S,
-            "straggle_s": STRAGGLE_S,
-            "async_seeds": ASYNC_SEEDS,
-            "near_tolerance": NEAR_TOLERANCE,
-        },
-        "summary": summarize(runs),
-        "runs": [asdict(run) for run in runs],
+    settings = {
+        "kills_per_configuration": args.kills,
+        "algorithms": args.algorithms,
+        "layouts": args.layouts,
+        "kinds": args.kinds,
+        "seed": args.seed,
+        "timeout_s": args.timeout_s,
+        "max_restarts": MAX_RESTARTS,
+        "samples": SAMPLES,
+        "batch": BATCH,
+        "epochs": EPOCHS,
+        "checkpoint_every": CHECKPOINT_EVERY,
+        "save_last": args.save_last,
+        "save_delay_s": SAVE_DELAY_S,
+        "straggle_s": STRAGGLE_S,
+        "async_seeds": ASYNC_SEEDS,
+        "near_tolerance": NEAR_TOLERANCE,
     }
+    benchmark = "SIGKILL a random worker at a random moment of an elastic torchrun job; count exact finishes"
+    report = new_report(benchmark, settings, summarize(runs), command=command)
     name = args.name or f"chaos_{args.device}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(markdown(report))
+    report.update(device=args.device, name=name, runs=[asdict(run) for run in runs])
+    write_report(args.out, name, report, markdown(report))
     print(f"wrote {args.out / name}.json and .md")
     return int(any(r.hang or r.torn or not r.exact for r in runs))
 
 
+# ------------------------------------------------------------------------------------------------ the job
+
+
+class SlowToPickle:
+    """A checkpoint entry that takes ``delay_s`` to pickle and loads as an empty ``OrderedDict``.
+
+    ``torch.save`` pickles it while the checkpoint's file is open, so the save lasts long enough for the harness to
+    kill a rank inside it; ``weights_only`` loading accepts ``OrderedDict``. It writes a ``save`` marker as it starts:
+    with Lightning's own checkpoint IO (``ddp``) there is no ``.partial`` file to watch for.
+    """
+
+    def __init__(self, delay_s: float, markers: "Markers", step: int) -> None:
+        self.delay_s, self.markers, self.step = delay_s, markers, step
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        self.markers.write("save", self.step)
+        time.sleep(self.delay_s)
+        return collections.OrderedDict, ()
+
+
+def fingerprint(*tensors: torch.Tensor) -> str:
+    """Return a short digest of the tensors' bytes."""
+    digest = hashlib.sha1()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+def job(argv: list[str]) -> None:
+    """The job the harness kills (``chaos.py job ...`` under torchrun): fit once, resuming from ``last.ckpt`` when
+    there is one, and write this rank's final state."""
+    parser = argparse.ArgumentParser(prog="chaos.py job")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--algorithm", required=True)
+    parser.add_argument("--keywords", default="{}", help="JSON keywords for BaguaStrategy's algorithm")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--save-last", choices=("true", "link"), default="true", help="ModelCheckpoint's save_last")
+    parser.add_argument("--step-sleep-s", type=float, default=0.01)
+    parser.add_argument("--save-delay-s", type=float, default=0.0)
+    parser.add_argument("--straggle-rank", type=int, default=-1)
+    parser.add_argument("--straggle-step", type=int, default=-1)
+    parser.add_argument("--straggle-s", type=float, default=2.0)
+    args = parser.parse_args(argv)
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_bagua import BaguaStrategy, QAdamOptimizer
+
+    out = Path(args.out)
+    rank = int(os.environ["RANK"])
+    markers = Markers(out / "markers", rank)
+    markers.write("setup", -1)
+    # The straggle happens once per job, whatever the restarts: the file outlives the process.
+    straggled = out / "markers" / "straggled"
+    trace: list[dict[str, Any]] = []
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 1))
+
+        def on_train_start(self) -> None:
+            markers.write("fit_start", self.global_step)
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            markers.write("step", self.global_step)
+            # What each step starts from, so that the harness can name the first step where a resumed job parts
+            # from the undisturbed one, and what parted first: the batch, a generator or the weights.
+            trace.append(
+                {
+                    "step": self.global_step,
+                    "batch": fingerprint(batch[0]),
+                    "weights": fingerprint(*self.parameters()),
+                    "torch_rng": fingerprint(torch.get_rng_state()),
+                    "cuda_rng": fingerprint(torch.cuda.get_rng_state()) if args.device == "cuda" else "",
+                    "python_rng": hashlib.sha1(repr(random.getstate()).encode()).hexdigest()[:12],
+                }
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, targets = batch
+            # Room for a kill to land inside the step rather than in Lightning's bookkeeping between steps.
+            time.sleep(args.step_sleep_s)
+            scale = 1 + 0.1 * random.random()
+            return scale * nn.functional.mse_loss(self.net(inputs), targets)
+
+        def on_before_backward(self, loss: torch.Tensor) -> None:
+            chosen = self.global_rank == args.straggle_rank and self.global_step == args.straggle_step
+            if chosen and not straggled.exists():
+                straggled.write_text(str(self.global_step))
+                markers.write("straggle", self.global_step)
+                time.sleep(args.straggle_s)
+            markers.write("backward", self.global_step)
+
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            if args.save_delay_s > 0:
+                checkpoint["chaos_save_delay"] = SlowToPickle(args.save_delay_s, markers, self.global_step)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            if args.algorithm == "qadam":
+                return QAdamOptimizer(self.parameters(), lr=0.01, warmup_steps=5)
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    generator = torch.Generator().manual_seed(1000 + args.seed)
+    inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
+    targets = inputs.sum(dim=1, keepdim=True).sin()
+    dataset = TensorDataset(inputs, targets)
+
+    pl.seed_everything(args.seed, verbose=False)
+    keywords = json.loads(args.keywords)
+    strategy: Any = "ddp" if args.algorithm == "ddp" else BaguaStrategy(algorithm=args.algorithm, **keywords)
+    save_last: bool | str = True if args.save_last == "true" else "link"
+    nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    trainer = pl.Trainer(
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=nodes,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=True,
+        callbacks=[
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.checkpoint_every, save_last=save_last)
+        ],
+    )
+    model = Regression()
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
+    trainer.fit(model, loader, ckpt_path="last")
+
+    model.eval()
+    with torch.no_grad():
+        net = model.net.cpu()
+        loss = nn.functional.mse_loss(net(inputs), targets).item()
+    final = out / "final"
+    final.mkdir(parents=True, exist_ok=True)
+    result = {
+        "state": {key: value.detach().cpu().clone() for key, value in model.state_dict().items()},
+        "loss": loss,
+        "global_step": trainer.global_step,
+        "restart_count": markers.restart,
+        "trace": trace,
+    }
+    torch.save(result, final / f"rank{rank}.pt")
+    markers.write("done", trainer.global_step)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["job"]:
+        job(sys.argv[2:])
+    else:
+        sys.exit(main())

@@ -10,10 +10,7 @@ Run with the project's interpreter: ``.venv/bin/python benchmarks/dead_rank_exit
 """
 
 import argparse
-import contextlib
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,11 +22,13 @@ from pathlib import Path
 
 if __package__:  # imported as ``benchmarks.dead_rank_exit`` (the fault tests)
     from .lab.harness import free_port
+    from .lab.jobs import REPO, job_env, kill_all, live_processes, torchrun
+    from .lab.results import RESULTS, new_report, write_report
 else:  # run as a script, or imported with ``benchmarks/`` on the path
     from lab.harness import free_port
+    from lab.jobs import REPO, job_env, kill_all, live_processes, torchrun
+    from lab.results import RESULTS, new_report, write_report
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "dead_rank_exit.json"
 SCRIPT = REPO / "tests" / "strategies" / "scripts" / "fit_script.py"
 LAUNCHERS = ("lightning", "lightning_bagua.launch", "torchrun")
 KILLED_RANK = 1
@@ -61,24 +60,13 @@ def launcher_command(launcher: str, port: int, max_restarts: int = 0) -> list[st
         return [sys.executable, "-m", "lightning_bagua.launch", "--nproc_per_node", "2", "--master_port", str(port),
                 "--max_restarts", str(max_restarts)]  # fmt: skip
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-                "--max-restarts", str(max_restarts)]  # fmt: skip
+        return torchrun("--nproc-per-node", "2", "--master-port", str(port), "--max-restarts", str(max_restarts))
     raise ValueError(f"Unknown launcher {launcher!r}; choose from {LAUNCHERS}.")
 
 
 def job_pids(job_id: str) -> list[int]:
     """Return the processes whose environment carries this job's id (the launcher and everything it started)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"{_JOB_VARIABLE}={job_id}".encode() in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
+    return [pid for pid, _, env in live_processes() if env.get(_JOB_VARIABLE) == job_id]
 
 
 def run_job(
@@ -104,12 +92,7 @@ def run_job(
                "--devices", "2", *training_args, *extra_args]  # fmt: skip
     if kill:
         command += ["--kill-rank", str(KILLED_RANK), "--kill-at-step", str(KILL_AT_STEP), "--kill-marker", str(marker)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        "MASTER_PORT": str(port),
-        _JOB_VARIABLE: job_id,
-    }
+    env = job_env(MASTER_PORT=str(port), **{_JOB_VARIABLE: job_id})
     log_path = workdir / "output.log"
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
@@ -124,9 +107,7 @@ def run_job(
     while job_pids(job_id) and time.monotonic() < deadline:
         time.sleep(0.1)
     leftovers = job_pids(job_id)
-    for pid in leftovers:  # never leave a stray job running, whatever the result
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 9)
+    kill_all(leftovers)  # never leave a stray job running, whatever the result
     death = json.loads(marker.read_text())["time"] if marker.exists() else None
     return JobResult(
         returncode=returncode,
@@ -141,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    results: dict[str, dict] = {}
+    rows = []
     for launcher in LAUNCHERS:
         seconds = []
         for _ in range(args.repeats):
@@ -151,29 +132,19 @@ def main() -> None:
                 raise RuntimeError(f"{launcher}: the job did not fail as expected:\n{result.output[-4000:]}")
             seconds.append(round(result.death_to_exit_s, 3))
             print(f"{launcher}: {seconds[-1]:.2f} s from rank {KILLED_RANK}'s death to the job's exit", flush=True)
-        results[launcher] = {
-            "death_to_exit_s": seconds,
-            "median_s": round(statistics.median(seconds), 3),
-            "max_s": max(seconds),
-        }
-    import torch
-
-    report = {
-        "benchmark": "seconds from one rank's SIGKILL (mid-epoch) to the exit of the whole 2-process job",
-        "command": "python benchmarks/dead_rank_exit.py",
+        rows.append(
+            {"launcher": launcher, "death_to_exit_s": seconds, "median_s": round(statistics.median(seconds), 3),
+             "max_s": max(seconds)}
+        )  # fmt: skip
+    settings = {
         "job": f"tests/strategies/scripts/fit_script.py {' '.join(TRAINING_ARGS)}, gradient_allreduce, gloo, CPU",
         "killed_rank": KILLED_RANK,
         "kill_at_step": KILL_AT_STEP,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
         "repeats": args.repeats,
-        "launchers": results,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    benchmark = "seconds from one rank's SIGKILL (mid-epoch) to the exit of the whole 2-process job"
+    report = new_report(benchmark, settings, rows, command="python benchmarks/dead_rank_exit.py")
+    print(f"wrote {write_report(RESULTS, 'dead_rank_exit', report)}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@ It runs the benchmark scripts one after the other, each as a subprocess with its
 its own ``benchmarks/results/*.json``), then reads those JSON files and writes the targets check:
 
 - ``--cpu``: the CPU network lab (``network_lab.py``; it needs root, ``ip`` and ``tc``, and is skipped with the
-  reason otherwise), the convergence runs (``convergence.py``), the codec on CPU (``codec_throughput.py --cpu``),
+  reason otherwise), the convergence runs (``convergence.py``), the codec on CPU (``micro/codec_throughput.py --cpu``),
   the engine overhead on CPU (``engine_overhead.py --cpu``) and the fused optimizer on CPU
-  (``fused_optimizer.py``);
+  (``micro/fused_optimizer.py``);
 - ``--gpu`` (two GPUs): the GPU network lab in both regimes and its report (``gpu_network_lab.py``), the codec
-  (``codec_throughput.py``), bucket autotuning over sockets (``autotune_sockets.py``) and the engine overhead
+  (``micro/codec_throughput.py``), bucket autotuning over sockets (``autotune_sockets.py``) and the engine overhead
   (``engine_overhead.py --devices 2``);
 - ``--report-only``: run nothing, rebuild the targets check from the JSON files there are;
 - ``--readme``: rewrite the README's algorithm table and chart from the GPU lab's results
@@ -19,7 +19,7 @@ bar with the figure read from the results, pass or miss, or "not run" and why (u
 missing). Byte counts compare the payload the engine's ``CommunicationCounter`` counted (the network lab
 records it) with the payload the algorithm's definition implies under the counter's convention (a byte is
 counted once for each collective that takes it as input), for a model of the lab's size on two ranks; the wire
-bytes of ``docs/source/_ext/traffic.py`` (the bytes that leave the rank) are listed beside them.
+bytes of ``lab/traffic.py`` (the bytes that leave the rank) are listed beside them.
 
 Run it::
 
@@ -49,8 +49,10 @@ log = logging.getLogger(__name__)
 BENCHMARKS = Path(__file__).resolve().parent
 RESULTS = BENCHMARKS / "results"
 ROOT = BENCHMARKS.parent
-sys.path.insert(0, str(ROOT / "docs" / "source" / "_ext"))
-import traffic  # noqa: E402  (the traffic model lives with the documentation that draws its tables)
+sys.path.insert(0, str(BENCHMARKS))
+from lab import traffic  # noqa: E402
+from lab.render import markdown_table, pyplot  # noqa: E402
+from lab.results import write_report as write_results  # noqa: E402
 
 TOLERANCE = 0.10  # bytes per step: measured within 10 % of the count the algorithm implies
 
@@ -78,7 +80,7 @@ def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         ("convergence", ["convergence.py", *(["--quick"] if quick else [])], None),
         (
             "codec_throughput",
-            ["codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])],
+            ["micro/codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])],
             None,
         ),
         (
@@ -86,7 +88,7 @@ def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
             ["engine_overhead.py", "--cpu", "--devices", "2", *(["--rounds", "1"] if quick else [])],
             None,
         ),
-        ("fused_optimizer", ["fused_optimizer.py", *(["--rounds", "1"] if quick else [])], None),
+        ("fused_optimizer", ["micro/fused_optimizer.py", *(["--rounds", "1"] if quick else [])], None),
     ]
 
 
@@ -121,7 +123,7 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         ("step_breakdown_interleaved", interleaved, reason),
         ("step_breakdown_bucket_cap", bucket_cap_nvlink, reason),
         ("gpu_bucket_cap_sockets", bucket_cap_sockets, reason),
-        ("codec_throughput", ["codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
+        ("codec_throughput", ["micro/codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
         ("autotune_sockets", ["autotune_sockets.py"], reason),
         ("engine_overhead", ["engine_overhead.py", "--devices", "2"], reason),
     ]
@@ -528,19 +530,20 @@ def check_targets(results: Path) -> list[dict[str, Any]]:
 def markdown(report: dict[str, Any]) -> str:
     """The targets table."""
     counts = {s: sum(t["status"] == s for t in report["targets"]) for s in ("pass", "miss", "not run")}
-    lines = [
-        f"Performance targets: {counts['pass']} pass, {counts['miss']} miss, {counts['not run']} not run.",
-        f"Written by `{report['command']}` from the JSON files in `benchmarks/results/` (see `targets.json`).",
-        "Step-time and byte figures are ratios (x); accuracy figures are points against the baseline's mean.",
-        "",
-        "| target | bar | measured | status | detail | source |",
-        "|---|---|---|---|---|---|",
-    ]
-    for t in report["targets"]:
-        figure = "-" if t["measured"] is None else _figure(t)
-        source = f"`{t['source']}`" + (f" (`{t['command']}`)" if t["command"] else "")
-        lines.append(f"| {t['target']} | {t['bar']} | {figure} | {t['status']} | {t['detail']} | {source} |")
-    return "\n".join(lines) + "\n"
+    rows = [
+        [t["target"], t["bar"], "-" if t["measured"] is None else _figure(t), t["status"], t["detail"],
+         f"`{t['source']}`" + (f" (`{t['command']}`)" if t["command"] else "")]
+        for t in report["targets"]
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            f"Performance targets: {counts['pass']} pass, {counts['miss']} miss, {counts['not run']} not run.",
+            f"Written by `{report['command']}` from the JSON files in `benchmarks/results/` (see `targets.json`).",
+            "Step-time and byte figures are ratios (x); accuracy figures are points against the baseline's mean.",
+            "",
+            markdown_table(["target", "bar", "measured", "status", "detail", "source"], rows),
+        ]
+    )
 
 
 def _figure(t: dict[str, Any]) -> str:
@@ -549,13 +552,8 @@ def _figure(t: dict[str, Any]) -> str:
 
 def chart(report: dict[str, Any], path: Path) -> bool:
     """Each measured target as its figure over its bar (pass when the bar is on the right side of 1)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no chart")
+    plt = pyplot()
+    if plt is None:
         return False
     measured = [t for t in report["targets"] if t["measured"] is not None and "points" not in t["bar"]]
     accuracy = [t for t in report["targets"] if t["measured"] is not None and "points" in t["bar"]]
@@ -592,10 +590,8 @@ def write_report(results: Path, out: Path, command: str, runs: list[dict[str, An
         "suite_runs": runs,
         "targets": check_targets(results),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "targets.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
-    (out / "targets.md").write_text(table)
+    write_results(out, "targets", report, table)
     chart(report, out / "targets.png")
     print(table)
     return report

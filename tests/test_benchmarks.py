@@ -628,7 +628,7 @@ def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path, algorithm
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((out / "chaos_cpu.json").read_text())
     assert report["command"].startswith("python benchmarks/chaos.py --kills 1")
-    [row] = report["summary"]
+    [row] = report["rows"]
     assert (row["algorithm"], row["layout"], row["runs"], row["kills"]) == (algorithm, "2", 1, 1)
     assert row["kills_by_kind"] == {"mid_step": 1}
     assert row["kills_missed_aim"] == 0
@@ -700,11 +700,11 @@ def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
     parts = [report("bytegrad", True), report("low_rank", False)]
     assert chaos.main(["--merge", *map(str, parts), "--out", str(tmp_path / "out"), "--name", "chaos_cuda"]) == 1
     merged = json.loads((tmp_path / "out" / "chaos_cuda.json").read_text())
-    assert [row["algorithm"] for row in merged["summary"]] == ["bytegrad", "low_rank"]
-    assert [row["exact"] for row in merged["summary"]] == [1, 0]
+    assert [row["algorithm"] for row in merged["rows"]] == ["bytegrad", "low_rank"]
+    assert [row["exact"] for row in merged["rows"]] == [1, 0]
     assert "--algorithms bytegrad ; python benchmarks/chaos.py --algorithms low_rank" in merged["command"]
     table = (tmp_path / "out" / "chaos_cuda.md").read_text()
-    assert "| **all** | | **2** | **2** | **2** |" in table
+    assert "| **all** |  | **2** | **2** | **2** |" in table
     assert "low_rank 2 run 0 (mid_step)" in table
 
 

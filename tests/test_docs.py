@@ -1,6 +1,6 @@
 """The documentation's promises: every public name is in the API reference, and every example runs.
 
-Examples are doctests: ``>>>`` lines in docstrings of ``src/lightning_bagua``, in ``docs/source/_ext/traffic.py``
+Examples are doctests: ``>>>`` lines in docstrings of ``src/lightning_bagua``, in ``benchmarks/lab/traffic.py``
 (the traffic model behind the "which algorithm when" tables), and in the Markdown pages inside ```` ```pycon ````
 fences (the pages' convention for runnable examples; ```` ```python ```` fences show code that is not run).
 Nothing here builds the site: ``make docs`` does that, with warnings as errors.
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "lightning_bagua"
 DOCS = ROOT / "docs" / "source"
 API_PAGE = DOCS / "api.md"
-EXT = DOCS / "_ext"
+BENCHMARKS = ROOT / "benchmarks"
 
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # Modules whose import needs what a CPU test machine lacks; their examples, if any, cannot run here.
@@ -182,20 +182,20 @@ def test_docstring_examples(module_name: str) -> None:
 
 
 def test_traffic_model_examples(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(EXT))
-    spec = importlib.util.spec_from_file_location("traffic", EXT / "traffic.py")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("lab.traffic", BENCHMARKS / "lab" / "traffic.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "traffic", module)
+    monkeypatch.setitem(sys.modules, "lab.traffic", module)
     spec.loader.exec_module(module)
     assert _run_module(module) >= 5
 
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_examples(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Pages import the traffic model as `traffic`, as the documentation build does.
-    monkeypatch.syspath_prepend(str(EXT))
+    # Pages import the traffic model as `lab.traffic`, with `benchmarks/` on the path as the documentation build has.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     text = page.read_text(encoding="utf-8")
     globs: dict[str, object] = {"__name__": "__docs__"}
     parser = doctest.DocTestParser()

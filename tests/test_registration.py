@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
-from benchmarks.startup_time import build_wheel
+from benchmarks.micro.startup_time import build_wheel
 
 from lightning_bagua import _registration
 from lightning_bagua._registration import REGISTRY_MODULES, install_registration_hook

@@ -10,6 +10,8 @@
 - :mod:`lab.torchft_peer`: torchft's DiLoCo as a peer of the engine's ``diloco`` (torchft in an environment of
   its own).
 - :mod:`lab.render`: markdown tables and charts, which the documentation imports instead of rendering again.
+- :mod:`lab.traffic`: the bytes each algorithm sends per step, by its definition; the targets check and the
+  documentation's tables both evaluate it.
 
 The benchmarks are scripts: each runs with ``benchmarks/`` as its folder on ``sys.path`` and imports ``lab.*``.
 """

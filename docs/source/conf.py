@@ -5,8 +5,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "src"))
-# The local extension (build-time tables and charts) and the traffic model it evaluates.
+# The local extension (build-time tables and charts), and the benchmarks' lab whose traffic model it evaluates.
 sys.path.insert(0, str(HERE / "_ext"))
+sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
 
 from lightning_bagua.__about__ import __version__  # noqa: E402
 

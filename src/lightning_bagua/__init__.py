@@ -14,7 +14,7 @@ from lightning_bagua.__about__ import __version__
 from lightning_bagua._registration import install_registration_hook
 
 # Not `from typing import TYPE_CHECKING`: the start-up hook imports this package in every interpreter, where
-# `typing` would cost more than the hook itself (benchmarks/startup_time.py). mypy treats this spelling the same.
+# `typing` would cost more than the hook itself (benchmarks/micro/startup_time.py). mypy treats this spelling the same.
 TYPE_CHECKING = False
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Sphinx extension: tables and charts computed at build time from the traffic model and the benchmark results.
 
 Nothing measured is typed into the pages. Each directive reads ``benchmarks/results/*.json`` (or evaluates
-``traffic.py``) when the documentation is built, and names the command that wrote the results.
+``benchmarks/lab/traffic.py``) when the documentation is built, and names the command that wrote the results.
 
 Directives:
 
@@ -36,11 +36,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import traffic
 from docutils import nodes
 from docutils.parsers.rst import directives
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
+
+from lab import traffic
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ def _codec_rows() -> list[tuple[str, str, dict[str, Any]]]:
     for path in sorted(RESULTS.glob("codec_throughput_*.json")):
         data = _load(path.stem)
         device = "CPU" if data["settings"].get("cpu") else data["machine"].get("device", "GPU")
-        for result in data["results"]:
+        for result in data.get("rows", data.get("results")):
             if result["mode"] == "eager" and result["chunks"] == 1 and result["backend"] in KEPT_BACKENDS:
                 found.append((device, data["command"], result))
     return found
@@ -238,7 +239,7 @@ def _codec_paths() -> tuple[list[str], list[list[str]], list[str], list[str]]:
         files.append(f"{name}.json")
         timed = {
             (r["size_mb"], r["backend"]): r["input_gbps"]
-            for r in data["results"]
+            for r in data.get("rows", data.get("results"))
             if r["mode"] == "eager" and r["chunks"] == 1
         }
         sizes = sorted({size for size, timed_backend in timed if timed_backend == backend})
@@ -291,8 +292,13 @@ def _fused_optimizer() -> tuple[list[str], list[list[str]], list[str]]:
     for path in sorted(RESULTS.glob("fused_optimizer_*.json")):
         data = _load(path.stem)
         commands.append(data["command"])
-        for optimizer, variants in data["results"].items():
-            cells = [f"{data['device']}", optimizer]
+        # Files before the lab's schema nest the rows by optimizer, and name the device at the top.
+        by_optimizer = data.get("results", {})
+        for row in data.get("rows", []):
+            by_optimizer.setdefault(row["optimizer"], {})[row["variant"]] = row
+        device = data.get("device") or data["machine"]["device"]
+        for optimizer, variants in by_optimizer.items():
+            cells = [device, optimizer]
             for variant in ("for_loop", "foreach", "torch_fused", "fuse_step", "fuse_step+torch_fused"):
                 cells.append(f"{variants[variant]['median_ms']:.2f} ms" if variant in variants else "-")
             rows.append(cells)
@@ -333,7 +339,8 @@ def _weight_round_cost() -> tuple[list[str], list[list[str]], list[str]]:
 def _sampler_balance() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("sampler_balance")
     rows = []
-    for name, result in data["results"].items():
+    results = data.get("results") or {row["layout/sampler"]: row for row in data["rows"]}
+    for name, result in results.items():
         summary = result["summary"]
         rows.append(
             [
@@ -350,7 +357,8 @@ def _sampler_balance() -> tuple[list[str], list[list[str]], list[str]]:
 def _cached_dataset() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("cached_dataset")
     rows = []
-    for name, result in data["variants"].items():
+    variants = data.get("variants") or {row["dataset"]: row for row in data["rows"]}
+    for name, result in variants.items():
         epochs = ", ".join(f"{t:.2f} s" for t in result["epoch_s"])
         rows.append([name, epochs, f"{result['last_epoch_speedup_vs_plain']:.1f}x"])
     return ["dataset", "epoch times", "last epoch vs plain"], rows, [data["command"]]
@@ -358,16 +366,18 @@ def _cached_dataset() -> tuple[list[str], list[list[str]], list[str]]:
 
 def _startup_time() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("startup_time")
+    environments = {row["environment"]: row for row in data.get("rows", [])} or data
     rows = [
         [
-            f"{data['baseline']['median_ms']:.2f} ms",
-            f"{data['with_hook']['median_ms']:.2f} ms",
+            f"{environments['baseline']['median_ms']:.2f} ms",
+            f"{environments['with_hook']['median_ms']:.2f} ms",
             f"{data['overhead_median_ms']:.2f} ms",
             ", ".join(data["heavy_modules_imported"]) or "none",
         ]
     ]
     header = ["python -c pass", "with the hook", "added", "torch / Lightning imported"]
-    return header, rows, ["python benchmarks/startup_time.py"]
+    # The file before the lab's schema recorded no command; the script has moved since.
+    return header, rows, [data.get("command", "python benchmarks/micro/startup_time.py")]
 
 
 def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list[str]], list[str]]:
@@ -407,19 +417,10 @@ def _bucket_cap(results: str) -> tuple[list[str], list[list[str]], list[str]]:
 
 
 def _chaos(results: str) -> tuple[list[str], list[list[str]], list[str]]:
-    # The harness's counts per algorithm and layout, and a total row where there are several.
+    # The harness's own table of counts per algorithm and layout (files before the lab's schema call them summary).
     data = _load(results)
-    kinds = ("mid_step", "collective", "checkpoint_save", "restart")
-    columns = ("runs", "kills", "kills_missed_aim", "restarts", "exact", "not_exact", "torn_checkpoints", "hangs")
-    rows, totals = [], [0] * (len(kinds) + len(columns))
-    for row in data["summary"]:
-        counts = [row["kills_by_kind"].get(kind, 0) for kind in kinds] + [row[column] for column in columns]
-        totals = [total + count for total, count in zip(totals, counts, strict=True)]
-        rows.append([row["algorithm"], row["layout"], *map(str, counts)])
-    if len(rows) > 1:
-        rows.append(["all", "", *map(str, totals)])
-    header = ["algorithm", "layout", *(f"{kind} kills" for kind in kinds), "runs", "kills", "missed aim"]
-    return [*header, "restarts", "exact", "not exact", "torn ckpts", "hangs"], rows, data["command"].split(" ; ")
+    header, rows = _benchmark_module("chaos").summary_table(data.get("rows") or data["summary"], strong="")
+    return header, rows, data["command"].split(" ; ")
 
 
 def _step_cell(row: dict[str, Any] | None, ddp: dict[str, Any] | None, spread: bool) -> str:

@@ -12,7 +12,7 @@ How it relates to torch's own options: ``foreach=True`` (multi-tensor kernels, t
 moving memory, but still gather and check every tensor in Python on every step. ``fuse_step`` leaves one tensor per
 buffer to handle, which suits models with thousands of small tensors and the optimizers that have no fused kernel;
 it composes with both options, which then act on the flat tensors (``fused=True`` under ``fuse_step`` was the
-fastest variant in ``benchmarks/fused_optimizer.py``). With few, large tensors there is little to gain, and
+fastest variant in ``benchmarks/micro/fused_optimizer.py``). With few, large tensors there is little to gain, and
 ``fused=True`` alone is the simpler choice where it exists. Results are bitwise equal to the unfused optimizer's
 with the single-tensor and foreach paths; with ``fused=True`` they agree to rounding only, because torch's CPU fused
 kernels round a tensor's vectorised body and its tail differently, and concatenation moves the tails.

@@ -5,8 +5,8 @@ Every variant steps the same parameters with the same gradients, which stay in p
 ``zero_grad(set_to_none=False)``); one extra variant gives ``fuse_step`` new gradient tensors before every step (as
 after ``zero_grad(set_to_none=True)`` and a backward), so that its copies into the flat buffer are timed too:
 
-    python benchmarks/fused_optimizer.py            # CPU, one thread
-    python benchmarks/fused_optimizer.py --gpu      # one CUDA GPU
+    python benchmarks/micro/fused_optimizer.py            # CPU, one thread
+    python benchmarks/micro/fused_optimizer.py --gpu      # one CUDA GPU
 
 Prints a table and writes ``benchmarks/results/fused_optimizer_{cpu,gpu}.json``: the median step time over
 ``--steps`` steps after ``--warmup`` steps (taken in ``--rounds`` rounds that alternate the variants, so drift hits
@@ -14,10 +14,8 @@ all alike), per optimizer and variant, with the machine and versions.
 """
 
 import argparse
-import json
-import os
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,12 +24,23 @@ import torch
 
 from lightning_bagua.optim.fused import fuse_optimizer
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.render import markdown_table
+from lab.results import RESULTS, new_report, write_report
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
     "Adam": (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 1e-2}),
     "SGD(momentum)": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, "nesterov": True}),
     "RMSprop": (torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.9}),
+}
+VARIANTS = {
+    "for_loop": "step() with foreach=False: torch's per-tensor Python loop",
+    "foreach": "step() with foreach=True: multi-tensor kernels",
+    "torch_fused": "step() with fused=True: torch's fused kernel",
+    "fuse_step": "fuse_optimizer(check_flatten=True), fuse_step(); gradients already in the flat buffer",
+    "fuse_step_no_check": "fuse_optimizer(check_flatten=False), fuse_step()",
+    "fuse_step_new_grads": "fuse_step() after new gradient tensors replaced the buffer views (copied in)",
+    "fuse_step+torch_fused": "fuse_optimizer over an optimizer with fused=True",
 }
 # Classes with a fused=True implementation in torch (on CPU and CUDA).
 HAS_FUSED = {torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad}
@@ -43,16 +52,6 @@ def make_tensors(args: argparse.Namespace, device: torch.device) -> tuple[list[t
     params = [torch.nn.Parameter(torch.randn(size, generator=generator).to(device)) for size in sizes]
     grads = [torch.randn(size, generator=generator).to(device) for size in sizes]
     return params, grads
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def variants(cls: type[torch.optim.Optimizer], device: torch.device) -> list[str]:
@@ -122,7 +121,6 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda", 0) if args.gpu else torch.device("cpu")
-    load_before = list(os.getloadavg())
     if args.threads:
         torch.set_num_threads(args.threads)
     names = args.optimizers.split(",")
@@ -134,59 +132,35 @@ def main() -> None:
                 prepare, step = build(variant, cls, kwargs, args, device)
                 times[name].setdefault(variant, []).extend(time_variant(prepare, step, args, device))
 
-    results = {}
+    rows = []
     for name, by_variant in times.items():
         base = statistics.median(by_variant["for_loop"])
-        results[name] = {
-            variant: {
-                "median_ms": statistics.median(values) * 1e3,
-                "p10_ms": statistics.quantiles(values, n=10)[0] * 1e3,
-                "p90_ms": statistics.quantiles(values, n=10)[-1] * 1e3,
-                "speedup_vs_for_loop": base / statistics.median(values),
-            }
-            for variant, values in by_variant.items()
-        }
-    print(f"{'optimizer':<15} {'variant':<22} {'median ms':>10} {'p10':>8} {'p90':>8} {'x for-loop':>10}")
-    for name, by_variant in results.items():
-        for variant, row in by_variant.items():
-            print(
-                f"{name:<15} {variant:<22} {row['median_ms']:>10.3f} {row['p10_ms']:>8.3f} {row['p90_ms']:>8.3f}"
-                f" {row['speedup_vs_for_loop']:>10.2f}"
+        for variant, values in by_variant.items():
+            deciles = statistics.quantiles(values, n=10)
+            rows.append(
+                {
+                    "optimizer": name,
+                    "variant": variant,
+                    "median_ms": statistics.median(values) * 1e3,
+                    "p10_ms": deciles[0] * 1e3,
+                    "p90_ms": deciles[-1] * 1e3,
+                    "speedup_vs_for_loop": base / statistics.median(values),
+                }
             )
+    header = ["optimizer", "variant", "median ms", "p10", "p90", "x for-loop"]
+    cells = [[row["optimizer"], row["variant"], *(f"{row[key]:.3f}" for key in ("median_ms", "p10_ms", "p90_ms")),
+              f"{row['speedup_vs_for_loop']:.2f}"] for row in rows]  # fmt: skip
+    print(markdown_table(header, cells), end="")
 
     params, _ = make_tensors(args, torch.device("cpu"))
-    report = {
-        "benchmark": "median optimizer step time: for-loop vs foreach vs torch fused vs fuse_optimizer's fuse_step",
-        "command": "python benchmarks/fused_optimizer.py" + (" --gpu" if args.gpu else ""),
-        "settings": {key: value for key, value in vars(args).items() if key != "out"},
-        "tensors": len(params),
-        "elements": sum(p.numel() for p in params),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "machine": {
-            "platform": platform.platform(),
-            "processor": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            # The machine may be shared: the load before and after the run says how quiet it was.
-            "load_average_before": load_before,
-            "load_average_after": list(os.getloadavg()),
-        },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "variants": {
-            "for_loop": "step() with foreach=False: torch's per-tensor Python loop",
-            "foreach": "step() with foreach=True: multi-tensor kernels",
-            "torch_fused": "step() with fused=True: torch's fused kernel",
-            "fuse_step": "fuse_optimizer(check_flatten=True), fuse_step(); gradients already in the flat buffer",
-            "fuse_step_no_check": "fuse_optimizer(check_flatten=False), fuse_step()",
-            "fuse_step_new_grads": "fuse_step() after new gradient tensors replaced the buffer views (copied in)",
-            "fuse_step+torch_fused": "fuse_optimizer over an optimizer with fused=True",
-        },
-        "results": results,
-    }
+    settings = {key: value for key, value in vars(args).items() if key != "out"}
+    settings.update(tensors=len(params), elements=sum(p.numel() for p in params))
+    benchmark = "median optimizer step time: for-loop vs foreach vs torch fused vs fuse_optimizer's fuse_step"
+    command = "python benchmarks/micro/fused_optimizer.py" + (" --gpu" if args.gpu else "")
+    report = new_report(benchmark, settings, rows, device=device, command=command)
+    report["variants"] = VARIANTS
     out = Path(args.out) if args.out else RESULTS / f"fused_optimizer_{'gpu' if args.gpu else 'cpu'}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_report(out.parent, out.stem, report)}")
 
 
 if __name__ == "__main__":

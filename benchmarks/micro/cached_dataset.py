@@ -6,17 +6,16 @@ torch thread each) reads the data set for two epochs, plainly and through ``Cach
 and, when ``redis`` and ``redis-server`` are installed, the redis backend (a server started by the library). The
 first cached epoch computes and stores every sample; the second is served from the cache:
 
-    python benchmarks/cached_dataset.py
+    python benchmarks/micro/cached_dataset.py
 
 Prints a table and writes ``benchmarks/results/cached_dataset.json``: per variant, the time of each epoch and the
 second epoch's speed-up over the plain data set's second epoch.
 """
 
 import argparse
-import json
 import os
-import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_bagua.data.cache import CachedDataset
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.render import markdown_table
+from lab.results import RESULTS, new_report, write_report
 
 
 class ExpensiveDataset(Dataset):
@@ -81,7 +82,6 @@ def main() -> None:
     torch.set_num_threads(1)
 
     variants: dict[str, dict] = {}
-    load_before = os.getloadavg()
     start = time.perf_counter()
     base = ExpensiveDataset(args.samples, args.passes)
     times, reference = time_epochs(base, args)
@@ -113,32 +113,17 @@ def main() -> None:
     plain_last = variants["plain"]["epoch_s"][-1]
     for result in variants.values():
         result["last_epoch_speedup_vs_plain"] = plain_last / result["epoch_s"][-1]
-    report = {
-        "benchmark": "DataLoader epoch time with and without CachedDataset, expensive per-sample preprocessing",
-        "command": "python benchmarks/cached_dataset.py",
-        "settings": vars(args),
-        "variants": variants,
-        "skipped": skipped,
-        "wall_s": wall,
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-        },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-    }
-    print(f"{'variant':<28}" + "".join(f"{f'epoch {e + 1}':>11}" for e in range(args.epochs)) + f"{'speed-up':>10}")
-    for name, result in variants.items():
-        epochs = "".join(f"{t:>9.2f} s" for t in result["epoch_s"])
-        print(f"{name:<28}{epochs}{result['last_epoch_speedup_vs_plain']:>9.1f}x")
+    rows = [{"dataset": name, **result} for name, result in variants.items()]
+    benchmark = "DataLoader epoch time with and without CachedDataset, expensive per-sample preprocessing"
+    report = new_report(benchmark, vars(args), rows, command="python benchmarks/micro/cached_dataset.py")
+    report.update(skipped=skipped, wall_s=wall)
+    header = ["dataset", *(f"epoch {epoch + 1}" for epoch in range(args.epochs)), "speed-up"]
+    cells = [[row["dataset"], *(f"{t:.2f} s" for t in row["epoch_s"]), f"{row['last_epoch_speedup_vs_plain']:.1f}x"]
+             for row in rows]  # fmt: skip
+    print(markdown_table(header, cells), end="")
     for name in skipped:
         print(f"skipped: {name}")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "cached_dataset.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out} ({wall:.1f} s)")
+    print(f"wrote {write_report(RESULTS, 'cached_dataset', report)} ({wall:.1f} s)")
 
 
 if __name__ == "__main__":

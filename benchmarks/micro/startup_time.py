@@ -6,13 +6,12 @@ times many alternating ``python -c pass`` runs in each. The difference of the me
 ``-X importtime`` run in the hooked environment breaks the cost down per module, and a ``sys.modules`` comparison
 shows that the hook imports neither torch nor Lightning. Results go to ``benchmarks/results/startup_time.json``.
 
-Run with the project's interpreter: ``.venv/bin/python benchmarks/startup_time.py [--runs N]``.
+Run with the project's interpreter: ``.venv/bin/python benchmarks/micro/startup_time.py [--runs N]``.
 """
 
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -21,8 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "startup_time.json"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.results import RESULTS, new_report, write_report
+
+REPO = Path(__file__).resolve().parents[2]
 PTH_NAME = "lightning_bagua_registration.pth"
 SOURCE_ITEMS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "MANIFEST.in", "requirements", "src")
 HEAVY_MODULES = ("torch", "lightning", "pytorch_lightning", "lightning_fabric")
@@ -128,7 +129,7 @@ def loaded_modules(python: Path) -> set[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=300, help="timed `python -c pass` runs per environment")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the JSON results")
+    parser.add_argument("--output", type=Path, default=RESULTS / "startup_time.json", help="the JSON results file")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="lightning-bagua-startup-") as tmp:
@@ -149,25 +150,21 @@ def main() -> None:
 
     added = sorted(hooked_modules - baseline_modules)
     baseline, hooked = summarize(timings["baseline"]), summarize(timings["with_hook"])
-    results = {
-        "benchmark": "python -c pass, fresh venv without vs with the lightning-bagua wheel (start-up hook .pth)",
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "runs_per_environment": args.runs,
-        "baseline": baseline,
-        "with_hook": hooked,
-        "overhead_median_ms": round(hooked["median_ms"] - baseline["median_ms"], 3),
-        "overhead_mean_ms": round(hooked["mean_ms"] - baseline["mean_ms"], 3),
-        "modules_added_by_hook": added,
-        "heavy_modules_imported": sorted(name for name in added if name.split(".")[0] in HEAVY_MODULES),
+    rows = [{"environment": "baseline", **baseline}, {"environment": "with_hook", **hooked}]
+    benchmark = "python -c pass, fresh venv without vs with the lightning-bagua wheel (start-up hook .pth)"
+    report = new_report(benchmark, {"runs_per_environment": args.runs}, rows,
+                        command="python benchmarks/micro/startup_time.py")  # fmt: skip
+    report.update(
+        overhead_median_ms=round(hooked["median_ms"] - baseline["median_ms"], 3),
+        overhead_mean_ms=round(hooked["mean_ms"] - baseline["mean_ms"], 3),
+        modules_added_by_hook=added,
+        heavy_modules_imported=sorted(name for name in added if name.split(".")[0] in HEAVY_MODULES),
         # The .pth imports run inside `site`, so self times (not cumulative ones) are what add up to the hook's cost.
-        "importtime_self_us_of_added_modules": {name: breakdown.get(name) for name in added},
-        "importtime_self_us_total_of_added_modules": sum(breakdown.get(name, 0) for name in added),
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(results, indent=2))
+        importtime_self_us_of_added_modules={name: breakdown.get(name) for name in added},
+        importtime_self_us_total_of_added_modules=sum(breakdown.get(name, 0) for name in added),
+    )
+    write_report(args.output.parent, args.output.stem, report)
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ sequences waits for the one that drew the longest. With the same data, model and
 ``DistributedSampler`` and one with ``LoadBalancingDistributedSampler(complexity_fn=len)`` (both shuffled), in
 ``--rounds`` short rounds of alternating order (medians over the rounds are reported):
 
-    python benchmarks/sampler_balance.py
+    python benchmarks/micro/sampler_balance.py
 
 Prints a table and writes ``benchmarks/results/sampler_balance.json``: per sampler, the mean over steps of the slowest
 rank's compute time (forward + backward), of the time ranks spend waiting for the slowest one, of the synchronous step
@@ -21,25 +21,24 @@ between barriers).
 """
 
 import argparse
-import json
-import os
-import platform
-import socket
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_bagua.data.samplers import LoadBalancingDistributedSampler
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.harness import spawn_ranks
+from lab.render import markdown_table
+from lab.results import RESULTS, new_report, write_report
+
 WORLD_SIZE = 2
 LAYOUTS = ("unpadded", "padded")
 SAMPLERS = ("DistributedSampler", "LoadBalancingDistributedSampler")
@@ -86,17 +85,18 @@ def run_epoch(model: nn.Module, loader: DataLoader, params: list[torch.Tensor], 
     return {"compute": compute, "steps": steps, "work": work, "epoch": time.perf_counter() - epoch_start}
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | None:
+    """Time every layout and sampler on this rank; rank 0 returns every rank's timings."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     dataset = make_dataset(args)
     torch.manual_seed(0)
     model = nn.GRU(args.features, args.hidden, batch_first=True)
     params = list(model.parameters())
     samplers = {
-        "DistributedSampler": DistributedSampler(dataset, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=0),
+        "DistributedSampler": DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0),
         "LoadBalancingDistributedSampler": LoadBalancingDistributedSampler(
-            dataset, complexity_fn=len, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=0
+            dataset, complexity_fn=len, num_replicas=world_size, rank=rank, shuffle=True, seed=0
         ),
     }
     # Warm-up: allocator and kernels settle before anything is timed.
@@ -112,11 +112,10 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                 sampler.set_epoch(round_index)
                 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=collate)
                 results[f"{layout}/{name}"].append(run_epoch(model, loader, params, layout))
-    gathered: list = [None] * WORLD_SIZE
+    gathered: list = [None] * world_size
     dist.all_gather_object(gathered, results)
-    if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
+    return gathered if rank == 0 else None
 
 
 def summarize(gathered: list[dict], name: str) -> dict:
@@ -158,15 +157,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    load_before = os.getloadavg()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "gathered.json")
-        mp.spawn(worker, args=(args, port, out), nprocs=WORLD_SIZE, join=True)
-        gathered = json.loads(Path(out).read_text())
+    gathered = spawn_ranks(worker, WORLD_SIZE, args)
     wall = time.perf_counter() - start
 
     results = {f"{layout}/{name}": summarize(gathered, f"{layout}/{name}") for layout in LAYOUTS for name in SAMPLERS}
@@ -178,38 +170,22 @@ def main() -> None:
             "epoch": base["epoch_s"] / balanced["epoch_s"],
             "mean_max_compute": base["mean_max_compute_s"] / balanced["mean_max_compute_s"],
         }
-    report = {
-        "benchmark": "synchronous step time on variable-length sequences: DistributedSampler vs "
-        "LoadBalancingDistributedSampler",
-        "command": "python benchmarks/sampler_balance.py",
-        "settings": {**vars(args), "world_size": WORLD_SIZE, "backend": "gloo", "threads_per_rank": 1},
-        "results": results,
-        "speedup": speedup,
-        "wall_s": wall,
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-        },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-    }
-    header = f"{'layout/sampler':<42}{'steps':>6}{'max compute':>13}{'idle/rank':>11}{'step':>10}{'work gap':>10}"
-    print(header + f"{'epoch':>9}")
-    for key, result in results.items():
-        s = result["summary"]
-        print(
-            f"{key:<42}{s['steps']:>6}{s['mean_max_compute_s'] * 1e3:>10.2f} ms"
-            f"{s['mean_idle_per_rank_s'] * 1e3:>8.2f} ms"
-            f"{s['mean_step_s'] * 1e3:>7.2f} ms{s['mean_work_gap_tokens']:>10.1f}{s['epoch_s']:>7.2f} s"
-        )
+    rows = [{"layout/sampler": name, **result} for name, result in results.items()]
+    settings = {**vars(args), "world_size": WORLD_SIZE, "backend": "gloo", "threads_per_rank": 1}
+    benchmark = "synchronous step time on variable-length sequences: DistributedSampler vs " + SAMPLERS[1]
+    report = new_report(benchmark, settings, rows, command="python benchmarks/micro/sampler_balance.py")
+    report.update(speedup=speedup, wall_s=wall)
+    header = ["layout/sampler", "steps", "max compute ms", "idle/rank ms", "step ms", "work gap", "epoch s"]
+    cells = []
+    for row in rows:
+        summary = row["summary"]
+        cells.append([row["layout/sampler"], str(summary["steps"]), f"{summary['mean_max_compute_s'] * 1e3:.2f}",
+                      f"{summary['mean_idle_per_rank_s'] * 1e3:.2f}", f"{summary['mean_step_s'] * 1e3:.2f}",
+                      f"{summary['mean_work_gap_tokens']:.1f}", f"{summary['epoch_s']:.2f}"])  # fmt: skip
+    print(markdown_table(header, cells), end="")
     for layout in LAYOUTS:
         print(f"{layout}: speedup step x{speedup[layout]['mean_step']:.2f}, epoch x{speedup[layout]['epoch']:.2f}")
-    RESULTS.mkdir(exist_ok=True)
-    out_path = RESULTS / "sampler_balance.json"
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out_path} ({wall:.1f} s)")
+    print(f"wrote {write_report(RESULTS, 'sampler_balance', report)} ({wall:.1f} s)")
 
 
 if __name__ == "__main__":

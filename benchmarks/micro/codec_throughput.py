@@ -1,8 +1,8 @@
 """Throughput of the MinMaxUInt8 codec (compress + decompress) against the device's own copy bandwidth.
 
-    python benchmarks/codec_throughput.py                    # one GPU: Triton and torch backends
-    python benchmarks/codec_throughput.py --cpu --threads 1  # CPU: native and torch backends
-    python benchmarks/codec_throughput.py --cpu --sizes-mb 1 4 --no-save
+    python benchmarks/micro/codec_throughput.py                    # one GPU: Triton and torch backends
+    python benchmarks/micro/codec_throughput.py --cpu --threads 1  # CPU: native and torch backends
+    python benchmarks/micro/codec_throughput.py --cpu --sizes-mb 1 4 --no-save
 
 For a buffer of ``B`` bytes of float32 (``N = B / 4`` elements) split into ``k`` chunks, with ``t_c`` and ``t_d``
 the median times of ``compress`` and of ``decompress`` (into a preallocated output), ``t = t_c + t_d``:
@@ -39,21 +39,32 @@ Prints a Markdown table and writes ``benchmarks/results/codec_throughput_{gpu,cp
 """
 
 import argparse
-import json
-import os
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.render import markdown_table
+from lab.results import RESULTS, new_report, write_report
+
 MB = 1 << 20
+
+
+DEFINITIONS = {
+    "mode": "eager: launched call after call; graph: the same calls replayed from a CUDA graph",
+    "copy_gbps": "2 * bytes / median copy time (read + write), the faster of the eager and graph timings",
+    "input_gbps": "float32 input bytes / (median compress time + median decompress time)",
+    "effective_gbps": "(input read + codes written + codes read + output written) / (compress + decompress)",
+    "fraction_of_copy": "effective_gbps / copy_gbps",
+    "host_us_per_call": "host time a compress or decompress call takes to issue (mean of the two); eager only",
+    "statistic": "how the --reps batch timings are summarised: median, or min (least disturbed)",
+}
 
 
 def summary(times: list[float], args: argparse.Namespace) -> float:
@@ -146,33 +157,6 @@ def check(codec: MinMaxUInt8Codec, values: torch.Tensor, num_chunks: int, out: t
         raise AssertionError(f"{codec}: max error {error} exceeds the bound {span / 510} for k={num_chunks}")
 
 
-def machine(device: torch.device) -> dict:
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        properties = torch.cuda.get_device_properties(device)
-        info.update(
-            device=properties.name,
-            multiprocessors=properties.multi_processor_count,
-            memory_gib=round(properties.total_memory / 2**30, 1),
-            cuda=torch.version.cuda,
-        )
-    else:
-        info["device"] = platform.processor() or platform.machine()
-    return info
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="benchmark the CPU backends")
@@ -263,47 +247,38 @@ def main() -> None:
             f"host time per call, {backend}: compress {times['compress_us']:.1f} us,"
             f" decompress {times['decompress_us']:.1f} us"
         )
-    header = (
-        "| MiB | timing | backend | k | copy GB/s | compress ms | decompress ms | host us/call | input GB/s | eff. GB/s"
-        " | of copy |"
-    )
-    print(header)
-    print("|" + "---|" * header.count(" | ") + "---|")
-    for row in rows:
-        print(
-            f"| {row['size_mb']} | {row['mode']} | {row['backend']} | {row['chunks']} | {row['copy_gbps']:.1f} |"
-            f" {row['compress_ms']:.3f} | {row['decompress_ms']:.3f} |"
-            f" {'' if row['host_us_per_call'] is None else format(row['host_us_per_call'], '.0f')} |"
-            f" {row['input_gbps']:.1f} |"
-            f" {row['effective_gbps']:.1f} | {row['fraction_of_copy']:.3f} |"
-        )
+    header = ["MiB", "timing", "backend", "k", "copy GB/s", "compress ms", "decompress ms", "host us/call",
+              "input GB/s", "eff. GB/s", "of copy"]  # fmt: skip
+    table = markdown_table(header, [table_row(row) for row in rows])
+    print(table, end="")
     if args.no_save:
         return
-    report = {
-        "benchmark": "MinMaxUInt8 codec compress + decompress throughput vs dst.copy_(src) bandwidth",
-        "command": "python benchmarks/codec_throughput.py"
-        + (" --cpu" if args.cpu else "")
-        + (f" --threads {args.threads}" if args.threads else "")
-        + (f" --statistic {args.statistic}" if args.statistic != "median" else ""),
-        "definitions": {
-            "mode": "eager: launched call after call; graph: the same calls replayed from a CUDA graph",
-            "copy_gbps": "2 * bytes / median copy time (read + write), the faster of the eager and graph timings",
-            "input_gbps": "float32 input bytes / (median compress time + median decompress time)",
-            "effective_gbps": "(input read + codes written + codes read + output written) / (compress + decompress)",
-            "fraction_of_copy": "effective_gbps / copy_gbps",
-            "host_us_per_call": "host time a compress or decompress call takes to issue (mean of the two); eager only",
-            "statistic": "how the --reps batch timings are summarised: median, or min (least disturbed)",
-        },
-        "settings": {**vars(args), "sizes_mb": sizes, "backends": backends},
-        "machine": machine(device),
-        "host_overhead": overhead,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "results": rows,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"codec_throughput_{'cpu' if args.cpu else 'gpu'}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"-> {path}")
+    flags = [" --cpu" if args.cpu else "", f" --threads {args.threads}" if args.threads else ""]
+    flags.append(f" --statistic {args.statistic}" if args.statistic != "median" else "")
+    settings = {**vars(args), "sizes_mb": sizes, "backends": backends}
+    benchmark = "MinMaxUInt8 codec compress + decompress throughput vs dst.copy_(src) bandwidth"
+    command = "python benchmarks/micro/codec_throughput.py" + "".join(flags)
+    report = new_report(benchmark, settings, rows, device=device, command=command)
+    report["machine"]["triton"] = triton_version()
+    report["definitions"] = DEFINITIONS
+    report["host_overhead"] = overhead
+    stem = "codec_throughput_cpu" if args.cpu else "codec_throughput_gpu"
+    print(f"-> {write_report(RESULTS, stem, report)}")
+
+
+def table_row(row: dict) -> list[str]:
+    host = "" if row["host_us_per_call"] is None else format(row["host_us_per_call"], ".0f")
+    return [str(row["size_mb"]), row["mode"], row["backend"], str(row["chunks"]), f"{row['copy_gbps']:.1f}",
+            f"{row['compress_ms']:.3f}", f"{row['decompress_ms']:.3f}", host, f"{row['input_gbps']:.1f}",
+            f"{row['effective_gbps']:.1f}", f"{row['fraction_of_copy']:.3f}"]  # fmt: skip
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return str(triton.__version__)
 
 
 if __name__ == "__main__":
