@@ -7,6 +7,7 @@
 - :mod:`lab.results`: one results schema (benchmark, command, date, machine, versions, settings, peers, rows), the
   machine record, the spread of repeated figures.
 - :mod:`lab.render`: markdown tables and charts, which the documentation imports instead of rendering again.
+- :mod:`lab.gpu_report`: the GPU step-time lab's results read and merged, for its report, the README and the docs.
 
 The benchmarks are scripts: each runs with ``benchmarks/`` as its folder on ``sys.path`` and imports ``lab.*``.
 """
