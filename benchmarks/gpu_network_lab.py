@@ -236,11 +236,11 @@ class Wrapped:
 
 def lr_factor(args: argparse.Namespace) -> Callable[[int], float]:
     """The learning rate at each step, as a fraction of ``args.lr``: ``--schedule``'s warm-up and cosine decay."""
-    schedule, warmup = getattr(args, "schedule", "constant"), getattr(args, "lr_warmup", 0)
-    total = max(getattr(args, "train_steps", 1), warmup + 1)
+    warmup = args.lr_warmup
+    total = max(args.train_steps, warmup + 1)
 
     def factor(step: int) -> float:
-        if schedule == "constant":
+        if args.schedule == "constant":
             return 1.0
         if step < warmup:
             return (step + 1) / warmup
@@ -556,7 +556,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=300, help="nvlink: steps each method trains")
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--timing-steps", type=int, default=40, help="nvlink: timed steps of later rounds")
+    parser.add_argument(
+        "--timing-steps", type=int, default=40, help="nvlink: timed steps of later rounds (--interleave steps: of each)"
+    )
     parser.add_argument(
         "--window",
         type=int,

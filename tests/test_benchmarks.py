@@ -85,15 +85,15 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
         assert completed.returncode == 0, completed.stderr[-3000:]
         return {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
 
-    # A step_breakdown job run after the lab's NVLink runs, unprofiled on the lab's model, times the engine as it is:
-    # its ratio counts for the methods it timed beside DDP. A profiled one does not.
+    # An interleaved job run after the lab's NVLink runs, unprofiled on the lab's model, times the engine as it is:
+    # its ratio counts for the methods it timed beside DDP. A profiled one (step_breakdown.py's, before) does not.
     settings = merged["nvlink"]["settings"]
     for name, profiled, ratio in (("step_breakdown_profiled", 3, 2.0), ("step_breakdown_timed", 0, 0.9)):
         job = {
             "date": "2999-01-01T00:00:00+00:00",
             "engine_src": "src",
             "rounds": 2,
-            "command": f"python benchmarks/step_breakdown.py --out {name}",
+            "command": f"python benchmarks/gpu_network_lab.py --interleave steps --out {name}",
             "settings": {"profiled": profiled, "sockets": False, "cpu": False}
             | {key: settings[key] for key in ("batch", "context", "lr")},
             "methods": {"ddp": {"step_ms": {"median": 50.0}}, "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}},
@@ -107,7 +107,7 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     # Two repeats of the timed job (same settings and methods, other names): the target is the median ratio of three.
     timed = json.loads((out / "step_breakdown_timed.json").read_text())
     for name, ratio in (("step_breakdown_timed_2", 1.2), ("step_breakdown_timed_3", 1.15)):
-        repeat = {**timed, "command": f"python benchmarks/step_breakdown.py --out {name}"}
+        repeat = {**timed, "command": f"python benchmarks/gpu_network_lab.py --interleave steps --out {name}"}
         repeat["methods"] = {**timed["methods"], "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}}
         (out / f"{name}.json").write_text(json.dumps(repeat))
     by_name = targets_now()
@@ -485,8 +485,7 @@ def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floo
     assert factor(60) == pytest.approx(lab.LR_FLOOR + (1 - lab.LR_FLOOR) / 2)
     assert factor(110) == pytest.approx(lab.LR_FLOOR)
     assert factor(500) == pytest.approx(lab.LR_FLOOR)  # timing rounds may step past the schedule
-    # step_breakdown.py's arguments name no schedule: its steps run at the peak rate.
-    assert lab.lr_factor(argparse.Namespace(lr=3e-4))(0) == 1.0
+    assert lab.lr_factor(argparse.Namespace(schedule="constant", lr_warmup=10, train_steps=110))(0) == 1.0
     described = gpu_report().schedule_of({"lr": 3e-4, "schedule": "cosine", "lr_warmup": 30, "train_steps": 300})
     assert described == "0.0003 after a linear warm-up of 30 steps, then a cosine decay to 0.1 of it at step 300"
 
