@@ -94,7 +94,9 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
             "engine_src": "src",
             "rounds": 2,
             "command": f"python benchmarks/gpu_network_lab.py --interleave steps --out {name}",
-            "settings": {"profiled": profiled, "sockets": False, "cpu": False}
+            # The lab's interleaved mode records no profile; step_breakdown.py's files record --profiled.
+            "settings": ({"profiled": profiled} if profiled else {"interleave": "steps", "regime": "nvlink"})
+            | {"cpu": False}
             | {key: settings[key] for key in ("batch", "context", "lr")},
             "methods": {"ddp": {"step_ms": {"median": 50.0}}, "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}},
         }
