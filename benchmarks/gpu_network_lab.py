@@ -466,7 +466,8 @@ def run_interleaved(args: argparse.Namespace, batches: Batches, device: torch.de
                 {"step_ms": statistics.median(walls) * 1e3, "host_ms": statistics.median(hosts) * 1e3}
             )
         if rank == 0:
-            print(f"round {round_index} (ms): " + ", ".join(f"{m} {rows[m][-1]['step_ms']:.1f}" for m in methods))
+            steps = ", ".join(f"{method} {rows[method][-1]['step_ms']:.1f}" for method in methods)
+            print(f"round {round_index} (ms): {steps}", flush=True)
             write_interleaved(args, rows, round_index + 1)
     for wrapped in wrappers.values():
         wrapped.close()

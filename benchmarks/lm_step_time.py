@@ -55,7 +55,6 @@ from lab.results import new_report, write_report
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
 DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd")
-WARMED_UP = {"qadam", "async"}  # algorithms whose warm-up is run before the timed steps
 
 
 def all_methods() -> list[str]:
