@@ -28,20 +28,19 @@ rotated from round to round. Recorded per method: the median of the jobs' median
 them and their spread ``(max - min) / median``; a ratio between two methods means something only where it is
 larger than both spreads.
 
-It writes ``benchmarks/results/lm_step_time_gpu.json``, ``lm_step_time_gpu.md`` and, with matplotlib,
-``lm_step_time_gpu.png``. ``--cpu`` runs a tiny model on two Gloo processes instead (a smoke test of the script;
-its figures mean nothing) and writes ``lm_step_time_cpu.*``.
+It writes ``benchmarks/results/lm_step_time_gpu.json`` and ``lm_step_time_gpu.md`` (``--out`` names them).
+``benchmarks/results/lm_step_time_gpu_1xh200_auto_diloco`` is its one-GPU run of ``auto`` and ``diloco`` beside
+DDP (the command is in the file). ``--cpu`` runs a tiny model on two Gloo processes instead (a smoke test of the
+script; its figures mean nothing) and writes ``lm_step_time_cpu.*``.
 """
 
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +50,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.harness import SOCKETS_ENV, rotated
 from lab.models import DecoderLM
-from lab.render import pyplot
+from lab.results import new_report, write_report
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
 DDP_METHODS = ("ddp", "ddp_fp16", "ddp_powersgd")
-WARMED_UP = {"qadam", "async"}  # algorithms whose warm-up is run before the timed steps
 
 
 def all_methods() -> list[str]:
@@ -250,23 +248,6 @@ def markdown(results: list[dict[str, Any]], regimes: list[str], methods: list[st
     return "\n".join(lines) + "\n"
 
 
-def chart(results: list[dict[str, Any]], regimes: list[str], methods: list[str], path: Path, devices: int) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    figure, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4.5), squeeze=False)
-    by_key = {(r["regime"], r["method"]): r for r in results}
-    for axis, regime in zip(axes[0], regimes, strict=True):
-        names = [m for m in methods if (regime, m) in by_key]
-        axis.barh(names, [by_key[(regime, m)]["median_step_s"] * 1e3 for m in names])
-        axis.invert_yaxis()
-        axis.set_xlabel("median step time (ms)")
-        axis.set_title(f"{regime}")
-    figure.suptitle(f"~124M-parameter LM, bf16-mixed, {devices} GPU(s) (benchmarks/lm_step_time.py)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
 def suite(args: argparse.Namespace) -> None:
     methods = args.methods or all_methods()
     unknown = sorted(set(methods) - set(all_methods()))
@@ -277,14 +258,10 @@ def suite(args: argparse.Namespace) -> None:
             f"--devices {args.devices} needs as many GPUs, found {torch.cuda.device_count()}; --cpu for a smoke test."
         )
     stem = args.out or f"lm_step_time_{'cpu' if args.cpu else 'gpu'}"
-    results_dir = Path(args.results_dir)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    done = 0
-    if args.resume:
-        runs, done = _completed_rounds(results_dir / f"{stem}.json", args)
     # Interleaved: every repeat runs each method once (in a rotated order), so that a drift of the machine
     # (clocks, temperature, other load) spreads over all methods instead of biasing the ones run last.
-    for repeat in range(done, args.repeats):
+    for repeat in range(args.repeats):
         for regime in args.regimes:
             for method in rotated(methods, repeat):
                 if method == "single" and regime != args.regimes[0]:
@@ -292,17 +269,15 @@ def suite(args: argparse.Namespace) -> None:
                 row = run_job(args, regime, method)
                 runs.setdefault((regime, method), []).append(row)
                 print(f"#{repeat} {regime:>7} {method:>28}: {row['median_step_s'] * 1e3:9.1f} ms", flush=True)
-        # Written after every round, so that a run cut short (a device's time limit) keeps its whole rounds,
-        # and ``--resume`` goes on from them.
-        table = _write_report(args, methods, runs, results_dir, stem, rounds=repeat + 1)
-    print(table if done < args.repeats else "nothing to run: every round is in the results file")
+        # Written after every round, so that a run cut short (a device's time limit) keeps its whole rounds.
+        table = write(args, methods, runs, stem, rounds=repeat + 1)
+    print(table)
 
 
-def _write_report(
+def write(
     args: argparse.Namespace,
     methods: list[str],
     runs: dict[tuple[str, str], list[dict[str, Any]]],
-    results_dir: Path,
     stem: str,
     rounds: int,
 ) -> str:
@@ -311,68 +286,23 @@ def _write_report(
         for method in methods:
             rows = runs.get((regime, method)) or runs[(args.regimes[0], method)]
             results.append(summarise(regime, rows))
-    command = "python benchmarks/lm_step_time.py " + " ".join(_recorded_arguments(sys.argv[1:]))
-    report = {
-        "benchmark": "transformer LM step time under Lightning: DDP, DDP hooks and every Bagua algorithm",
-        "command": command,
-        "settings": {k: v for k, v in vars(args).items() if k not in {"job", "method", "results_dir", "resume"}},
-        "rounds": rounds,
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.cpu else "cpu",
-            "devices": torch.cuda.device_count() if not args.cpu else 2,
-            "cuda": torch.version.cuda,
-            "lightning": _version("lightning"),
-            "lightning_bagua": _version("lightning-bagua"),
-        },
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "results": results,
-    }
+    # The command that reproduces the figures: where they were written is left out.
+    argv = sys.argv[1:]
+    kept = [a for i, a in enumerate(argv) if a != "--results-dir" and (i == 0 or argv[i - 1] != "--results-dir")]
+    command = " ".join(["python benchmarks/lm_step_time.py", *kept])
+    settings = {k: v for k, v in vars(args).items() if k not in {"job", "method", "results_dir"}}
+    report = new_report(
+        "transformer LM step time under Lightning: DDP, DDP hooks and every Bagua algorithm",
+        settings,
+        results,
+        peers=[m for m in methods if m in ("single", *DDP_METHODS)],
+        device=None if args.cpu else torch.device("cuda", 0),
+        command=command,
+    )
+    report |= {"rounds": rounds, "results": report.pop("rows")}
     table = markdown(results, args.regimes, methods, command)
-    if not args.no_save:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        (results_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-        (results_dir / f"{stem}.md").write_text(table)
-        chart(results, args.regimes, methods, results_dir / f"{stem}.png", args.devices)
+    write_report(Path(args.results_dir), stem, report, table)
     return table
-
-
-def _recorded_arguments(argv: list[str]) -> list[str]:
-    """The command line without where it wrote and whether it resumed: what reproduces the figures."""
-    kept, skip = [], False
-    for argument in argv:
-        if skip:
-            skip = False
-        elif argument == "--results-dir":
-            skip = True
-        elif argument != "--resume" and not argument.startswith("--results-dir="):
-            kept.append(argument)
-    return kept
-
-
-def _completed_rounds(path: Path, args: argparse.Namespace) -> tuple[dict[tuple[str, str], list[dict[str, Any]]], int]:
-    """The job rows and the number of whole rounds in the results file a run cut short left behind."""
-    if not path.exists():
-        return {}, 0
-    report = json.loads(path.read_text())
-    free = {"job", "method", "results_dir", "resume", "repeats", "out"}  # what a resumed run may change
-    settings = {k: v for k, v in vars(args).items() if k not in free}
-    kept = {k: v for k, v in report["settings"].items() if k not in free}
-    if kept != settings:
-        raise SystemExit(f"--resume: {path} was written with other settings ({kept}), not {settings}.")
-    runs = {(row["regime"], row["method"]): row["repeats"] for row in report["results"]}
-    return runs, report["rounds"]
-
-
-def _version(distribution: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
 
 
 def parse_args() -> argparse.Namespace:
@@ -386,10 +316,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="jobs per method, interleaved with the other methods")
     parser.add_argument("--devices", type=int, default=2, help="GPUs (or Gloo processes) per job; 'single' uses 1")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
-    parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--out", default=None, help="results file name without suffix (default: lm_step_time_gpu)")
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the results files go")
-    parser.add_argument("--resume", action="store_true", help="go on from the whole rounds in the results file")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)
     return parser.parse_args()

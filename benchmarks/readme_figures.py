@@ -4,7 +4,7 @@ The README holds them between two markers (``<!-- figures:start ... -->`` and ``
 script rewrites what lies between, and ``tests/test_readme.py`` checks that the README holds what it writes, so a
 figure typed by hand fails the suite. The figures come from the files ``python benchmarks/gpu_network_lab.py
 --report`` reads (``benchmarks/results/gpu_network_lab_nvlink*.json`` and ``gpu_network_lab_sockets*.json``), read
-by that script's own functions, so that the README and ``gpu_network_lab.md`` never disagree.
+by the same functions (:mod:`lab.gpu_report`), so that the README and ``gpu_network_lab.md`` never disagree.
 
 - The table: each algorithm's time to DDP's target validation loss at 10 Gbit/s (steps to the target times its
   median step there), against DDP's; a method timed but without a time to the target (``async``, whose averaging
@@ -27,7 +27,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_network_lab import RESULTS, load_results, nvlink_beside, step_of, steps_to_target, target_of
+from lab.gpu_report import load_results, nvlink_beside, step_of, steps_to_target, target_of
+from lab.render import pyplot
+from lab.results import RESULTS
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +147,9 @@ def chart_methods(loaded: dict[str, Any]) -> list[tuple[str, str]]:
 
 def chart(loaded: dict[str, Any], path: Path) -> None:
     """Draw the median step of every method against the link, slowest link first."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("The README's chart needs matplotlib: pip install -r requirements/benchmarks.txt") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        raise SystemExit("The README's chart needs matplotlib: pip install -r requirements/benchmarks.txt")
 
     figure, axis = plt.subplots(figsize=(9, 5.5))
     positions = range(len(CHART_LINKS))

@@ -5,11 +5,11 @@ its own ``benchmarks/results/*.json``), then reads those JSON files and writes t
 
 - ``--cpu``: the CPU network lab (``network_lab.py``; it needs root, ``ip`` and ``tc``, and is skipped with the
   reason otherwise), the convergence runs (``convergence.py``), the codec on CPU (``micro/codec_throughput.py --cpu``),
-  the engine overhead on CPU (``engine_overhead.py --cpu``) and the fused optimizer on CPU
+  the engine overhead on CPU (``engine_overhead.py --variant engine --cpu``) and the fused optimizer on CPU
   (``micro/fused_optimizer.py``);
-- ``--gpu`` (two GPUs): the GPU network lab in both regimes and its report (``gpu_network_lab.py``), the codec
-  (``micro/codec_throughput.py``), bucket autotuning over sockets (``autotune_sockets.py``) and the engine overhead
-  (``engine_overhead.py --devices 2``);
+- ``--gpu`` (two GPUs): the GPU network lab in both regimes, its report and its interleaved NVLink steps
+  (``gpu_network_lab.py``), the codec (``micro/codec_throughput.py``), and the engine's own overhead: the wrapper
+  against DDP and bucket autotuning over sockets (``engine_overhead.py --variant engine`` and ``--variant autotune``);
 - ``--report-only``: run nothing, rebuild the targets check from the JSON files there are;
 - ``--readme``: rewrite the README's algorithm table and chart from the GPU lab's results
   (``benchmarks/readme_figures.py``), after the runs when given with ``--cpu`` or ``--gpu``.
@@ -59,7 +59,7 @@ TOLERANCE = 0.10  # bytes per step: measured within 10 % of the count the algori
 
 LOW_RANKS = (4, 8, 16, 32)  # the lab's low_rank_rK methods
 FINAL_LOSS_BAR = 1.01  # a method's mean final validation loss against DDP's, at the same steps and seeds
-# What the suite's step_breakdown job times beside the peers over NVLink: ours but async (whose thread would send
+# What the suite's interleaved NVLink job times beside the peers: ours but async (whose thread would send
 # while the others are timed), each named by its lab method.
 INTERLEAVED = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam",
                *(f"low_rank_r{rank}" for rank in LOW_RANKS))  # fmt: skip
@@ -85,7 +85,7 @@ def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         ),
         (
             "engine_overhead",
-            ["engine_overhead.py", "--cpu", "--devices", "2", *(["--rounds", "1"] if quick else [])],
+            ["engine_overhead.py", "--variant", "engine", "--cpu", *(["--rounds", "1"] if quick else [])],
             None,
         ),
         ("fused_optimizer", ["micro/fused_optimizer.py", *(["--rounds", "1"] if quick else [])], None),
@@ -102,10 +102,10 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         gpus = 0
     reason = None if gpus >= 2 else f"needs two GPUs, found {gpus}"
     rounds = ["--rounds", "1" if quick else "3"]
-    interleaved = ["step_breakdown.py", "--interleave", "steps", "--methods", *PEER_METHODS, *INTERLEAVED, *rounds]
-    interleaved += ["--profiled", "0", "--out", "step_breakdown_nvlink_interleaved"]
-    bucket_cap_nvlink = ["step_breakdown.py", "--interleave", "steps", "--methods", *BUCKET_CAP_METHODS, *rounds]
-    bucket_cap_nvlink += ["--profiled", "0", "--out", "step_breakdown_bucket_cap_interleaved"]
+    # The stems the NVLink step targets and the Performance page read (newer_nvlink_jobs).
+    steps_in_turn = ["gpu_network_lab.py", "--interleave", "steps", "--timing-steps", "20", *rounds, "--methods"]
+    interleaved = [*steps_in_turn, *PEER_METHODS, *INTERLEAVED, "--out", "step_breakdown_nvlink_interleaved"]
+    bucket_cap_nvlink = [*steps_in_turn, *BUCKET_CAP_METHODS, "--out", "step_breakdown_bucket_cap_interleaved"]
     bucket_cap_sockets = ["gpu_network_lab.py", "--regime", "sockets", "--rates", "10", "1", "--methods"]
     bucket_cap_sockets += [*BUCKET_CAP_METHODS, *rounds, "--out", "gpu_bucket_cap_sockets"]
     nvlink = ["gpu_network_lab.py", "--regime", "nvlink"]
@@ -124,8 +124,8 @@ def gpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
         ("step_breakdown_bucket_cap", bucket_cap_nvlink, reason),
         ("gpu_bucket_cap_sockets", bucket_cap_sockets, reason),
         ("codec_throughput", ["micro/codec_throughput.py"], None if gpus >= 1 else "needs a GPU"),
-        ("autotune_sockets", ["autotune_sockets.py"], reason),
-        ("engine_overhead", ["engine_overhead.py", "--devices", "2"], reason),
+        ("autotune_sockets", ["engine_overhead.py", "--variant", "autotune"], reason),
+        ("engine_overhead", ["engine_overhead.py", "--variant", "engine"], reason),
     ]
 
 
@@ -175,7 +175,7 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
     Every step ratio compares rows of one regime's results; the PowerSGD and launch targets compare ``low_rank`` at
     rank K with torch's batched PowerSGD hook at the same rank.
     """
-    from gpu_network_lab import (
+    from lab.gpu_report import (
         OURS,
         algorithm_of,
         load_results,
@@ -342,7 +342,7 @@ def _final_loss_and_time_targets(
 
 def _final_loss_ratio(loaded: dict[str, Any], nvlink: dict[str, Any], method: str) -> float | None:
     """``method``'s mean final validation loss over DDP's; ``None`` without both curves."""
-    from gpu_network_lab import target_of
+    from lab.gpu_report import target_of
 
     curve = nvlink.get(method, {}).get("curve")
     if not curve or "ddp" not in nvlink:
@@ -359,11 +359,12 @@ def _fastest_to_target(target: str, ours: dict[str, float], others: dict[str, fl
 
 
 def newer_nvlink_jobs(results: Path, lab: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """``step_breakdown.py`` jobs that timed the lab's NVLink steps after the lab's last NVLink run, newest first.
+    """Interleaved NVLink jobs (``step_breakdown_*.json``) run after the lab's last NVLink run, newest first.
 
     A job counts when it ran the lab's model and batch over NVLink from this checkout's engine, unprofiled (a profiler
-    slows the methods timed after it). For a method it timed beside DDP, such a job reflects the engine as it is
-    now, where the lab's NVLink column pools rounds of every run since its first.
+    slows the methods timed after it): ``gpu_network_lab.py --interleave steps`` (the committed ones were written by
+    ``step_breakdown.py``, its predecessor, with the same settings). For a method it timed beside DDP, such a job
+    reflects the engine as it is now, where the lab's NVLink column pools rounds of every run since its first.
 
     Args:
         results: the results folder.
@@ -380,20 +381,20 @@ def newer_nvlink_jobs(results: Path, lab: dict[str, Any] | None) -> list[dict[st
         job = json.loads(path.read_text())
         ran = job.get("settings", {})
         same_model = all(ran.get(key) == settings.get(key, ran.get(key)) for key in ("batch", "context", "lr"))
-        timed = ran.get("profiled") == 0 and not ran.get("sockets") and not ran.get("cpu")
-        if job.get("date", "") > after and job.get("engine_src") == "src" and timed and same_model:
+        timed = not ran.get("profiled", 0) and not ran.get("sockets") and not ran.get("cpu")
+        if job.get("date", "") > after and job.get("engine_src", "src") == "src" and timed and same_model:
             jobs.append({**job, "stem": path.stem})
     return sorted(jobs, key=lambda job: job["date"], reverse=True)
 
 
 def _job_ratio(job: dict[str, Any], method: str, base: str) -> float:
-    """A ``step_breakdown.py`` job's median step of ``method`` over its median step of ``base``."""
+    """An interleaved NVLink job's median step of ``method`` over its median step of ``base``."""
     return job["methods"][method]["step_ms"]["median"] / job["methods"][base]["step_ms"]["median"]
 
 
 def _seed_spread(methods: dict[str, Any], method: str) -> str:
     """How many seeds a method's NVLink curve averages, with their final losses' range when more than one."""
-    from gpu_network_lab import seed_spread
+    from lab.gpu_report import seed_spread
 
     seeds, spread = seed_spread(methods[method])
     return f"mean of {seeds} seeds {spread}" if spread else "one seed"
@@ -401,7 +402,7 @@ def _seed_spread(methods: dict[str, Any], method: str) -> str:
 
 def _time_to_target(loaded: dict[str, Any], method: str, label: str) -> float | None:
     """Steps to the lab's target loss times the method's median step at ``label``; ``None`` where not measured."""
-    from gpu_network_lab import step_of, steps_to_target
+    from lab.gpu_report import step_of, steps_to_target
 
     reached = steps_to_target(loaded, method)
     step = step_of(loaded, method, label)
@@ -628,7 +629,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.cpu or args.gpu or args.report_only:
         report = write_report(Path(args.results), Path(args.out), args.command, runs)
     if args.readme:
-        from readme_figures import write_readme  # imports the GPU lab's report functions (and torch)
+        from readme_figures import write_readme
 
         write_readme(Path(args.results))
     return report

@@ -4,7 +4,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -62,7 +61,7 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stderr[-3000:]
     by_name = {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
     # Further NVLink runs pool with the first: the step is the median over all their rounds.
-    lab_module = benchmark_module("gpu_network_lab")
+    lab_module = gpu_report()
     merged = lab_module.load_results(RESULTS)
     lab = merged["nvlink"]["methods"]
     nvlink = by_name["NVLink: gradient_allreduce step vs DDP"]
@@ -86,16 +85,18 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
         assert completed.returncode == 0, completed.stderr[-3000:]
         return {t["target"]: t for t in json.loads((out / "targets.json").read_text())["targets"]}
 
-    # A step_breakdown job run after the lab's NVLink runs, unprofiled on the lab's model, times the engine as it is:
-    # its ratio counts for the methods it timed beside DDP. A profiled one does not.
+    # An interleaved job run after the lab's NVLink runs, unprofiled on the lab's model, times the engine as it is:
+    # its ratio counts for the methods it timed beside DDP. A profiled one (step_breakdown.py's, before) does not.
     settings = merged["nvlink"]["settings"]
     for name, profiled, ratio in (("step_breakdown_profiled", 3, 2.0), ("step_breakdown_timed", 0, 0.9)):
         job = {
             "date": "2999-01-01T00:00:00+00:00",
             "engine_src": "src",
             "rounds": 2,
-            "command": f"python benchmarks/step_breakdown.py --out {name}",
-            "settings": {"profiled": profiled, "sockets": False, "cpu": False}
+            "command": f"python benchmarks/gpu_network_lab.py --interleave steps --out {name}",
+            # The lab's interleaved mode records no profile; step_breakdown.py's files record --profiled.
+            "settings": ({"profiled": profiled} if profiled else {"interleave": "steps", "regime": "nvlink"})
+            | {"cpu": False}
             | {key: settings[key] for key in ("batch", "context", "lr")},
             "methods": {"ddp": {"step_ms": {"median": 50.0}}, "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}},
         }
@@ -108,7 +109,7 @@ def test_convergence_tiny_and_targets_report(tmp_path: Path) -> None:
     # Two repeats of the timed job (same settings and methods, other names): the target is the median ratio of three.
     timed = json.loads((out / "step_breakdown_timed.json").read_text())
     for name, ratio in (("step_breakdown_timed_2", 1.2), ("step_breakdown_timed_3", 1.15)):
-        repeat = {**timed, "command": f"python benchmarks/step_breakdown.py --out {name}"}
+        repeat = {**timed, "command": f"python benchmarks/gpu_network_lab.py --interleave steps --out {name}"}
         repeat["methods"] = {**timed["methods"], "low_rank_r8": {"step_ms": {"median": 50.0 * ratio}}}
         (out / f"{name}.json").write_text(json.dumps(repeat))
     by_name = targets_now()
@@ -164,6 +165,15 @@ def benchmark_module(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def gpu_report() -> Any:
+    """``benchmarks/lab/gpu_report.py``, what reads the GPU lab's results, imported as the scripts import it."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    import lab.gpu_report
+
+    return lab.gpu_report
 
 
 def network_lab() -> Any:
@@ -236,27 +246,35 @@ def test_network_lab_links_send_no_faster_than_their_rate(tmp_path: Path) -> Non
     assert "100mbit, bucket 100 us" in (out / "network_lab_links.md").read_text()
 
 
-def test_lm_step_time_resumes_from_whole_rounds(tmp_path: Path) -> None:
-    # The tiny CPU model: one round of DDP, then a resumed run to two rounds that runs only the second.
+def test_lm_step_time_smoke_on_cpu(tmp_path: Path) -> None:
+    # The tiny CPU model: two rounds of DDP under Lightning, each a job of two Gloo processes.
     lm = [str(BENCHMARKS / "lm_step_time.py"), "--cpu", "--regimes", "nvlink", "--methods", "ddp"]
-    lm += ["--steps", "2", "--warmup", "1", "--results-dir", str(tmp_path), "--out", "lm"]
-    first = run(*lm, "--repeats", "1")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert json.loads((tmp_path / "lm.json").read_text())["rounds"] == 1
-    second = run(*lm, "--repeats", "2", "--resume")
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    jobs = [line for line in second.stdout.splitlines() if line.startswith("#")]
-    assert jobs, second.stdout
-    assert all(job.startswith("#1 ") for job in jobs), jobs
+    lm += ["--steps", "2", "--warmup", "1", "--repeats", "2", "--results-dir", str(tmp_path), "--out", "lm"]
+    completed = run(*lm)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((tmp_path / "lm.json").read_text())
     assert report["rounds"] == 2
     assert [len(row["repeats"]) for row in report["results"]] == [2]
-    # What reproduces the figures, without where they were written or that the run resumed.
-    assert "--resume" not in report["command"]
+    assert report["results"][0]["median_step_s"] > 0
+    # What reproduces the figures, without where they were written.
+    assert report["command"].startswith("python benchmarks/lm_step_time.py --cpu")
     assert "--results-dir" not in report["command"]
-    other = run(*[argument if argument != "2" else "3" for argument in lm], "--repeats", "2", "--resume")
-    assert other.returncode != 0
-    assert "other settings" in other.stderr
+    assert "| ddp |" in (tmp_path / "lm.md").read_text()
+
+
+def test_engine_overhead_times_each_variant_on_cpu(tmp_path: Path) -> None:
+    tiny = ["--cpu", "--width", "32", "--depth", "2", "--batch", "8", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+    ratios = {"engine": "ratio_bagua_to_ddp", "telemetry": "ratio_on_to_off", "autotune": "ratio_autotuned_to_default"}
+    stems = {"engine": "engine_overhead", "telemetry": "telemetry_overhead", "autotune": "autotune_sockets"}
+    for variant, ratio in ratios.items():
+        command = [str(BENCHMARKS / "engine_overhead.py"), "--variant", variant, *tiny, "--results-dir", str(tmp_path)]
+        completed = run(*command)
+        assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+        report = json.loads((tmp_path / f"{stems[variant]}_cpu.json").read_text())
+        assert ratio in report, report
+        assert all(row["median_ms"] > 0 for row in report["rows"])
+        assert report["settings"]["devices"] == 2
+    assert "decision" in report["rounds"][0]  # the autotuner's choice, per round
 
 
 def test_low_rank_host_cost_times_every_setting_of_both_forms(tmp_path: Path) -> None:
@@ -269,20 +287,6 @@ def test_low_rank_host_cost_times_every_setting_of_both_forms(tmp_path: Path) ->
     assert timed == {(form, setting) for form in ("two-sided", "alternate") for setting in settings}
     assert all(len(row["rounds_s"]) == 2 and row["min_s"] > 0 for row in report["results"])
     assert "python benchmarks/low_rank_host_cost.py" in (tmp_path / "low_rank_host_cost_cpu.md").read_text()
-
-
-def test_weight_round_cost_times_the_copies_and_the_round_on_both_layouts(tmp_path: Path) -> None:
-    command = ["--cpu", "--rounds", "2", "--steps", "2", "--warmup", "1", "--results-dir", str(tmp_path)]
-    completed = run(str(BENCHMARKS / "weight_round_cost.py"), *command)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    report = json.loads((tmp_path / "weight_round_cost_cpu.json").read_text())
-    assert set(report["copies"]) == {"torch.cat", "torch._foreach_copy_ in", "torch._foreach_copy_ out", "flat copy"}
-    assert set(report["optimizer_step"]) == {"ddp", "aliased", "two_pass_add", "copied"}
-    # Each variant ran the layout it is named after.
-    assert report["aliased"] == {"aliased": True, "two_pass_add": True, "copied": False}
-    assert all(len(medians) == 2 for medians in report["rounds"]["optimizer_step"].values())
-    assert all(row["min_ms"] <= row["median_ms"] <= row["max_ms"] for row in report["optimizer_step"].values())
-    assert "python benchmarks/weight_round_cost.py --cpu" in (tmp_path / "weight_round_cost_cpu.md").read_text()
 
 
 def test_gpu_network_lab_smoke_on_cpu_and_its_report(tmp_path: Path) -> None:
@@ -367,7 +371,7 @@ def lab_run(seed: int, steps: dict[str, list[float]], finals: dict[str, float], 
 
 
 def test_gpu_network_lab_pools_further_nvlink_runs_and_refuses_unlike_ones(tmp_path: Path) -> None:
-    lab = benchmark_module("gpu_network_lab")
+    lab = gpu_report()
     first = lab_run(0, {"ddp": [0.050], "bytegrad": [0.060]}, {"ddp": 2.5, "bytegrad": 2.4})
     second = lab_run(1, {"ddp": [0.040, 0.045], "bytegrad": [0.050, 0.052]}, {"ddp": 2.7, "bytegrad": 2.6})
     (tmp_path / "gpu_network_lab_nvlink.json").write_text(json.dumps(first))
@@ -399,7 +403,7 @@ def test_gpu_network_lab_pools_further_nvlink_runs_and_refuses_unlike_ones(tmp_p
 
 
 def test_gpu_network_lab_compares_with_ddp_only_over_the_runs_that_timed_both(tmp_path: Path) -> None:
-    lab = benchmark_module("gpu_network_lab")
+    lab = gpu_report()
     first = lab_run(0, {"ddp": [0.050], "bytegrad": [0.060]}, {"ddp": 2.5, "bytegrad": 2.4})
     # A run of some methods alone: bytegrad again (much faster, on a quieter machine), and low_rank_r16 only there.
     alone = lab_run(0, {"bytegrad": [0.030], "low_rank_r16": [0.055]}, {"bytegrad": 2.4, "low_rank_r16": 2.45})
@@ -418,7 +422,7 @@ def test_gpu_network_lab_compares_with_ddp_only_over_the_runs_that_timed_both(tm
 
 
 def test_gpu_network_lab_sockets_rows_come_from_the_latest_run_by_date_not_by_name(tmp_path: Path) -> None:
-    lab = benchmark_module("gpu_network_lab")
+    lab = gpu_report()
 
     def sockets_run(date: str, steps: dict[str, float]) -> dict[str, Any]:
         methods = {
@@ -470,9 +474,8 @@ def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floo
     assert factor(60) == pytest.approx(lab.LR_FLOOR + (1 - lab.LR_FLOOR) / 2)
     assert factor(110) == pytest.approx(lab.LR_FLOOR)
     assert factor(500) == pytest.approx(lab.LR_FLOOR)  # timing rounds may step past the schedule
-    # step_breakdown.py's arguments name no schedule: its steps run at the peak rate.
-    assert lab.lr_factor(argparse.Namespace(lr=3e-4))(0) == 1.0
-    described = lab.schedule_of({"lr": 3e-4, "schedule": "cosine", "lr_warmup": 30, "train_steps": 300})
+    assert lab.lr_factor(argparse.Namespace(schedule="constant", lr_warmup=10, train_steps=110))(0) == 1.0
+    described = gpu_report().schedule_of({"lr": 3e-4, "schedule": "cosine", "lr_warmup": 30, "train_steps": 300})
     assert described == "0.0003 after a linear warm-up of 30 steps, then a cosine decay to 0.1 of it at step 300"
 
 
@@ -508,7 +511,7 @@ def test_time_to_accuracy_bars_count_auto_against_its_run_and_diloco_against_its
 
 
 def test_suite_times_only_low_rank_ranks_that_keep_ddps_final_loss() -> None:
-    benchmark_module("gpu_network_lab")  # puts benchmarks/ on the path, as the suite's own run does
+    gpu_report()  # puts benchmarks/ on the path, as the suite's own run does
     suite = benchmark_module("suite")
 
     def curve(*losses: float) -> list[dict[str, float]]:
@@ -547,74 +550,40 @@ def test_suite_times_only_low_rank_ranks_that_keep_ddps_final_loss() -> None:
     assert {t["status"] for t in found} == {"miss"}
 
 
-def test_step_breakdown_runs_variants_and_reads_its_traces_back(tmp_path: Path) -> None:
-    # Two Gloo processes, a tiny model: a bucket-size variant and a bucket-wise low_rank, traced, then analysed.
+def test_gpu_network_lab_interleaves_steps_of_methods_built_together(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    methods = ["--methods", "ddp@1", "low_rank_r4_bucketwise", "--rounds", "1", "--steps", "1", "--profiled", "1"]
-    traces = tmp_path / "traces"
-    completed = run(
-        str(BENCHMARKS / "step_breakdown.py"), *methods, "--cpu", "--results-dir", str(out), "--trace", str(traces)
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    report = json.loads((out / "step_breakdown_nvlink_cpu.json").read_text())
-    assert set(report["methods"]) == {"ddp@1", "low_rank_r4_bucketwise"}
-    assert report["methods"]["ddp@1"]["step_ms"]["median"] > 0
-    assert sorted(path.name for path in traces.iterdir()) == ["ddp_b1.json.gz", "low_rank_r4_bucketwise.json.gz"]
-    completed = run(
-        str(BENCHMARKS / "step_breakdown.py"), "--analyze", str(traces), "--profiled", "1", "--results-dir", str(out)
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    analysed = json.loads((out / "step_breakdown_trace.json").read_text())["methods"]
-    assert set(analysed) == {"ddp_b1", "low_rank_r4_bucketwise"}
-    # On CPU nothing runs on a device stream; the host passes are still timed.
-    assert analysed["ddp_b1"]["compute_stream_busy_ms"] == 0.0
-    assert analysed["ddp_b1"]["forward_host_ms"] > 0
-    # Unprofiled, a one-node default: nothing profiled, and bytegrad keeps its hierarchical=True.
-    methods = ["--methods", "bytegrad_onenode", "--rounds", "1", "--steps", "1", "--profiled", "0"]
-    completed = run(str(BENCHMARKS / "step_breakdown.py"), *methods, "--cpu", "--results-dir", str(out), "--out", "u")
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    unprofiled = json.loads((out / "u.json").read_text())
-    assert unprofiled["command"].endswith("--methods bytegrad_onenode --rounds 1 --steps 1 --profiled 0 --out u")
-    assert unprofiled["methods"]["bytegrad_onenode"]["step_ms"]["median"] > 0
-    assert math.isnan(unprofiled["methods"]["bytegrad_onenode"]["launches"]["median"])
-    assert "bytegrad (hierarchical=True) found a single node" in completed.stderr
-    bad = run(str(BENCHMARKS / "step_breakdown.py"), "--methods", "nonesuch@10", "--cpu")
-    assert bad.returncode != 0
-    assert "Unknown method 'nonesuch@10'" in bad.stderr
-
-
-def test_step_breakdown_interleaves_steps_of_methods_built_together(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    methods = ["--methods", "ddp", "qadam", "--rounds", "2", "--steps", "2", "--profiled", "1", "--out", "s"]
-    completed = run(str(BENCHMARKS / "step_breakdown.py"), *methods, "--interleave", "steps", "--cpu",
-                    "--results-dir", str(out))  # fmt: skip
+    lab = [str(BENCHMARKS / "gpu_network_lab.py"), "--interleave", "steps", "--cpu", "--results-dir", str(out)]
+    methods = ["--methods", "ddp", "qadam@1", "--rounds", "2", "--timing-steps", "2", "--out", "s"]
+    completed = run(*lab, *methods)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((out / "s.json").read_text())
-    assert report["command"].endswith("--profiled 1 --interleave steps --out s")
+    assert report["command"].endswith("--rounds 2 --timing-steps 2 --methods ddp qadam@1 --out s")
     assert report["rounds"] == 2
-    for method in ("ddp", "qadam"):
+    for method in ("ddp", "qadam@1"):
         assert report["methods"][method]["step_ms"]["median"] > 0
-        # Profiled once, after the last round: the figure is that round's, not NaN mixed into a median.
-        assert report["methods"][method]["launches"]["median"] == 0
+        assert len(report["methods"][method]["rounds"]) == 2
+    assert "| qadam@1 |" in (out / "s.md").read_text()
     # Each round printed every method's step, both methods built before the first.
     rounds = [line for line in completed.stdout.splitlines() if line.startswith("round ")]
     assert len(rounds) == 2
-    assert all("ddp" in line and "qadam" in line for line in rounds)
-    refused = run(str(BENCHMARKS / "step_breakdown.py"), "--methods", "ddp", "async", "--interleave", "steps", "--cpu")
+    assert all("ddp" in line and "qadam@1" in line for line in rounds)
+    refused = run(*lab, "--methods", "ddp", "async", "--out", "s")
     assert refused.returncode != 0
     assert "--interleave steps cannot time async" in refused.stderr
+    unnamed = run(*lab, "--methods", "ddp")
+    assert unnamed.returncode != 0
+    assert "give it --out NAME" in unnamed.stderr
     # Two steps back to back per window, with low_precision_decentralized's exchange left in flight between them.
-    methods = ["--methods", "ddp", "low_precision_decentralized", "--rounds", "1", "--steps", "2", "--window", "2"]
-    completed = run(str(BENCHMARKS / "step_breakdown.py"), *methods, "--profiled", "0", "--interleave", "steps",
-                    "--cpu", "--results-dir", str(out), "--out", "w")  # fmt: skip
+    methods = ["--methods", "ddp", "low_precision_decentralized", "--rounds", "1", "--timing-steps", "2"]
+    completed = run(*lab, *methods, "--window", "2", "--out", "w")
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     windowed = json.loads((out / "w.json").read_text())
     assert "--window 2" in windowed["command"]
     assert windowed["settings"]["window"] == 2
     assert windowed["methods"]["low_precision_decentralized"]["step_ms"]["median"] > 0
-    uneven = run(str(BENCHMARKS / "step_breakdown.py"), "--methods", "ddp", "--steps", "5", "--window", "2", "--cpu")
+    uneven = run(*lab, "--methods", "ddp", "--timing-steps", "5", "--window", "2", "--out", "u")
     assert uneven.returncode != 0
-    assert "--window 2 must be a positive divisor of --steps 5" in uneven.stderr
+    assert "--window 2 must be a positive divisor of --timing-steps 5" in uneven.stderr
 
 
 @pytest.mark.parametrize("algorithm", ["gradient_allreduce", "diloco"])
@@ -710,18 +679,15 @@ def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
 
 def test_suite_gpu_jobs_are_accepted_by_their_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
     # A job the suite would start on the GPUs, hours into its run, must not fail on its own arguments.
-    benchmark_module("gpu_network_lab")
     suite = benchmark_module("suite")
+    module = benchmark_module("gpu_network_lab")
     checked = set()
     steps = {name: command for name, command, _ in suite.gpu_steps(quick=False)}
     for name, command in steps.items():
-        if command[0] not in ("gpu_network_lab.py", "step_breakdown.py"):
+        if command[0] != "gpu_network_lab.py":
             continue
-        module = benchmark_module(command[0].removesuffix(".py"))
         monkeypatch.setattr(sys, "argv", command)
-        args = module.parse_args()
-        if command[0] == "step_breakdown.py":
-            assert all(module.split_variant(method) for method in args.methods)
+        module.parse_args()
         checked.add(name)
     assert {"step_breakdown_bucket_cap", "gpu_bucket_cap_sockets", "step_breakdown_interleaved"} <= checked
     # The sockets comparison: each @25 row has its method at today's default beside it, and DDP both ways.

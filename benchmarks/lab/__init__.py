@@ -12,6 +12,7 @@
 - :mod:`lab.render`: markdown tables and charts, which the documentation imports instead of rendering again.
 - :mod:`lab.traffic`: the bytes each algorithm sends per step, by its definition; the targets check and the
   documentation's tables both evaluate it.
+- :mod:`lab.gpu_report`: the GPU step-time lab's results read and merged, for its report, the README and the docs.
 
 The benchmarks are scripts: each runs with ``benchmarks/`` as its folder on ``sys.path`` and imports ``lab.*``.
 """

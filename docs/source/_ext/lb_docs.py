@@ -18,7 +18,8 @@ Directives:
     from ``codec_throughput_*.json`` and ``low_rank_host_cost_cpu.json``.
 ``benchmark-table``
     A summary of one results file (argument: its name without ``.json``). ``network_lab``, ``lm_step_time``,
-    ``chaos``, ``step_breakdown`` and ``bucket_cap`` (the GPU lab's runs of bucket sizes) read the file named by
+    ``chaos``, ``step_breakdown`` (the GPU lab's interleaved NVLink runs) and ``bucket_cap`` (its runs of bucket
+    sizes) read the file named by
     ``:results:``; ``convergence``, ``targets`` and ``time_to_accuracy`` read
     ``convergence_cpu.json``, ``targets.json`` and ``time_to_accuracy_cpu.json``. ``time_to_accuracy`` also
     shows its chart, and, while its results file is missing, the command that writes it.
@@ -31,7 +32,6 @@ functions).
 
 import json
 import logging
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -306,36 +306,6 @@ def _fused_optimizer() -> tuple[list[str], list[list[str]], list[str]]:
     return header, rows, commands
 
 
-def _weight_round_cost() -> tuple[list[str], list[list[str]], list[str]]:
-    rows, commands = [], []
-    for path in sorted(RESULTS.glob("weight_round_cost_*.json")):
-        data = _load(path.stem)
-        commands.append(data["command"])
-        device = data["machine"]["device"]
-        flat = data["copies"]["flat copy"]["median_ms"]
-        ddp = data["optimizer_step"]["ddp"]["median_ms"]
-        labels = {
-            "torch.cat": "the parameters into a flat tensor, `torch.cat`",
-            "torch._foreach_copy_ in": "the parameters into a flat tensor, `torch._foreach_copy_`",
-            "torch._foreach_copy_ out": "a flat tensor into the parameters, `torch._foreach_copy_`",
-            "flat copy": "one flat tensor into another",
-            "ddp": "AdamW's step under DDP (no round)",
-            "aliased": "AdamW's step and the round (the engine now)",
-            "two_pass_add": "the same, decoding then adding (no one-pass decode-add)",
-            "copied": "the same, also copying the weights in and out",
-        }
-        for group, relative in (("copies", flat), ("optimizer_step", ddp)):
-            for name, row in data[group].items():
-                if group == "copies":
-                    note = f"{row['median_ms'] / relative:.1f}x one flat copy"
-                else:
-                    note = "" if name == "ddp" else f"round: {row['median_ms'] - relative:.2f} ms"
-                spread = f"{row['median_ms']:.2f} ms [{row['min_ms']:.2f}, {row['max_ms']:.2f}]"
-                rows.append([device, labels[name], spread, note])
-    header = ["device", "measured", "median [min, max] over rounds", ""]
-    return header, rows, commands
-
-
 def _sampler_balance() -> tuple[list[str], list[list[str]], list[str]]:
     data = _load("sampler_balance")
     rows = []
@@ -388,31 +358,16 @@ def _network_lab(results: str = "network_lab_cpu") -> tuple[list[str], list[list
 
 
 def _step_breakdown(results: str) -> tuple[list[str], list[list[str]], list[str]]:
-    # Either the timed steps per method (ratio to ddp's), or the summary of the profiled steps' traces.
+    # An interleaved NVLink run of the GPU lab: each method's step against DDP's, and its host time.
     data = _load(results)
-    methods = data["methods"]
-    if "step_ms" not in next(iter(methods.values())):
-        keys = list(next(iter(methods.values())))
-        rows = [[method, *(f"{row[key]:.1f}" for key in keys)] for method, row in methods.items()]
-        return ["method", *(key.removesuffix("_ms").replace("_", " ") + " ms" for key in keys)], rows, [data["command"]]
-    base = methods["ddp"]["step_ms"]["median"] if "ddp" in methods else None
-    # A job run with --profiled 0 counted no launches (NaN in its file): its table leaves the column out.
-    profiled = not all(math.isnan(entry["launches"]["median"]) for entry in methods.values())
-    rows = []
-    for method, entry in methods.items():
-        step = entry["step_ms"]
-        ratio = f" ({step['median'] / base:.2f}x)" if base else ""
-        row = [method, f"{step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]"]
-        row.append(f"{entry['host_ms']['median']:.1f}")
-        rows.append([*row, f"{entry['launches']['median']:.0f}"] if profiled else row)
-    header = ["method", "step ms (x ddp) [min, max]", "host ms", *(["launches / step"] if profiled else [])]
+    header, rows = _gpu_report().interleaved_table(data)
     return header, rows, [data["command"]]
 
 
 def _bucket_cap(results: str) -> tuple[list[str], list[list[str]], list[str]]:
     # The GPU lab's run of bucket sizes (METHOD@MiB), each variant against its method at the default size.
     data = _load(results)
-    header, rows = _benchmark_module("gpu_network_lab").bucket_comparison(data)
+    header, rows = _gpu_report().bucket_comparison(data)
     return header, rows, [data["command"] + f" --out {results}"]
 
 
@@ -465,19 +420,30 @@ def _benchmark_module(script: str) -> Any:
     return module
 
 
+def _gpu_report() -> Any:
+    """``benchmarks/lab/gpu_report.py``, which reads the GPU lab's results as its report and the README read them."""
+    import sys
+
+    if str(RESULTS.parent) not in sys.path:
+        sys.path.insert(0, str(RESULTS.parent))
+    from lab import gpu_report
+
+    return gpu_report
+
+
 def _gpu_lab_commands(loaded: dict[str, Any]) -> list[str]:
     return [f"{data['command']} ({data['machine']['device']} x 2, {data['rounds']} rounds)" for data in loaded.values()]
 
 
 def _gpu_network_lab() -> tuple[list[str], list[list[str]], list[str]]:
-    lab = _benchmark_module("gpu_network_lab")
+    lab = _gpu_report()
     loaded = lab.load_results(RESULTS)
     header, rows = lab.step_table(loaded)
     return header, rows, _gpu_lab_commands(loaded)
 
 
 def _gpu_time_to_target() -> tuple[list[str], list[list[str]], list[str]]:
-    lab = _benchmark_module("gpu_network_lab")
+    lab = _gpu_report()
     loaded = lab.load_results(RESULTS)
     header, rows = lab.time_to_target_table(loaded)
     target, at_step, _ = lab.target_of(loaded)
@@ -553,7 +519,6 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "chaos": _chaos,
     "step_breakdown": _step_breakdown,
     "bucket_cap": _bucket_cap,
-    "weight_round_cost": _weight_round_cost,
 }
 # Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
 NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}
@@ -646,7 +611,7 @@ def draw_benchmark_charts(app: Sphinx) -> None:
         GENERATED.mkdir(exist_ok=True)
         _benchmark_module(script).chart(_load(name), GENERATED / f"{name}.png")
     if (RESULTS / "gpu_network_lab_sockets.json").is_file() or (RESULTS / "gpu_network_lab_nvlink.json").is_file():
-        lab = _benchmark_module("gpu_network_lab")
+        lab = _gpu_report()
         GENERATED.mkdir(exist_ok=True)
         lab.chart(lab.load_results(RESULTS), GENERATED / "gpu_network_lab.png")
 

@@ -21,7 +21,7 @@ class FlatWeights:
     With ``alias=True`` the parameters themselves live in :attr:`buffer`: each parameter's ``data`` is a view into
     it, so :meth:`gather` copies nothing and :meth:`scatter` is one flat copy. On CUDA, torch copies a list of
     parameters to or from a flat tensor (``torch.cat``, ``torch._foreach_copy_``) at a fraction of the bandwidth
-    of one flat copy (``benchmarks/weight_round_cost.py`` times the three on the GPU lab's model). Anything that
+    of one flat copy. Anything that
     gives a parameter new storage later (``module.to()``, an assigning ``load_state_dict``) ends its view; the
     next :meth:`gather` notices and lays the group out again, so the exchange never reads stale values. Parameters
     that already are views into a larger storage of someone else's (a fused optimizer's flat buffer, see
@@ -67,7 +67,7 @@ class FlatWeights:
         """
         if not self.aliased and not (self.alias and self._lay_out()):
             with torch.no_grad():
-                # One multi-tensor copy: faster than torch.cat into the buffer (benchmarks/weight_round_cost.py).
+                # One multi-tensor copy: faster than torch.cat into the buffer.
                 sources: list[Tensor] = [parameter.detach() for parameter in self.parameters]
                 torch._foreach_copy_(views_like(self.buffer, sources), sources)
         return self.buffer

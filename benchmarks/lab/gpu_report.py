@@ -1,0 +1,454 @@
+"""Reading the GPU step-time lab's results: the report, the README's figures and the docs read them alike.
+
+``benchmarks/gpu_network_lab.py`` writes ``gpu_network_lab_nvlink*.json`` and ``gpu_network_lab_sockets*.json``;
+:func:`load_results` merges them (further NVLink runs pool, later sockets runs replace rows) and the functions below
+read the merged runs: :func:`step_of`, :func:`nvlink_beside`, :func:`sockets_beside`, :func:`target_of`,
+:func:`steps_to_target`, :func:`seed_spread`, and the tables :func:`step_table`, :func:`time_to_target_table`,
+:func:`bucket_comparison`, :func:`interleaved_table`. :func:`report` writes ``gpu_network_lab.md`` and its chart.
+Nothing here imports torch: the documentation and the README's command read the results without it.
+"""
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lab.render import markdown_table, pyplot
+
+PEERS = ("ddp", "ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4", "ddp_powersgd_r8")
+OURS = (
+    "gradient_allreduce",
+    "bytegrad",
+    "decentralized",
+    "low_precision_decentralized",
+    "qadam",
+    "async",
+    "low_rank_r4",
+    "low_rank_r8",
+    "low_rank_r16",
+    "low_rank_r32",
+)
+METHODS = PEERS + OURS
+BUCKET_RUNS = "gpu_bucket_cap_"  # the stems of runs that compare bucket sizes (METHOD@MiB), kept out of the report
+WARMUP_STEPS = 12  # untimed, unshaped: low_rank's 10 full-precision steps, PowerSGD's 10, qadam's warm-up
+LR_FLOOR = 0.1  # the cosine schedule's last learning rate, as a fraction of the peak
+
+
+# What the rows of files written before the rows recorded their keywords ran, where it differs from algorithm_of.
+UNRECORDED_KEYWORDS: dict[str, dict[str, Any]] = {"low_precision_decentralized": {}}
+
+
+def recorded_keywords(method: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """The algorithm keywords a results row of ``method`` ran with (rows of older files did not record them)."""
+    rounds = entry.get("rounds") or [entry]
+    if "algorithm_keywords" in rounds[0]:
+        return rounds[0]["algorithm_keywords"]
+    return UNRECORDED_KEYWORDS.get(method, algorithm_of(method)[1])
+
+
+def split_bucket(method: str) -> tuple[str, float | None]:
+    """``"bytegrad@100"`` -> ``("bytegrad", 100.0)``; ``"bytegrad"`` -> ``("bytegrad", None)`` (the default size)."""
+    name, _, bucket = method.partition("@")
+    return name, float(bucket) if bucket else None
+
+
+def algorithm_of(method: str) -> tuple[str, dict[str, Any]]:
+    """The algorithm name and keywords a method of ours runs."""
+    if method.startswith("low_rank_r"):
+        return "low_rank", {"rank": int(method.rsplit("_r", 1)[1]), "hierarchical": False}
+    if method in ("bytegrad", "qadam", "low_precision_decentralized"):
+        return method, {"hierarchical": False}
+    if method == "async":
+        return method, {"warmup_steps": WARMUP_STEPS - 2}
+    return method, {}
+
+
+def schedule_of(settings: dict[str, Any]) -> str:
+    """The learning-rate schedule an NVLink run trained with, in words (runs before ``--schedule``: constant)."""
+    if settings.get("schedule", "constant") == "constant":
+        return f"{settings['lr']:g}, constant"
+    return (
+        f"{settings['lr']:g} after a linear warm-up of {settings['lr_warmup']} steps, then a cosine decay to"
+        f" {LR_FLOOR:g} of it at step {settings['train_steps']}"
+    )
+
+
+def bucket_comparison(run: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of a run of bucket sizes: each method's median step per link in ms, with the rounds'
+    range, and for a ``METHOD@MiB`` its ratio to ``METHOD`` at its default bucket size in the same run."""
+    methods = run["methods"]
+    links = list(dict.fromkeys(label for entry in methods.values() for label in entry["step_s"]))
+    rows = []
+    for method, entry in methods.items():
+        base = methods.get(split_bucket(method)[0]) if "@" in method else None
+        cells = []
+        for label in links:
+            figure = entry["step_s"].get(label)
+            if figure is None:
+                cells.append("")
+                continue
+            ratio = ""
+            if base is not None and label in base["step_s"]:
+                ratio = f" ({figure['median'] / base['step_s'][label]['median']:.2f}x)"
+            cells.append(_step_cell(figure, ratio))
+        rows.append([method, *cells])
+    return ["method", *(f"{link} ms" for link in links)], rows
+
+
+def write_bucket_comparison(path: Path) -> str:
+    """Write ``path``'s run of bucket sizes as a table beside it (``.md``, see :func:`bucket_comparison`)."""
+    run = json.loads(path.read_text())
+    header, rows = bucket_comparison(run)
+    lines = [
+        f"Written by `{run['command']} --out {path.stem}` ({run['machine']['device']}, {run['rounds']} rounds,"
+        f" {run['date'][:16]}). Median step per link in ms (ratio to the same method at its wrapper's default"
+        " bucket size in this run) [rounds' min, max].",
+        "",
+        markdown_table(header, rows).rstrip("\n"),
+    ]
+    text = "\n".join(lines) + "\n"
+    path.with_suffix(".md").write_text(text)
+    return text
+
+
+def load_results(results_dir: Path, cpu: bool = False) -> dict[str, Any]:
+    """The regimes' results files, with the sockets supplements (``--out gpu_network_lab_sockets_NAME``) merged in."""
+    suffix = "_cpu" if cpu else ""
+    loaded: dict[str, Any] = {}
+    for regime in ("nvlink", "sockets"):
+        path = results_dir / f"gpu_network_lab_{regime}{suffix}.json"
+        if path.exists():
+            loaded[regime] = json.loads(path.read_text())
+    # A later run of some methods alone adds them, or replaces their rows; its command is listed. Later by date,
+    # whatever the run's name.
+    paths = results_dir.glob(f"gpu_network_lab_sockets{suffix}_*.json") if "sockets" in loaded else ()
+    runs = {path: json.loads(path.read_text()) for path in paths}
+    supplements = sorted(runs, key=lambda path: (runs[path]["date"], path.name))
+    if "sockets" in loaded:
+        main = loaded["sockets"]
+        # Each run's own rows, so that a ratio can read the peer timed in the same run (sockets_beside).
+        main["runs"] = {f"gpu_network_lab_sockets{suffix}": dict(main["methods"])}
+        if supplements:
+            main["sources"] = {f"gpu_network_lab_sockets{suffix}": (main["date"], list(main["methods"]))}
+            main["windows"] = {f"gpu_network_lab_sockets{suffix}": main.get("settings", {}).get("window", 1)}
+    for path in supplements:
+        extra = runs[path]
+        loaded["sockets"]["runs"][path.stem] = dict(extra["methods"])
+        loaded["sockets"]["methods"].update(extra["methods"])
+        loaded["sockets"]["command"] += f"`, then `{extra['command']} --out {path.stem}"
+        loaded["sockets"]["sources"][path.stem] = (extra["date"], list(extra["methods"]))
+        loaded["sockets"]["windows"][path.stem] = extra.get("settings", {}).get("window", 1)
+        for _, methods in list(loaded["sockets"]["sources"].values())[:-1]:
+            methods[:] = [method for method in methods if method not in extra["methods"]]
+    # Further NVLink runs (``--out gpu_network_lab_nvlink_NAME``: other seeds, more rounds) pool with the first.
+    if "nvlink" in loaded:
+        tag_rounds(loaded["nvlink"], f"gpu_network_lab_nvlink{suffix}")
+    for path in sorted(results_dir.glob(f"gpu_network_lab_nvlink{suffix}_*.json")) if "nvlink" in loaded else []:
+        pool_nvlink_run(loaded["nvlink"], tag_rounds(json.loads(path.read_text()), path.stem), path.stem)
+    if not loaded:
+        raise SystemExit(f"No results in {results_dir}: run the regimes first.")
+    return loaded
+
+
+# What must agree between NVLink runs for their rounds and curves to pool (the seed may differ).
+POOLED_SETTINGS = (
+    "batch",
+    "context",
+    "lr",
+    "schedule",
+    "lr_warmup",
+    "train_steps",
+    "eval_every",
+    "timing_steps",
+    "cpu",
+)
+
+
+def tag_rounds(run: dict[str, Any], stem: str) -> dict[str, Any]:
+    """Mark each round row of an NVLink run with the run it came from (``"run"``: its file's stem); return ``run``."""
+    for entry in run["methods"].values():
+        for row in entry.get("rounds", []):
+            row.setdefault("run", stem)
+    return run
+
+
+def nvlink_beside(loaded: dict[str, Any], method: str, base: str = "ddp") -> tuple[dict[str, float], ...] | None:
+    """``method``'s and ``base``'s NVLink steps over the runs that timed both, side by side; ``None`` if none did.
+
+    Pooled runs may time some methods alone (``--methods``): a ratio to DDP then reads only the runs that timed
+    DDP too, so that both sides met the same machine in the same job.
+
+    Returns:
+        The two methods' ``{"median", "min", "max"}`` over their rounds of those runs, and ``{"runs": count}``.
+    """
+    methods = loaded.get("nvlink", {}).get("methods", {})
+    rows = {name: methods.get(name, {}).get("rounds", []) for name in (method, base)}
+    shared = {row.get("run") for row in rows[method]} & {row.get("run") for row in rows[base]}
+    if not shared:
+        return None
+    figures = []
+    for name in (method, base):
+        values = [row["step_s"]["nvlink"] for row in rows[name] if row.get("run") in shared]
+        figures.append({"median": statistics.median(values), "min": min(values), "max": max(values)})
+    return figures[0], figures[1], {"runs": len(shared)}
+
+
+def sockets_beside(loaded: dict[str, Any], method: str, label: str, base: str = "ddp") -> dict[str, float] | None:
+    """``base``'s step at a sockets link in the run that ``method``'s row comes from; ``None`` if it did not time it.
+
+    The sockets rows come from several runs (each row from the latest run of its method): a ratio reads the peer
+    timed beside the method in that run, not the peer's own latest row, so that both met the same machine.
+    """
+    sockets = loaded.get("sockets", {})
+    entry = sockets.get("methods", {}).get(method)
+    if entry is None:
+        return None
+    for run in reversed(sockets.get("runs", {}).values()):  # the latest run that holds the method's row
+        if run.get(method) is entry:
+            return run.get(base, {}).get("step_s", {}).get(label)
+    return None
+
+
+def pool_nvlink_run(main: dict[str, Any], extra: dict[str, Any], stem: str) -> None:
+    """Add a further NVLink run's rounds and loss curve to ``main``'s, method by method.
+
+    Each method's step is then the median over every run's rounds, and its ``curve`` the mean of the runs' curves
+    (``curves`` keeps each, for the spread over seeds). The runs must share their model, data and schedule, and each
+    method its keywords; a run that differs is refused, naming what differs.
+    """
+    differing = [key for key in POOLED_SETTINGS if main["settings"].get(key) != extra["settings"].get(key)]
+    if differing:
+        raise SystemExit(f"{stem} cannot pool with the NVLink run: its settings differ in {', '.join(differing)}.")
+    for method, entry in extra["methods"].items():
+        base = main["methods"].get(method)
+        if base is None:
+            main["methods"][method] = entry
+            continue
+        if recorded_keywords(method, base) != recorded_keywords(method, entry):
+            raise SystemExit(
+                f"{stem} ran {method} with {recorded_keywords(method, entry)}, the NVLink run with"
+                f" {recorded_keywords(method, base)}:"
+                " pool only runs of the same keywords."
+            )
+        base["rounds"] = base["rounds"] + entry["rounds"]
+        values = [row["step_s"]["nvlink"] for row in base["rounds"]]
+        base["step_s"]["nvlink"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        curves = base.get("curves") or ([base["curve"]] if "curve" in base else [])
+        curves += [entry["curve"]] if "curve" in entry else []
+        if curves:
+            base["curves"] = curves
+            base["curve"] = [
+                {"step": points[0]["step"], "val_loss": statistics.fmean(point["val_loss"] for point in points)}
+                for points in zip(*curves, strict=True)
+            ]
+    main["rounds"] += extra["rounds"]
+    main["command"] += f"`, then `{extra['command']} --out {stem}"
+
+
+def links(loaded: dict[str, Any]) -> list[str]:
+    """The links measured, in order: ``nvlink``, then the sockets' rates as walked."""
+    labels: list[str] = []
+    for regime, data in loaded.items():
+        for entry in data["methods"].values():
+            for label in entry["step_s"]:
+                name = label if regime == "sockets" else "nvlink"
+                if name not in labels:
+                    labels.append(name)
+    return labels
+
+
+def step_of(loaded: dict[str, Any], method: str, label: str) -> dict[str, float] | None:
+    """A method's step time at a link (median, min, max over rounds), ``None`` where not measured."""
+    data = loaded.get("nvlink" if label == "nvlink" else "sockets")
+    entry = None if data is None else data["methods"].get(method)
+    return None if entry is None else entry["step_s"].get(label)
+
+
+def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Median step per method and link, with its ratio to DDP's and the rounds' range, and launches per step."""
+    labels = links(loaded)
+    rows = []
+    for method in (m for m in METHODS if any(m in data["methods"] for data in loaded.values())):
+        cells = [method]
+        for label in labels:
+            value = step_of(loaded, method, label)
+            if value is None:
+                cells.append("")
+                continue
+            if method == "ddp":
+                ratio = " (1.00x)"
+            elif label == "nvlink":
+                # Side by side: over the pooled runs that timed DDP too (the same as the pooled medians' ratio when
+                # every run timed both).
+                beside = nvlink_beside(loaded, method)
+                ratio = (
+                    " (no DDP in its runs)"
+                    if beside is None
+                    else f" ({beside[0]['median'] / beside[1]['median']:.2f}x)"
+                )
+            else:
+                beside_ddp = sockets_beside(loaded, method, label)
+                ratio = (
+                    " (no DDP in its run)"
+                    if beside_ddp is None
+                    else f" ({value['median'] / beside_ddp['median']:.2f}x)"
+                )
+            cells.append(_step_cell(value, ratio))
+        launches = loaded.get("sockets", {}).get("methods", {}).get(method, {}).get("launches_per_step")
+        cells.append("" if launches is None else f"{launches:.0f}")
+        rows.append(cells)
+    return ["method", *(f"{label} ms (x DDP) [min, max]" for label in labels), "launches / step"], rows
+
+
+def target_of(loaded: dict[str, Any]) -> tuple[float, int, float]:
+    """The target validation loss (DDP's at two thirds of its run), the step it was reached, DDP's final loss."""
+    curve = loaded["nvlink"]["methods"]["ddp"]["curve"]
+    point = curve[max(0, math.ceil(len(curve) * 2 / 3) - 1)]
+    return point["val_loss"], point["step"], curve[-1]["val_loss"]
+
+
+def steps_to_target(loaded: dict[str, Any], method: str) -> int | None:
+    """The step of a method's first evaluation at or under the target loss; ``None`` if it never got there."""
+    target, _, _ = target_of(loaded)
+    curve = loaded["nvlink"]["methods"][method].get("curve", [])
+    return next((point["step"] for point in curve if point["val_loss"] <= target), None)
+
+
+def seed_spread(entry: dict[str, Any]) -> tuple[int, str]:
+    """How many seeds a method's NVLink curve averages, and their final losses' range (``""`` for a single seed).
+
+    Args:
+        entry: the method's entry of the NVLink results; pooled runs keep each seed's curve in ``curves``.
+
+    Returns:
+        The number of seeds, and ``"[min, max]"`` of their final validation losses when there is more than one.
+    """
+    finals = [curve[-1]["val_loss"] for curve in entry.get("curves", [])]
+    if len(finals) < 2:
+        return 1, ""
+    return len(finals), f"[{min(finals):.4f}, {max(finals):.4f}]"
+
+
+def time_to_target_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Steps to the target times the median step at each link, and the final loss against DDP's."""
+    labels = links(loaded)
+    _, _, final_ddp = target_of(loaded)
+    rows = []
+    for method, entry in loaded["nvlink"]["methods"].items():
+        curve = entry.get("curve", [])
+        reached = steps_to_target(loaded, method)
+        cells = [method, "not reached" if reached is None else str(reached)]
+        for label in labels:
+            value = step_of(loaded, method, label)
+            if method == "async" and label != "nvlink":
+                # Its averaging runs beside the steps at the link's pace: NVLink's curve is not the shaped link's.
+                cells.append("n/a")
+                continue
+            cells.append("" if value is None or reached is None else f"{reached * value['median']:.1f}")
+        final = curve[-1]["val_loss"] if curve else math.nan
+        seeds, spread = seed_spread(entry)
+        cells.append(f"{final:.4f} ({final / final_ddp:.3f}x)" + (f" {spread} over {seeds} seeds" if spread else ""))
+        rows.append(cells)
+    return ["method", "steps to target", *(f"{label} s" for label in labels), "final loss (x DDP)"], rows
+
+
+def source_lines(sockets: dict[str, Any]) -> list[str]:
+    """The report's list of the sockets runs: each run's date, its timing where it took its steps more than one at a
+    time between synchronisations, and the rows it gives."""
+    lines = []
+    for stem, (date, methods) in sockets["sources"].items():
+        window = sockets["windows"][stem]
+        timing = f"; steps timed {window} at a time, back to back" if window > 1 else ""
+        lines.append(f"- `{stem}` ({date[:16]}{timing}): {', '.join(methods)}")
+    return lines
+
+
+def report(results_dir: Path, cpu: bool) -> str:
+    """Write ``gpu_network_lab.md`` and its chart from the regimes' results; return the markdown."""
+    loaded = load_results(results_dir, cpu)
+    commands = " and ".join(f"`{data['command']}`" for data in loaded.values())
+    machines = ", ".join(
+        # Pooled runs may time some methods only: the most rounds any method's figures pool.
+        f"{name}: {data['machine']['device']}, up to"
+        f" {max((len(entry.get('rounds', [])) for entry in data['methods'].values()), default=data['rounds'])}"
+        " rounds a method"
+        for name, data in loaded.items()
+    )
+    lines = [
+        f"Written by `python benchmarks/gpu_network_lab.py --report` from the runs of {commands} ({machines}).",
+        "",
+        "Median step in ms over the rounds (ratio to DDP's median at the same link; over NVLink, both medians over the"
+        " pooled runs that timed DDP too) [min, max over rounds]:",
+        "",
+        markdown_table(*step_table(loaded)).rstrip("\n"),
+    ]
+    sources = loaded.get("sockets", {}).get("sources", {})
+    if sources:
+        lines += [
+            "",
+            "The sockets columns (unshaped and shaped) come from these runs, each row from the last run of it:",
+            "",
+        ]
+        lines += source_lines(loaded["sockets"])
+    if "nvlink" in loaded and "ddp" in loaded["nvlink"]["methods"]:
+        target, at_step, final_ddp = target_of(loaded)
+        lines += [
+            "",
+            f"Time to the target validation loss {target:.4f} (DDP's at step {at_step}): the first evaluation at or",
+            "under it, times the method's median step at each link, in seconds; and each method's final validation",
+            f"loss against DDP's ({final_ddp:.4f}) at the same steps and seed. `async` averages beside the steps at",
+            "the link's pace, so its NVLink curve says nothing of a shaped link (n/a).",
+            f"Learning rate: {schedule_of(loaded['nvlink']['settings'])}.",
+            "",
+            markdown_table(*time_to_target_table(loaded)).rstrip("\n"),
+        ]
+    text = "\n".join(lines) + "\n"
+    suffix = "_cpu" if cpu else ""
+    (results_dir / f"gpu_network_lab{suffix}.md").write_text(text)
+    chart(loaded, results_dir / f"gpu_network_lab{suffix}.png")
+    return text
+
+
+def _step_cell(figure: dict[str, float], ratio: str = "") -> str:
+    """A step figure in ms: ``"median (ratio) [min, max]"`` (``ratio`` as given, with its leading space)."""
+    return f"{figure['median'] * 1e3:.1f}{ratio} [{figure['min'] * 1e3:.1f}, {figure['max'] * 1e3:.1f}]"
+
+
+def chart(loaded: dict[str, Any], path: Path) -> None:
+    """Bar charts of the median step per method, one panel per link, with the rounds' range."""
+    plt = pyplot()
+    if plt is None:
+        return
+    labels = links(loaded)
+    methods = [m for m in METHODS if any(m in data["methods"] for data in loaded.values())]
+    figure, axes = plt.subplots(1, len(labels), figsize=(4 * len(labels), 5), squeeze=False)
+    for axis, label in zip(axes[0], labels, strict=True):
+        steps = {m: step for m in methods if (step := step_of(loaded, m, label)) is not None}
+        names = list(steps)
+        values = [steps[m]["median"] * 1e3 for m in names]
+        below = [value - steps[m]["min"] * 1e3 for m, value in zip(names, values, strict=True)]
+        above = [steps[m]["max"] * 1e3 - value for m, value in zip(names, values, strict=True)]
+        axis.barh(names, values, xerr=[below, above])
+        axis.invert_yaxis()
+        axis.set_xscale("log")
+        axis.set_xlabel("median step (ms, log)")
+        axis.set_title(label)
+    figure.suptitle("114M-parameter LM on two GPUs, bf16 (benchmarks/gpu_network_lab.py)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def interleaved_table(run: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of an interleaved NVLink run (``--interleave steps``): each method's median step in ms
+    with its ratio to DDP's and the rounds' range, and the time until its step's call returned (host ms)."""
+    methods = run["methods"]
+    base = methods.get("ddp", {}).get("step_ms", {}).get("median")
+    rows = []
+    for method, entry in methods.items():
+        step = entry["step_ms"]
+        ratio = f" ({step['median'] / base:.2f}x)" if base else ""
+        rows.append([method, f"{step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]",
+                     f"{entry['host_ms']['median']:.1f}"])  # fmt: skip
+    return ["method", "step ms (x ddp) [min, max]", "host ms"], rows
