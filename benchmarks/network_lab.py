@@ -229,9 +229,13 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     auto = getattr(wrapped, "bagua_algorithm_impl", None)
     auto = auto if isinstance(auto, AutoImpl) else None
     warmup, trial_s, trial_steps = args.warmup, 0.0, 0
+    # Every step before the timed ones, auto's trials included: a run pays its first steps (connections, first
+    # allocations, a hook's full-precision warm-up) at their own cost, whichever method it runs.
+    start_times: list[float] = []
     if auto is not None:
         while auto.decision is None:
-            trial_s += train_step()
+            start_times.append(train_step())
+            trial_s += start_times[-1]
             trial_steps += 1
             if trial_steps > auto.auto.max_trial_steps + 1:
                 raise RuntimeError(f"auto made no pick in {trial_steps} steps")
@@ -251,8 +255,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         if averaging is not None and step == averaging.warmup_steps:
             bytes_before_rounds = counter.bytes_sent
         elapsed = train_step()
-        if step >= warmup:
-            times.append(elapsed)
+        (times if step >= warmup else start_times).append(elapsed)
     if hook_state is not None and hook_state.iter <= hook_state.start_powerSGD_iter:
         raise RuntimeError(f"{method}: PowerSGD never compressed (iteration {hook_state.iter})")
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -290,6 +293,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         "engine_layout": layout,
         "powersgd_iter": None if hook_state is None else hook_state.iter,
         # auto: the steps and seconds it measured for, its pick and the figures behind it.
+        "start_steps_s": start_times,
         "auto_trial_steps": trial_steps if auto is not None else None,
         "auto_trial_s": trial_s if auto is not None else None,
         "auto_decision": None if auto is None or auto.decision is None else auto.decision.to_dict(),
@@ -450,6 +454,11 @@ def measure(
                 "per_rank_median_s": [statistics.median(r["median_s"] for r in ranked) for ranked in by_rank],
                 "bytes_per_step": first["bytes_per_step"],
                 "parameter_bytes": first["parameter_bytes"],
+                # Per round, each untimed first step at its slowest rank's time: what a run pays before its pace.
+                "start_steps_s": [
+                    [max(times) for times in zip(*(r["start_steps_s"] for r in results), strict=True)]
+                    for results in rounds
+                ],
                 # async: the averaging rounds of the first round's rank 0, and the bytes it sent per round.
                 "averaging_rounds": first.get("averaging_rounds"),
                 "bytes_per_round": first.get("bytes_per_round"),

@@ -257,11 +257,7 @@ def combine(
                         if lab.get("auto_picks"):
                             row |= auto_cell(lab, curves, task)
                         if row["steps_to_target"] is not None:
-                            row["time_to_target_s"] = row["steps_to_target"] * lab["median_step_s"]
-                            # auto: its measuring steps at their own time, then the pick's steps at the pick's.
-                            if "auto_trial_s" in row:
-                                rest = max(row["steps_to_target"] - row["auto_trial_steps"], 0)
-                                row["time_to_target_s"] = row["auto_trial_s"] + rest * lab["median_step_s"]
+                            row["time_to_target_s"] = time_to_target(lab, row["steps_to_target"])
                         if single is not None:
                             row["overhead_s"] = lab["median_step_s"] - single["median_step_s"]
                     elif rate is not None:
@@ -283,6 +279,21 @@ def combine(
                         row["overhead_s"] / reference["overhead_s"] if reference["overhead_s"] > 0 else None
                     )
     return combined
+
+
+def time_to_target(lab: dict[str, Any], steps: int) -> float:
+    """Seconds a run of ``steps`` steps takes: its first steps as they were timed, the rest at the median step.
+
+    Every method alike: the first steps (``--lab-warmup`` of them, and for auto its measuring steps and its pick's
+    warm-up) cost what they cost in the lab's run, which for any method is more than its steady step. The median over
+    the rounds; a results file without first steps (older runs) counts every step at the median.
+    """
+    median = lab["median_step_s"]
+    if "start_steps_s" not in lab and lab.get("auto_trial_s"):  # auto in an older run: its measuring steps alone
+        trials = statistics.median(lab["auto_trial_steps"])
+        return float(statistics.median(lab["auto_trial_s"]) + max(steps - trials, 0) * median)
+    rounds = lab.get("start_steps_s") or [[]]
+    return float(statistics.median(sum(first[:steps]) + max(steps - len(first), 0) * median for first in rounds))
 
 
 def auto_curve_method(label: str) -> str:

@@ -4,8 +4,10 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -216,12 +218,31 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     for row in report["results"]:
         assert len(row["rounds_step_s"]) == 2
         assert row["min_step_s"] <= row["median_step_s"] <= row["max_step_s"]
+        # The untimed first steps are kept per round (the default --warmup is 3), each a positive time.
+        assert [len(first) for first in row["start_steps_s"]] == [3, 3]
+        assert all(seconds > 0 for first in row["start_steps_s"] for seconds in first)
     # async is counted per averaging round (closing adds one): the whole fp32 model and the int32 stop code.
     averaged = report["results"][-1]
     assert averaged["averaging_rounds"] >= 1
     assert averaged["bytes_per_round"] == averaged["parameter_bytes"] + 4
     assert report["results"][1]["averaging_rounds"] is None
     assert "over 2 interleaved rounds [min, max]" in (out / "network_lab_cpu_digits.md").read_text()
+
+
+def test_time_to_accuracy_counts_every_methods_first_steps_alike() -> None:
+    time_to_target = benchmark_module("time_to_accuracy").time_to_target
+    lab = {"median_step_s": 0.01, "start_steps_s": [[0.05, 0.02, 0.01], [0.07, 0.03, 0.01]]}
+    # Per round: the first steps as timed, then the median step; the median over the rounds.
+    assert math.isclose(time_to_target(lab, 10), statistics.median([0.08 + 7 * 0.01, 0.11 + 7 * 0.01]))
+    # A target reached within the first steps costs those steps alone.
+    assert math.isclose(time_to_target(lab, 2), statistics.median([0.07, 0.10]))
+    # auto's first steps are its trials and its pick's warm-up: the same rule.
+    auto = {"median_step_s": 0.01, "start_steps_s": [[0.2] * 12], "auto_trial_s": [2.0], "auto_trial_steps": [10]}
+    assert math.isclose(time_to_target(auto, 100), 12 * 0.2 + 88 * 0.01)
+    # A file of an older run: auto's trials at their time, every other method's steps at the median.
+    older = {"median_step_s": 0.01, "auto_trial_s": [0.3, 0.5], "auto_trial_steps": [10, 10]}
+    assert math.isclose(time_to_target(older, 100), 0.4 + 90 * 0.01)
+    assert math.isclose(time_to_target({"median_step_s": 0.01}, 100), 1.0)
 
 
 def test_network_lab_links_send_no_faster_than_their_rate(tmp_path: Path) -> None:
