@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab.methods import TORCHFT_NOTE, resolve_algorithm, split_rank, torchft_settings
+from lab.methods import TORCHFT_NOTE, engine_algorithm, split_rank, torchft_settings
 from lab.models import CONTEXT, task_loss, task_model
 from lab.render import markdown_table, pyplot
 from lab.results import machine, spread, write_report
@@ -94,14 +94,8 @@ def bagua_algorithm(method: str, steps: int) -> tuple[str, dict[str, Any]]:
     """The engine algorithm name and keywords of a Bagua method, as the convergence runs set them."""
     from lightning_bagua.engine.algorithms.base import algorithm_class
 
-    stem, rank = split_rank(method)
-    name, keywords = resolve_algorithm(stem)
-    accepted = algorithm_class(name).keywords()
-    if rank is not None:
-        keywords["rank"] = rank
-    if rank is not None and "warmup_steps" in accepted:  # low_rank: PowerSGD's uncompressed start
-        keywords["warmup_steps"] = compression_warmup(steps)
-    if name in FLAT or (rank is not None and "hierarchical" in accepted):
+    name, keywords = engine_algorithm(method, compression_warmup(steps))
+    if name in FLAT or ("rank" in keywords and "hierarchical" in algorithm_class(name).keywords()):
         keywords["hierarchical"] = False
     return name, keywords
 

@@ -63,8 +63,9 @@ from lab.methods import (
     TORCHFT_METHODS,
     TORCHFT_NOTE,
     diloco_period,
+    engine_algorithm,
     extra_low_rank_methods,
-    resolve_algorithm,
+    layout_variants,
     split_rank,
     torchft_settings,
 )
@@ -104,13 +105,9 @@ def all_methods(ranks_per_host: int = 1) -> list[str]:
     stems = [(name, name) for name in available_algorithms()]
     stems += [(stem, name) for stem, (name, _) in ALGORITHM_VARIANTS.items() if name in available_algorithms()]
     for stem, name in stems:
-        keywords = algorithm_class(name).keywords()
-        names = [f"{stem}_r{rank}" for rank in LOW_RANK_RANKS] if "rank" in keywords else [stem]
-        # With one rank per host every rank is its node's leader, and both variants would move the same bytes.
-        if ranks_per_host > 1 and "hierarchical" in keywords:
-            methods += [f"{each}:{variant}" for each in names for variant in ("flat", "hierarchical")]
-        else:
-            methods += names
+        ranked = "rank" in algorithm_class(name).keywords()
+        for each in [f"{stem}_r{rank}" for rank in LOW_RANK_RANKS] if ranked else [stem]:
+            methods += layout_variants(each, ranks_per_host)
     return methods
 
 
@@ -152,9 +149,8 @@ def wrap(
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, QAdamOptimizer
-    from lightning_bagua.engine.algorithms.base import algorithm_class
 
-    base, _, variant = method.partition(":")
+    base = method.partition(":")[0]
     if base == "qadam":
         # Measured after its warm-up, in the compressed phase that the algorithm is chosen for.
         optimizer: torch.optim.Optimizer = QAdamOptimizer(model.parameters(), lr=1e-4, warmup_steps=warmup)
@@ -182,16 +178,7 @@ def wrap(
             )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return ddp, optimizer, None, state
-    name, keywords = resolve_algorithm(name)
-    accepted = algorithm_class(name).keywords()
-    if variant:
-        keywords["hierarchical"] = variant == "hierarchical"
-    if rank is not None:
-        keywords["rank"] = rank
-    if rank is not None and "warmup_steps" in accepted:  # low_rank: compress from the same step as PowerSGD
-        keywords["warmup_steps"] = HOOK_WARMUP
-    if run_steps is not None and "run_steps" in accepted:
-        keywords["run_steps"] = run_steps
+    name, keywords = engine_algorithm(method, HOOK_WARMUP, run_steps)
     wrapped = BaguaDistributedDataParallel(model, optimizers=[optimizer], algorithm=Algorithm.init(name, **keywords))
     return wrapped, optimizer, wrapped.communication_counter, None
 

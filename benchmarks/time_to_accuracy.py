@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.harness import bits_per_second, headline
-from lab.methods import resolve_algorithm, split_rank
+from lab.methods import layout_variants, split_rank
 from lab.render import pyplot
 from lab.results import machine, write_report
 from lab.tasks import (
@@ -79,18 +79,7 @@ QUICK: dict[str, Any] = {"seeds": 1, "rounds": 3, "lab_steps": 2, "lab_warmup": 
 
 def lab_methods(methods: list[str], ranks_per_host: int) -> list[str]:
     """The lab's names for ``methods``: ``single`` first; with several ranks per host, hierarchical variants."""
-    from lightning_bagua.engine import available_algorithms
-    from lightning_bagua.engine.algorithms.base import algorithm_class
-
-    found = ["single"]
-    for method in methods:
-        name, _ = resolve_algorithm(split_rank(method)[0])
-        is_algorithm = name in available_algorithms()
-        if ranks_per_host > 1 and is_algorithm and "hierarchical" in algorithm_class(name).keywords():
-            found += [f"{method}:flat", f"{method}:hierarchical"]
-        else:
-            found.append(method)
-    return found
+    return ["single", *(variant for method in methods for variant in layout_variants(method, ranks_per_host))]
 
 
 def curve_of(lab_method: str) -> str:

@@ -32,6 +32,43 @@ def resolve_algorithm(stem: str) -> tuple[str, dict[str, Any]]:
     return name, dict(keywords)
 
 
+def engine_algorithm(method: str, warmup_steps: int, run_steps: int | None = None) -> tuple[str, dict[str, Any]]:
+    """The engine algorithm and keywords of an engine method, as every lab sets them.
+
+    ``low_rank_r4:flat`` -> ``("low_rank", {"rank": 4, "warmup_steps": warmup_steps, "hierarchical": False})``: a rank
+    also sets the uncompressed start (PowerSGD's), ``:flat`` / ``:hierarchical`` set ``hierarchical``, and an
+    algorithm that takes ``run_steps`` (auto) is told the run's length.
+    """
+    from lightning_bagua.engine.algorithms.base import algorithm_class
+
+    base, _, variant = method.partition(":")
+    stem, rank = split_rank(base)
+    name, keywords = resolve_algorithm(stem)
+    accepted = algorithm_class(name).keywords()
+    if rank is not None:
+        keywords["rank"] = rank
+        if "warmup_steps" in accepted:
+            keywords["warmup_steps"] = warmup_steps
+    if variant:
+        keywords["hierarchical"] = variant == "hierarchical"
+    if run_steps is not None and "run_steps" in accepted:
+        keywords["run_steps"] = run_steps
+    return name, keywords
+
+
+def layout_variants(method: str, ranks_per_host: int) -> list[str]:
+    """``method`` as the labs time it: with several ranks per host, an engine algorithm that takes ``hierarchical``
+    as ``method:flat`` and ``method:hierarchical`` (with one, every rank leads its node and both move the same bytes).
+    """
+    from lightning_bagua.engine import available_algorithms
+    from lightning_bagua.engine.algorithms.base import algorithm_class
+
+    name, _ = resolve_algorithm(split_rank(method)[0])
+    if ranks_per_host > 1 and name in available_algorithms() and "hierarchical" in algorithm_class(name).keywords():
+        return [f"{method}:flat", f"{method}:hierarchical"]
+    return [method]
+
+
 DILOCO_METHODS = ("diloco_h10", "diloco_h20", "diloco_h50")
 """``diloco`` at the sync periods the labs accept by name (any ``diloco_h<H>`` resolves; these are listed)."""
 
