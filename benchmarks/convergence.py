@@ -1,31 +1,17 @@
 """Convergence: every Bagua algorithm against Lightning's DDP, same hyper-parameters, same seeds, two CPU processes.
 
-Each run is a fresh Lightning job of two Gloo processes (``Trainer(accelerator="cpu", devices=2)``, deterministic,
-one torch thread each). Within a task every method trains the same model from the same weights on the same data
-with the same optimizer settings (:data:`lab.tasks.SETTINGS`); only the communication differs. After training
-both ranks score their own model on their half of the held-out set, and the metrics are averaged over the ranks.
-
-Methods (:mod:`lab.tasks`): by default ``ddp`` (SGD with momentum, the baseline), ``ddp_adam`` (qadam's baseline)
-and the engine's ``gradient_allreduce``, ``bytegrad``, ``decentralized``, ``low_precision_decentralized``,
-``async`` and ``qadam``. By name: DDP with torch's hooks (``ddp_fp16``, ``ddp_powersgd_r<k>``, registered on CPU
-by :class:`CPUCommHookDDPStrategy`, which fails a run whose hook never ran), ``low_rank_r<k>`` and
-``low_rank_alt_r<k>``, ``auto``, ``diloco_h<H>`` and torchft's DiLoCo ``torchft_diloco_h<H>``
-(:mod:`lab.torchft_peer`). PowerSGD and ``low_rank`` compress after the same uncompressed twentieth of
-the steps. On one node ``hierarchical`` would only average inside the node, so the algorithms run flat.
-
-Tasks (:func:`lab.tasks.task_data`, :mod:`lab.models`): ``digits`` (the example's), ``charlm`` (a causal
-convolutional byte model on the standard library's source) and, by name, ``bytemlp`` (a 2.4M wide byte perceptron
-whose compute is small for its size). ``--eval-every k`` also scores the held-out set every k steps and keeps the
-learning curve of every run (``benchmarks/time_to_accuracy.py`` runs it so).
-
-Run it::
+Each run is a fresh Lightning job of two Gloo processes (deterministic, one torch thread each); within a task every
+method trains the same model from the same weights on the same data with the same optimizer settings
+(:mod:`lab.tasks`), so only the communication differs, and the held-out metrics are averaged over the ranks. By
+name it also runs DDP with torch's hooks (``ddp_fp16``, ``ddp_powersgd_r<k>``, registered on CPU by
+:class:`CPUCommHookDDPStrategy`), ``low_rank_r<k>``, ``auto``, ``diloco_h<H>`` and ``torchft_diloco_h<H>``. On one
+node ``hierarchical`` would only average inside the node, so the algorithms run flat. ``--eval-every k`` keeps
+every run's learning curve (``time_to_accuracy.py`` runs it so). Run it::
 
     python benchmarks/convergence.py                # both tasks, every method, 3 seeds (about 20 min on 2 cores)
     python benchmarks/convergence.py --quick        # fewer steps, one seed: a look in a few minutes
 
-It writes ``benchmarks/results/convergence_cpu.json`` (machine, versions, settings, the command, every run),
-``convergence_cpu.md`` (mean and spread over the seeds, and the difference to the method's DDP baseline) and, with
-matplotlib, ``convergence_cpu.png``.
+It writes ``benchmarks/results/convergence_cpu.{json,md,png}``.
 """
 
 import argparse

@@ -1,42 +1,27 @@
-"""CPU network lab: Gloo ranks on network-namespace hosts joined by rate-limited links.
+"""CPU network lab: the step time of every method on Gloo ranks in network-namespace hosts over ``tc``-shaped links.
 
-Each host is a network namespace (:func:`lab.harness.lab_hosts`): two hosts share a veth pair, more hosts each
-have a veth to a bridge; ``tc`` shapes both ends of every link, so every collective that leaves a host crosses a
-link of the chosen rate, and ranks of one host talk inside it, unshaped. For each rate the ranks' workers start
-once and go round-robin over the methods, ``--rounds`` times, each round starting one method later; every (round,
-method) trains a fresh model and is timed by its slowest rank's median step after a warm-up. The report gives the
-median over the rounds with its spread, the payload bytes per step, the machine and the command. A method that
-fails (torch's PowerSGD hook, say) is recorded with its error, shown as "failed", and the rest goes on.
-
-Methods: ``single`` (every rank stepping without communication: the floor under the same load), ``ddp``,
-``ddp_fp16`` and ``ddp_powersgd`` / ``_r4`` / ``_r8`` (torch's DDP and hooks), and every engine algorithm with its
-defaults, ``low_rank`` and ``low_rank_alt`` at ranks 1, 4 and 8; with several ranks per host each algorithm that
-takes ``hierarchical`` runs as ``name:flat`` and ``name:hierarchical``. By name: ``ddp_adam`` (qadam's baseline),
-``diloco_h<H>`` and ``torchft_diloco_h<H>`` (:mod:`lab.torchft_peer`; full precision, one replica per rank),
-both timed over whole sync periods. The model is the lab's MLP (``--width``, ``--depth``) or, with ``--task``, a
-convergence task's network (:mod:`lab.models`) on random inputs of its shapes.
-
-Run it as root (namespaces and ``tc`` need it)::
+Each host is a network namespace (:func:`lab.harness.lab_hosts`); ranks of one host talk unshaped, every collective
+that leaves it crosses a link of the chosen rate. Per rate the ranks start once and time every (round, method)
+with a fresh model, methods round-robin and rotated each round; a method's step is its slowest rank's median after
+the warm-up, and the report gives the median over the rounds [min, max], the payload per step and the first steps.
+A method that fails is recorded with its error and the rest goes on. Methods: ``single`` (no communication),
+DDP and torch's hooks, every engine algorithm (``:flat`` / ``:hierarchical`` with several ranks per host), and by
+name ``ddp_adam``, ``diloco_h<H>`` and ``torchft_diloco_h<H>``; the model is an MLP or, with ``--task``, a
+convergence task's network. The Performance page documents the options. Run it as root::
 
     python benchmarks/network_lab.py                         # 100 Mbit/s, 1 Gbit/s, 10 Gbit/s and unshaped
     python benchmarks/network_lab.py --rates 1gbit --steps 5 --rounds 2 --methods ddp bytegrad   # a quick look
-    python benchmarks/network_lab.py --task bytemlp --batch 64 --rates 100mbit      # a convergence task's network
     python benchmarks/network_lab.py --ranks-per-host 2 --rates 1gbit 100mbit          # 4 ranks, 2 nodes x 2
-    python benchmarks/network_lab.py --hosts 4 --methods ddp decentralized             # 4 ranks, 4 nodes x 1
-    python benchmarks/network_lab.py --no-local-world-size --rates 100mbit --methods ddp bytegrad
     python benchmarks/network_lab.py --check-links 100 10000   # single messages over each link, two bucket sizes
 
-The ranks get ``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK`` as torchrun sets them; with ``--no-local-world-size`` they do
-not, and the engine derives the node layout from the hosts. It writes ``benchmarks/results/network_lab_cpu.json``,
-``.md`` (step time and its ratio to DDP's) and ``.png``; other layouts write ``network_lab_cpu_<hosts>x<ranks per
-host>.*``, runs without ``LOCAL_WORLD_SIZE`` add ``_hosts`` and a ``--task`` adds ``_<task>``.
+It writes ``benchmarks/results/network_lab_cpu.{json,md,png}``; other layouts write ``network_lab_cpu_<hosts>x<ranks
+per host>.*``, ``--no-local-world-size`` adds ``_hosts`` and ``--task`` adds ``_<task>``.
 """
 
 import argparse
 import json
 import os
 import random
-import shutil
 import socket
 import statistics
 import subprocess
@@ -54,7 +39,16 @@ from torch import nn
 
 # The labs are scripts, not a package: their folder goes on the path for the shared harness (the task networks too).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab.harness import BURST_US, bits_per_second, headline, interleaved, lab_hosts, link_burst_bytes, result_lines
+from lab.harness import (
+    BURST_US,
+    bits_per_second,
+    can_shape_links,
+    headline,
+    interleaved,
+    lab_hosts,
+    link_burst_bytes,
+    result_lines,
+)
 from lab.methods import (
     ALGORITHM_VARIANTS,
     DILOCO_METHODS,
@@ -504,8 +498,8 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 cells.append("failed" if (rate, method) in failed else "")
                 continue
             ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp else ""
-            spread = f" [{row['min_step_s'] * 1e3:.1f}, {row['max_step_s'] * 1e3:.1f}]" if "min_step_s" in row else ""
-            cells.append(f"{row['median_step_s'] * 1e3:.1f}{spread}{ratio}")
+            spread = f"[{row['min_step_s'] * 1e3:.1f}, {row['max_step_s'] * 1e3:.1f}]"
+            cells.append(f"{row['median_step_s'] * 1e3:.1f} {spread}{ratio}")
         row = next((by_key[(rate, method)] for rate in rates if (rate, method) in by_key), None)
         if row is not None and row.get("bytes_per_round") is not None:  # async: per averaging round, not per step
             cells.append(f"{row['bytes_per_round'] / 1e6:.2f} per round")
@@ -557,7 +551,7 @@ def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], p
 
 def require_lab_tools() -> None:
     """Stop with a message unless this process may create namespaces and shape links (root, ``ip``, ``tc``)."""
-    if os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None:
+    if not can_shape_links():
         raise SystemExit("network_lab.py needs root, iproute2 and tc (network namespaces and shaping).")
 
 

@@ -1,40 +1,24 @@
 """Time to accuracy: how long each method takes to reach DDP's held-out accuracy, per link rate and layout.
 
-"Faster per step" says nothing about a method that needs more steps. This benchmark measures the two factors
-separately on the same task networks and multiplies them:
-
-1. **Steps to target**: ``benchmarks/convergence.py --eval-every k`` trains every method on every task on two
-   Gloo processes. The target of a task is its DDP baseline's final held-out accuracy (mean over the seeds) less
-   ``--margin`` points (DDP with Adam for ``qadam``); a method's steps to target are the first evaluation at which
-   its accuracy, averaged over the seeds, reaches it, else "not reached".
-2. **Step time**: ``benchmarks/network_lab.py`` times the same networks at the same global batch on hosts joined by
-   ``tc``-shaped links (layouts 2x1 and 2x2: hosts x ranks per host), the methods interleaved over ``--rounds``;
-   the median over the rounds is used and its spread reported. In 2x2 every algorithm that takes
-   ``hierarchical`` is timed ``:flat`` and ``:hierarchical``, both on the two-process curve.
-
-**Time to target = steps to target x median step time.** The **overhead** of a method is its step less the
-no-communication step (``single``) of the same rounds, for ``low_rank_r<k>`` also as a ratio to
-``ddp_powersgd_r<k>``'s. ``auto`` is counted with its measuring steps; ``diloco`` beside its no-communication
-floor. Torch's PowerSGD hook fails on Gloo when DDP's gradient spans several buckets (``bytemlp`` under
-Lightning's 1 MB first bucket): the failure is reported, and the lab's DDP (10 MB buckets) still times its step.
-
-Run it as root (the lab needs network namespaces and ``tc``), on a quiet machine::
+Time to target = steps to target x step time, each measured by its own lab: ``convergence.py --eval-every k``
+gives every method's learning curve on two Gloo processes (the target is the DDP baseline's final accuracy less
+``--margin`` points; DDP with Adam for ``qadam``), and ``network_lab.py`` times the same networks at the same global
+batch on layouts 2x1 and 2x2 (``:flat`` and ``:hierarchical`` in 2x2). A run's first steps count as timed, the rest
+at the median step. The overhead of a method is its step less the no-communication step (``single``), for
+``low_rank_r<k>`` also against ``ddp_powersgd_r<k>``'s. Run it as root, on a quiet machine::
 
     python benchmarks/time_to_accuracy.py            # every task, method, rate and layout (40-45 min, 2 quiet cores)
     python benchmarks/time_to_accuracy.py --quick    # short runs, one seed, 100mbit only, 3 rounds (about 10 min)
     python benchmarks/time_to_accuracy.py --no-lab   # the learning curves only (no root needed)
-    python benchmarks/time_to_accuracy.py --render benchmarks/results/slow_links/time_to_accuracy_cpu.json
+    python benchmarks/time_to_accuracy.py --render benchmarks/results/time_to_accuracy_cpu.json   # tables only
 
-It writes ``benchmarks/results/time_to_accuracy_cpu.json`` (every curve, lab row and failure, and the combined
-table), ``time_to_accuracy_cpu.md`` and, with matplotlib, ``time_to_accuracy_cpu.png``.
+It writes ``benchmarks/results/time_to_accuracy_cpu.{json,md,png}``.
 """
 
 import argparse
 import json
 import logging
-import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -45,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab.harness import bits_per_second, headline
+from lab.harness import bits_per_second, can_shape_links, headline
 from lab.methods import layout_variants, split_rank
 from lab.render import pyplot
 from lab.results import machine, write_report
@@ -555,7 +539,7 @@ def chart(report: dict[str, Any], path: Path) -> bool:
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the curves, then the lab, combine them and write the report; return it."""
-    if args.lab and (os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None):
+    if args.lab and not can_shape_links():
         raise SystemExit("The lab needs root, iproute2 and tc; run as root, or pass --no-lab for the curves only.")
     started = time.perf_counter()
     defaults = {task: SETTINGS[task]["quick_steps" if args.quick else "steps"] for task in args.tasks}

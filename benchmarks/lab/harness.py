@@ -11,6 +11,7 @@
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
@@ -143,6 +144,11 @@ def shape(namespace: str, interface: str, rate: str, burst_us: float = BURST_US)
     burst = link_burst_bytes(rate, burst_us)
     run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
         "rate", rate, "burst", str(burst), "latency", "100ms")  # fmt: skip
+
+
+def can_shape_links() -> bool:
+    """Whether this process may create namespaces and shape links (:func:`lab_hosts`): root, ``ip`` and ``tc``."""
+    return os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
 
 
 @contextmanager

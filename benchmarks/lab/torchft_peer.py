@@ -1,32 +1,16 @@
 """torchft's DiLoCo as a peer of the engine's ``diloco`` in the CPU labs: one replica per rank, Gloo, env://.
 
-torchft (the package index's ``torchft``, tried at 0.2.0) runs DiLoCo only behind its own coordination: a
-``Manager`` per replica group, which asks a *lighthouse* (a Rust server shipped inside the wheel) for a quorum
-before every sync, and a reconfigurable ``ProcessGroupGloo`` that the quorum's store sets up. :func:`torchft_diloco`
-builds all of that from the lab's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``, so that a lab
-trains torchft's DiLoCo exactly as it trains its other methods (``optimizer.zero_grad()``, backward,
-``optimizer.step()``; torchft syncs from hooks on the inner optimizer's ``step``):
+torchft runs DiLoCo only behind its own coordination: a ``Manager`` per replica group that asks a *lighthouse* (a
+Rust server in the wheel) for a quorum before every sync. :func:`torchft_diloco` builds that from the lab's
+``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``: every rank is a replica group of one, rank 0 starts
+the lighthouse and publishes its address through a store, every rank checks it starts from the same weights
+(torchft's own weight sync serves checkpoints at the host name, which the lab's namespaces do not resolve), and the
+model is split into ``fragments``, each with an outer optimizer of its own. Under Lightning
+(``benchmarks/convergence.py``) :func:`lightning_callback` does the same with ``strategy="ddp"``. Every wait has
+``timeout`` and a failed commit raises (``max_retries=0``): a dead peer ends the run with a message.
 
-1. each rank is a replica group of one process (the flat layout: on the lab's 2x2 every rank is its own replica);
-2. rank 0 starts the lighthouse on its own address (the one it reaches ``MASTER_ADDR`` from, loopback range in the
-   lab) with ``min_replicas = WORLD_SIZE``, and publishes its address through a store at ``MASTER_ADDR:MASTER_PORT``
-   (the default process group's store when one is up, else a store of its own on that port);
-3. every rank hosts its replica group's TCP store and its manager server on its own address, and checks through
-   the store that every rank starts from the same weights (torchft's start-up weight sync is off: it serves
-   checkpoints over HTTP at the machine's host name, which the lab's namespaces do not resolve);
-4. the model's parameterised modules are split into ``fragments`` contiguous groups of about equal size, each with
-   an outer optimizer of its own (SGD, Nesterov momentum): with one outer optimizer over the whole model, a
-   fragment's sync would also step the other fragments with the inner step's gradients still on them.
-
-Under Lightning (``benchmarks/convergence.py``), :func:`lightning_callback` does the same with ``strategy="ddp"``,
-whose gradient all-reduce it switches off.
-
-Every wait has ``timeout`` (collectives, quorum, connections), and a failed commit raises at once
-(``max_retries=0``) instead of torchft's retry-forever: a dead peer ends the run with a message.
-
-Install it in an environment of its own (never the project's ``.venv``): ``requirements/benchmarks-torchft.txt``
-says how. Quantized outer gradients (``quantize=True``) need torchft's Triton kernels, hence CUDA: on CPU torchft
-would send full precision without a word, so the peer refuses them there.
+Install torchft in an environment of its own: ``requirements/benchmarks-torchft.txt`` says how. Quantized outer
+gradients need torchft's Triton kernels (CUDA); on CPU the peer refuses them rather than send full precision.
 """
 
 import ctypes
@@ -113,28 +97,11 @@ def torchft_diloco(
 ) -> TorchftDiLoCo:
     """Train ``model`` under torchft's (Streaming) DiLoCo, one replica per rank, on Gloo.
 
-    Call it on every rank with the same arguments, with ``MASTER_ADDR`` and ``MASTER_PORT`` set, and ``RANK`` and
-    ``WORLD_SIZE`` unless a default process group is up (its rank and size are used, its store is shared), and
-    every rank's model initialised identically (same seed). Then train with
-    ``inner_optimizer`` as usual and call :meth:`TorchftDiLoCo.close` at the end.
-
-    Args:
-        model: the model every rank trains; its parameters are synced in place.
-        inner_optimizer: the optimizer over ``model``'s parameters that steps every inner step.
-        sync_every: H, the inner steps between two syncs of the same fragment (torchft's ``sync_every``).
-        fragments: how many contiguous groups of modules the parameters are split into; one is synced every
-            ``sync_every / fragments`` steps, in turn. Must divide ``sync_every``.
-        fragment_sync_delay: τ, the inner steps a fragment's all-reduce runs behind before its result is applied;
-            below ``sync_every / fragments``.
-        fragment_update_alpha: the weight of the local parameters when the synced ones are merged (0: adopt the
-            synced parameters).
-        outer_lr: the outer SGD's learning rate.
-        outer_momentum: the outer SGD's Nesterov momentum.
-        quantize: send the pseudo-gradients quantized (torchft needs Triton and CUDA for it).
-        timeout: the limit of every collective, quorum and connection.
-
-    Returns:
-        The wrapped model; its ``fragments``, ``syncs`` and ``communication_counter`` show what ran.
+    Call it on every rank with the same arguments and identically initialised models, with ``MASTER_ADDR`` and
+    ``MASTER_PORT`` set (and ``RANK`` and ``WORLD_SIZE`` unless a default process group is up); train with
+    ``inner_optimizer`` as usual and call :meth:`TorchftDiLoCo.close` at the end. ``sync_every``, ``fragments``,
+    ``fragment_sync_delay`` and ``fragment_update_alpha`` are torchft's; the outer optimizer is SGD with Nesterov
+    momentum; ``timeout`` bounds every collective, quorum and connection.
 
     Raises:
         ValueError: a setting torchft would refuse or ignore, before anything is started.
@@ -275,11 +242,7 @@ def lightning_callback(**settings: Any) -> Any:
 
 
 def require_torchft() -> None:
-    """Raise the ImportError that says how to install torchft when it is not importable; import nothing else.
-
-    Raises:
-        ImportError: torchft is missing, with how to install it.
-    """
+    """Raise the ImportError that says how to install torchft when it is not importable; import nothing else."""
     try:
         import torchft  # noqa: F401
     except ImportError as error:
