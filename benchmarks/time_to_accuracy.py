@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.harness import bits_per_second, can_shape_links, headline
 from lab.methods import layout_variants, split_rank
-from lab.render import pyplot
+from lab.render import markdown_table, pyplot, ratio
 from lab.results import machine, write_report
 from lab.tasks import (
     ALL_TASKS,
@@ -349,20 +349,19 @@ def markdown(report: dict[str, Any]) -> str:
             methods = list(dict.fromkeys(r["method"] for r in chosen))
             by_key = {(r["rate"], r["method"]): r for r in chosen}
             lines += ["", f"### {task}, {layout} (hosts x ranks per host); target {target_text or '-'}", ""]
-            lines += ["| method | final accuracy % | steps to target | " + " | ".join(str(r) for r in rates) + " |"]
-            lines += ["|---|---|---|" + "---|" * len(rates)]
+            times = []
             for method in methods:
                 first = by_key[(rates[0], method)]
                 final = f"{first['final_acc_pct']:.2f}" if "final_acc_pct" in first else "-"
                 steps = first["steps_to_target"] if first["steps_to_target"] is not None else first["status"]
-                cells = [_time_cell(by_key[(rate, method)]) for rate in rates]
-                lines.append(f"| {method} | {final} | {steps} | " + " | ".join(cells) + " |")
+                times.append([method, final, str(steps), *(_time_cell(by_key[(rate, method)]) for rate in rates)])
+            lines.append(markdown_table(["method", "final accuracy %", "steps to target", *map(str, rates)], times))
             if rates and rates[0] is not None:
-                lines += ["", f"Communication overhead per step, {task}, {layout}:", ""]
-                lines += ["| method | " + " | ".join(str(r) for r in rates) + " |", "|---|" + "---|" * len(rates)]
-                for method in methods:
-                    cells = [_overhead_cell(by_key[(rate, method)]) for rate in rates]
-                    lines.append(f"| {method} | " + " | ".join(cells) + " |")
+                overheads = [
+                    [method, *(_overhead_cell(by_key[(rate, method)]) for rate in rates)] for method in methods
+                ]
+                lines += [f"Communication overhead per step, {task}, {layout}:", ""]
+                lines.append(markdown_table(["method", *map(str, rates)], overheads))
     lines += bars_markdown(report)
     failures = report["curve_failures"] + report["lab_failures"]
     if failures:
@@ -381,10 +380,6 @@ _NOT_FIXED = ("auto", "diloco_", "torchft_", "async")
 def _final_loss(report: dict[str, Any], task: str, method: str) -> float | None:
     curve = report["curves"].get(f"{task}/{curve_of(method)}")
     return curve["curve"][-1]["loss"] if curve and curve.get("curve") else None
-
-
-def _ratio(value: float | None, reference: float | None) -> str:
-    return f"{value / reference:.2f}x" if value is not None and reference else "-"
 
 
 def _fastest(rows: list[dict[str, Any]], keep: Any) -> dict[str, Any] | None:
@@ -423,12 +418,12 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
             auto_rows.append(
                 f"| {' | '.join(map(str, where))} | {row['auto_pick']} | {row['auto_trial_steps']:g} steps,"
                 f" {row['auto_trial_s']:.2g} s | {shown} | {best_text} |"
-                f" {_ratio(time_s, best and best['time_to_target_s'])} | {_ratio(time_s, ddp_s)} | {share:.1%} |"
+                f" {ratio(time_s, best and best['time_to_target_s'])} | {ratio(time_s, ddp_s)} | {share:.1%} |"
             )
         else:
             low_rank = _fastest(cell, lambda method: method.startswith("low_rank_"))
             torchft = _fastest(cell, lambda method: method.startswith("torchft_"))
-            low_rank_text = _ratio(time_s, low_rank and low_rank["time_to_target_s"])
+            low_rank_text = ratio(time_s, low_rank and low_rank["time_to_target_s"])
             if low_rank:
                 low_rank_text += f" ({low_rank['method']})"
             loss, ddp_loss = _final_loss(report, row["task"], row["method"]), _final_loss(report, row["task"], "ddp")
@@ -437,11 +432,11 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
             # What its steps to target would take with free communication: no method that needs them can do better.
             single = singles.get(where)
             floor_s = single * row["steps_to_target"] if single and row.get("steps_to_target") else None
-            floor = f"{_ratio(floor_s, low_rank and low_rank['time_to_target_s'])}, {_ratio(floor_s, ddp_s)}"
+            floor = f"{ratio(floor_s, low_rank and low_rank['time_to_target_s'])}, {ratio(floor_s, ddp_s)}"
             diloco_rows.append(
                 f"| {' | '.join(map(str, where))} | {row['method']} | {shown} | {low_rank_text} |"
-                f" {_ratio(time_s, ddp_s)} | {_ratio(time_s, torchft and torchft['time_to_target_s'])} |"
-                f" {_ratio(row['median_step_s'], single)} | {floor} | {_ratio(loss, ddp_loss)} | {acc} |"
+                f" {ratio(time_s, ddp_s)} | {ratio(time_s, torchft and torchft['time_to_target_s'])} |"
+                f" {ratio(row['median_step_s'], single)} | {floor} | {ratio(loss, ddp_loss)} | {acc} |"
             )
     lines: list[str] = []
     if auto_rows:
