@@ -19,7 +19,6 @@ import functools
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab.jobs import job_env
 from lab.methods import TORCHFT_NOTE, engine_algorithm, split_rank, torchft_settings
 from lab.models import CONTEXT, task_loss, task_model
 from lab.render import markdown_table, pyplot
@@ -68,9 +68,6 @@ HOOK_TIMEOUT_S = 180  # the collective timeout of the hook methods' process grou
 # Run with hierarchical=False: on one node the hierarchical form only averages inside the node at full precision.
 # diloco too: hierarchical on one node would all-reduce gradients every step, training one replica.
 FLAT = {"bytegrad", "qadam", "decentralized", "low_precision_decentralized", "diloco"}
-# Variables a surrounding launcher may have set: inherited, they would make a job join that launcher's job.
-LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ the methods
@@ -300,8 +297,7 @@ def run_job(task: str, method: str, seed: int, steps: int, timeout: int, eval_ev
 
     A DDP hook method whose hook never ran (no calls, or PowerSGD never past its uncompressed start) fails here.
     """
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env = job_env([ROOT / "src"])  # without a surrounding launcher's variables: the job would join its job
     with tempfile.TemporaryDirectory() as directory:
         result_file = Path(directory) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--job", "--task", task, "--method", method]

@@ -1,18 +1,11 @@
-"""Host time of one ``low_rank`` bucket on a CPU: the current path against the earlier one, same gradients.
+"""Host time of one ``low_rank`` bucket on a CPU: the native codec kernels against the torch reference, same gradients.
 
-``low_rank``'s step on a small model is mostly host work between two collectives. This times
-``low_rank_reduce_`` on the whole gradient of a convergence task's network as one bucket, in one process (a
-Gloo group of one, so the collectives cost next to nothing), under three settings of the same algorithm:
-
-* ``gram_schmidt_torch``: the earlier path: Gram-Schmidt column by column, and the factors coded with the
-  vectorised torch ops (``MinMaxUInt8Codec(backend="torch")``);
-* ``qr_torch``: the batched QR orthonormalisation, the factors still coded with torch ops;
-* ``qr_native``: the batched QR and the native codec kernels (what ``low_rank`` runs on a CPU now).
-
-Settings are interleaved over ``--rounds`` rounds of ``--steps`` timed calls each, after ``--warmup`` untimed
-ones; each round's median is kept, and the table gives the median over rounds with [min, max]. The two-sided form
-and ``alternate=True`` are both timed. Peers (DDP, its fp16 and PowerSGD hooks) are not here: their step times
-beside ``low_rank``'s are in ``time_to_accuracy_cpu.md`` and the network lab::
+``low_rank``'s step on a small model is mostly host work between two collectives. This times ``low_rank_reduce_``
+on the whole gradient of a convergence task's network as one bucket, in one process (a Gloo group of one, so the
+collectives cost next to nothing), with the factors coded by torch ops (``qr_torch``) and by the native kernels
+(``qr_native``, what ``low_rank`` runs on a CPU), both forms (two-sided and ``alternate=True``). The settings are
+interleaved over ``--rounds`` rounds of ``--steps`` timed calls after ``--warmup`` untimed ones; the table gives the
+median of the rounds' medians [min, max]. DDP's hooks beside ``low_rank`` are timed by the network lab::
 
     python benchmarks/low_rank_host_cost.py            # writes benchmarks/results/low_rank_host_cost_cpu.{json,md}
 """
@@ -22,8 +15,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,25 +28,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lab.harness import free_port, rotated
 from lab.models import task_model
 from lab.results import command_line, machine, spread, write_report
-from lightning_bagua.engine.algorithms.low_rank import _factors, hook
+from lightning_bagua.engine.algorithms.low_rank import hook
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import CommunicationCounter
 
 RESULTS = Path(__file__).parent / "results"
-SETTINGS = ("gram_schmidt_torch", "qr_torch", "qr_native")
+SETTINGS = ("qr_torch", "qr_native")
 TASKS = ("digits", "charlm", "bytemlp")
-
-
-@contextmanager
-def orthonormalisation(setting: str) -> Iterator[None]:
-    """Run ``low_rank`` with Gram-Schmidt for the ``gram_schmidt_*`` settings, with its own function otherwise."""
-    original = _factors.orthonormalise_columns
-    if setting.startswith("gram_schmidt"):
-        _factors.orthonormalise_columns = _factors.gram_schmidt_
-    try:
-        yield
-    finally:
-        _factors.orthonormalise_columns = original
 
 
 def make_state(parameters: list[torch.nn.Parameter], rank: int, alternate: bool, setting: str) -> Any:
@@ -84,12 +64,11 @@ def timer(task: str, rank: int, alternate: bool, setting: str) -> Callable[[int]
 
     def run(calls: int) -> list[float]:
         times = []
-        with orthonormalisation(setting):
-            for _ in range(calls):
-                bucket = gradient.clone()
-                start = time.perf_counter()
-                hook.low_rank_reduce_(bucket, slots, None, 1, state)
-                times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            bucket = gradient.clone()
+            start = time.perf_counter()
+            hook.low_rank_reduce_(bucket, slots, None, 1, state)
+            times.append(time.perf_counter() - start)
         return times
 
     return run
@@ -121,8 +100,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "Host time of one `low_rank` bucket (the whole gradient of the task's network), one process, one thread:"
-        " median over rounds of each round's median call, in ms [min, max], and the ratio to the earlier path"
-        " (`gram_schmidt_torch`).",
+        " median over rounds of each round's median call, in ms [min, max], and the ratio to the torch reference"
+        " (`qr_torch`).",
         f"Written by `{report['command']}`; the numbers are in `low_rank_host_cost_cpu.json`.",
         "",
         "| task | rank | form | " + " | ".join(SETTINGS) + " |",

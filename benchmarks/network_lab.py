@@ -49,6 +49,7 @@ from lab.harness import (
     link_burst_bytes,
     result_lines,
 )
+from lab.jobs import job_env
 from lab.methods import (
     ALGORITHM_VARIANTS,
     DILOCO_METHODS,
@@ -332,7 +333,6 @@ def _tail(outputs: list[str]) -> str:
 
 def launch(args: argparse.Namespace, hosts: list[tuple[str, str, str]], schedule: list[tuple[int, str]]) -> list[str]:
     """Run one worker per rank in its host's namespace through ``schedule``; return each rank's output."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     port = random.randrange(20000, 60000)
     with ExitStack() as stack:
         processes, logs = [], []
@@ -343,13 +343,12 @@ def launch(args: argparse.Namespace, hosts: list[tuple[str, str, str]], schedule
             if args.no_local_world_size:
                 local = {}  # a plain env:// launcher: the engine finds the hosts itself
             command = ["ip", "netns", "exec", namespace, *worker_command(args, schedule, rank, hosts[0][2], port)]
-            launch_env = {k: v for k, v in env.items() if k not in {"LOCAL_WORLD_SIZE", "LOCAL_RANK"}}
             # Output to a file, not a pipe: nothing blocks on a full pipe while another rank is waited for.
             logs.append(stack.enter_context(tempfile.TemporaryFile(mode="w+")))
             processes.append(
                 subprocess.Popen(
                     command,
-                    env={**launch_env, "GLOO_SOCKET_IFNAME": interface, **local},
+                    env=job_env([ROOT / "src"], GLOO_SOCKET_IFNAME=interface, **local),
                     stdout=logs[-1],
                     stderr=subprocess.STDOUT,
                     text=True,
