@@ -80,14 +80,6 @@ FAILURE_GRACE_S = 20  # how long the other ranks may take to report after one ra
 HOOK_WARMUP = 2  # uncompressed steps of PowerSGD and low_rank before they compress (inside the untimed warm-up)
 
 
-def make_model(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 1))
-
-
 def all_methods(ranks_per_host: int = 1) -> list[str]:
     """Every method; with several ranks per host, hierarchical-capable algorithms as ``:flat`` and ``:hierarchical``.
 
@@ -126,10 +118,11 @@ def layout_name(hosts: int, ranks_per_host: int, from_hosts: bool = False, task:
 
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     """The model to time and its loss: the lab's own MLP, or a convergence task's network (same seed every time)."""
-    if args.task == "mlp":
-        return make_model(args.width, args.depth), nn.functional.mse_loss
     torch.manual_seed(0)
-    return task_model(args.task), task_loss
+    if args.task != "mlp":
+        return task_model(args.task), task_loss
+    layers = [layer for _ in range(args.depth) for layer in (nn.Linear(args.width, args.width), nn.Tanh())]
+    return nn.Sequential(*layers, nn.Linear(args.width, 1)), nn.functional.mse_loss
 
 
 def wrap(

@@ -204,7 +204,7 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     assert "low_rank_r32" not in lab_module.known_methods()
     # diloco by sync period: any diloco_h<H> resolves to sync_every=H.
     assert {"diloco", "diloco_h10", "diloco_h20:hierarchical"} <= accepted
-    assert lab_module.resolve_algorithm("diloco_h7") == ("diloco", {"sync_every": 7})
+    assert lab_module.engine_algorithm("diloco_h7", 2) == ("diloco", {"sync_every": 7})
     skip_without_lab_tools()
     out = tmp_path / "results"
     lab = [str(BENCHMARKS / "network_lab.py"), "--task", "digits", "--rates", "unshaped", "--rounds", "2"]
