@@ -141,12 +141,10 @@ def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> 
 
 
 class CPUCommHookDDPStrategy(DDPStrategy):
-    """Lightning's DDP strategy with a communication hook that also runs on CPU.
+    """Lightning's DDP strategy with a communication hook that also runs on CPU, counting its calls.
 
-    ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` registers the hook only on CUDA devices; on CPU it trains
-    plain DDP without a word. This strategy takes the same two arguments, passes them on (so CUDA behaves as
-    Lightning does) and, on any other device, registers the hook itself once DDP has wrapped the model. The hook
-    is wrapped to count its calls and the gradient elements it was handed, so a run can prove the hook ran.
+    ``DDPStrategy(ddp_comm_hook=...)`` registers the hook only on CUDA devices and trains plain DDP on CPU without a
+    word; this one registers it itself on other devices, and counts its calls and elements so a run proves it ran.
     """
 
     def __init__(self, ddp_comm_state: Any, ddp_comm_hook: Callable[..., Any], **kwargs: Any) -> None:
@@ -282,10 +280,8 @@ def job(args: argparse.Namespace) -> None:
                 result["hook"]["powersgd_iter"] = strategy.comm_state.iter
                 result["hook"]["powersgd_start_iter"] = strategy.comm_state.start_powerSGD_iter
         Path(args.result_file).write_text(json.dumps(result))
-    # Lightning leaves the default process group alive after a run. A `ddp` job never meets BaguaStrategy's at-exit
-    # handler that destroys it, so its processes exited with Gloo's threads still running and could abort in
-    # interpreter shutdown ("terminate called without an active exception"). Every job ends it here, while whole,
-    # through the engine's destroy: torch's own can deadlock freeing the group on torch 2.2 to 2.7 (see there).
+    # Lightning leaves the default group alive; left to interpreter shutdown, Gloo's threads can abort a `ddp` job.
+    # The engine's destroy, as torch's own can deadlock freeing the group on torch 2.2 to 2.7.
     if torch.distributed.is_initialized():
         from lightning_bagua.engine._torch_compat import destroy_process_group
 

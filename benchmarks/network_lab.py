@@ -748,12 +748,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=None, help="default: all")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (more than 2)")
-    parser.add_argument(
-        "--run-steps",
-        type=int,
-        default=None,
-        help="the training run auto is told of (its run_steps: it measures for at most 5%% of them); default: none",
-    )
+    parser.add_argument("--run-steps", type=int, default=None, help="the run length auto is told (its run_steps)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the methods (default: 5)")
     parser.add_argument("--task", default="mlp", choices=TASKS, help="the model: the lab's MLP or a convergence task's")
     parser.add_argument("--width", type=int, default=1024, help="hidden width (1024 and depth 2: 2.1M parameters)")
@@ -762,17 +757,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=600, help="seconds a collective may take")
     parser.add_argument("--hosts", type=int, default=2, help="network namespaces (more than 2: joined by a bridge)")
     parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks per host: LOCAL_WORLD_SIZE, unshaped")
-    parser.add_argument(
-        "--no-local-world-size",
-        action="store_true",
-        help="launch as a plain env:// launcher does, without LOCAL_WORLD_SIZE: the engine finds the hosts itself",
-    )
-    parser.add_argument(
-        "--burst-us",
-        type=float,
-        default=BURST_US,
-        help=f"each link's token bucket, in microseconds of its time (default: {BURST_US:g}; see link_burst_bytes)",
-    )
+    parser.add_argument("--no-local-world-size", action="store_true", help="the engine finds the hosts itself")
+    parser.add_argument("--burst-us", type=float, default=BURST_US, help="each link's token bucket, in us of its time")
     parser.add_argument(
         "--check-links",
         nargs="*",
