@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from lab.harness import free_port, rotated
 from lab.models import task_model
+from lab.render import markdown_table
 from lab.results import command_line, machine, spread, write_report
 from lightning_bagua.engine.algorithms.low_rank import hook
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
@@ -98,27 +99,21 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [
+    keyed = {(r["task"], r["rank"], r["form"], r["setting"]): r for r in report["results"]}
+    rows = []
+    for task, rank, form in dict.fromkeys((r["task"], r["rank"], r["form"]) for r in report["results"]):
+        base = keyed[(task, rank, form, SETTINGS[0])]["median_s"]
+        timed = [keyed[(task, rank, form, setting)] for setting in SETTINGS]
+        rows.append([task, str(rank), form, *(f"{r['median_s'] * 1e3:.2f} [{r['min_s'] * 1e3:.2f},"
+                     f" {r['max_s'] * 1e3:.2f}] ({r['median_s'] / base:.2f}x)" for r in timed)])  # fmt: skip
+    return "\n".join([
         "Host time of one `low_rank` bucket (the whole gradient of the task's network), one process, one thread:"
         " median over rounds of each round's median call, in ms [min, max], and the ratio to the torch reference"
         " (`qr_torch`).",
         f"Written by `{report['command']}`; the numbers are in `low_rank_host_cost_cpu.json`.",
         "",
-        "| task | rank | form | " + " | ".join(SETTINGS) + " |",
-        "|---|---|---|" + "---|" * len(SETTINGS),
-    ]
-    keyed = {(r["task"], r["rank"], r["form"], r["setting"]): r for r in report["results"]}
-    for task, rank, form in dict.fromkeys((r["task"], r["rank"], r["form"]) for r in report["results"]):
-        base = keyed[(task, rank, form, SETTINGS[0])]["median_s"]
-        cells = []
-        for setting in SETTINGS:
-            row = keyed[(task, rank, form, setting)]
-            cells.append(
-                f"{row['median_s'] * 1e3:.2f} [{row['min_s'] * 1e3:.2f}, {row['max_s'] * 1e3:.2f}]"
-                f" ({row['median_s'] / base:.2f}x)"
-            )
-        lines.append(f"| {task} | {rank} | {form} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        markdown_table(["task", "rank", "form", *SETTINGS], rows),
+    ])  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

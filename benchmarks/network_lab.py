@@ -699,27 +699,25 @@ def links_markdown(report: dict[str, Any]) -> str:
     columns = list(dict.fromkeys((row["rate"], row["burst_us"]) for row in report["results"]))
     by_key = {(row["rate"], row["burst_us"], row["size"]): row for row in report["results"]}
     settings = report["settings"]
-    header = [rate if burst is None else f"{rate}, bucket {burst:g} us" for rate, burst in columns]
-    lines = [
+    rows = []
+    for size in settings["sizes"]:
+        cells = [f"{size / 1e3:g} kB"]
+        for rate, burst in columns:
+            row = by_key[(rate, burst, size)]
+            cell = f"{row['median_s'] * 1e3:.2f} [{row['min_s'] * 1e3:.2f}, {row['max_s'] * 1e3:.2f}]"
+            bound = row["rate_bound_s"]
+            cells.append(cell if bound is None else f"{cell} (size / rate {bound * 1e3:.2f})")
+        rows.append(cells)
+    header = ["message", *(rate if burst is None else f"{rate}, bucket {burst:g} us" for rate, burst in columns)]
+    return "\n".join([
         "Time of one message from its first byte sent to the receiver's one-byte reply, after"
         f" {settings['idle_s'] * 1e3:g} ms idle: median of {settings['repeats']} [min, max] in ms; `size / rate` is"
         " the least time the link's rate allows for the message's bytes alone. The bucket is `tbf`'s, in"
         " microseconds of the link's time (`link_burst_bytes`).",
         f"Written by `{report['command']}`; the numbers are in `network_lab_links.json`.",
         "",
-        "| message | " + " | ".join(header) + " |",
-        "|---|" + "---|" * len(columns),
-    ]
-    for size in settings["sizes"]:
-        cells = []
-        for rate, burst in columns:
-            row = by_key[(rate, burst, size)]
-            cell = f"{row['median_s'] * 1e3:.2f} [{row['min_s'] * 1e3:.2f}, {row['max_s'] * 1e3:.2f}]"
-            if row["rate_bound_s"] is not None:
-                cell += f" (size / rate {row['rate_bound_s'] * 1e3:.2f})"
-            cells.append(cell)
-        lines.append(f"| {size / 1e3:g} kB | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        markdown_table(header, rows),
+    ])  # fmt: skip
 
 
 def orchestrate(args: argparse.Namespace) -> None:
