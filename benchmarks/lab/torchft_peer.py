@@ -21,6 +21,7 @@ import os
 import socket
 from datetime import timedelta
 from importlib.metadata import version
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ class TorchftDiLoCo(nn.Module):
         super().__init__()
         self.module = model
         self.fragments = fragments
-        self.communication_counter = _Counter()
+        self.communication_counter = SimpleNamespace(bytes_sent=0)
         self.syncs = 0
         self._resources = resources
         self._fragment_bytes = [sum(p.numel() * p.element_size() for p in f.parameters()) for f in fragments]
@@ -62,11 +63,6 @@ class TorchftDiLoCo(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-    @property
-    def manager(self) -> Any:
-        """torchft's ``Manager`` of this rank's replica group."""
-        return self._resources.manager
 
     def close(self) -> None:
         """Remove the optimizer hooks and stop the manager, the lighthouse and the stores; safe to call twice."""
@@ -281,11 +277,6 @@ def own_address(master_addr: str, master_port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((master_addr, master_port))
         return str(probe.getsockname()[0])
-
-
-class _Counter:
-    def __init__(self) -> None:
-        self.bytes_sent = 0
 
 
 class _Resources:
