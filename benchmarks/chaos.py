@@ -623,6 +623,11 @@ def merge_reports(paths: list[Path], out: Path, name: str) -> int:
         "name": name,
         "date": max(report["date"] for report in reports),
         "settings": {**reports[0]["settings"], "parts": [report["settings"] for report in reports]},
+        # Each input's own run: its name, its day (the code it tested) and the algorithms it covered.
+        "merged_from": [
+            {"name": r["name"], "date": r["date"], "algorithms": sorted({run["algorithm"] for run in r["runs"]})}
+            for r in reports
+        ],
         "rows": summarize([run_from_record(run) for run in runs]),
         "runs": runs,
     }
