@@ -568,25 +568,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--save-last",
-        choices=SAVE_LAST_CHOICES,
-        default="true",
-        help="the job's ModelCheckpoint(save_last=...): a checkpoint saved as last.ckpt, or a link to the newest",
-    )
+    save_last = "the job's ModelCheckpoint(save_last=...): a checkpoint saved as last.ckpt, or a link to the newest"
+    parser.add_argument("--save-last", choices=SAVE_LAST_CHOICES, default="true", help=save_last)
     parser.add_argument("--timeout-s", type=float, default=240.0, help="a run still going after this is a hang")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="results file stem (default chaos_<device>)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lightning_bagua_chaos_cache")
-    parser.add_argument(
-        "--merge",
-        nargs="+",
-        type=Path,
-        default=None,
-        help="write one report (--name, --out) from these reports' runs instead of running jobs; for jobs run side"
-        " by side, one process per algorithm",
-    )
+    merge = "write one report (--name, --out) from these reports' runs instead of running jobs (jobs run side by side)"
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, help=merge)
     args = parser.parse_args(argv)
     command = "python benchmarks/chaos.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.merge:
@@ -602,10 +592,8 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             for algorithm in args.algorithms:
                 seeds = [args.seed + i for i in range(ASYNC_SEEDS if algorithm == "async" else 1)]
-                references = [
-                    undisturbed(algorithm, layout, args.device, s, args.save_last, args.cache, args.timeout_s)
-                    for s in seeds
-                ]
+                references = [undisturbed(algorithm, layout, args.device, s, args.save_last, args.cache,
+                                          args.timeout_s) for s in seeds]  # fmt: skip
                 for index in range(args.kills):
                     kind = rng.choice(args.kinds)
                     print(f"{algorithm} {layout.name} #{index} {kind}: started", flush=True)
@@ -621,11 +609,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{algorithm} {layout.name} #{index}: the agent's rendezvous failed; again", flush=True)
                     kills = "; ".join(f"{k.kind} rank {k.rank}{'' if k.landed else ' (missed aim)'}" for k in run.kills)
                     status = "HANG" if run.hang else "exact" if run.exact else "NOT EXACT"
-                    print(
-                        f"{algorithm} {layout.name} #{index} {kind}: {kills or 'no kill'}; restarts {run.restarts}; "
-                        f"{status} ({run.comparison}); torn {len(run.torn)}; {run.seconds} s",
-                        flush=True,
-                    )
+                    outcome = f"restarts {run.restarts}; {status} ({run.comparison}); torn {len(run.torn)}"
+                    outcome += f"; {run.seconds} s"
+                    print(f"{algorithm} {layout.name} #{index} {kind}: {kills or 'no kill'}; {outcome}", flush=True)
                     runs.append(run)
     settings = {"kills_per_configuration": args.kills, "algorithms": args.algorithms, "layouts": args.layouts,
                 "kinds": args.kinds, "seed": args.seed, "timeout_s": args.timeout_s, "max_restarts": MAX_RESTARTS,

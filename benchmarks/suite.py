@@ -539,20 +539,19 @@ def chart(report: dict[str, Any], path: Path) -> bool:
     accuracy = [t for t in report["targets"] if t["measured"] is not None and "points" in t["bar"]]
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.35 * max(len(measured), len(accuracy), 4) + 1.5))
     colour = {"pass": "tab:green", "miss": "tab:red"}
-    labels = [t["target"] for t in measured]
-    left.barh(range(len(measured)), [t["measured"] for t in measured], color=[colour[t["status"]] for t in measured])
-    left.set_yticks(range(len(measured)), labels, fontsize=7)
-    left.set_xlabel("measured ratio (x); the bar is in the table")
+    panels = ((left, measured, [t["target"] for t in measured], "measured ratio (x); the bar is in the table"),
+              (right, accuracy, [t["target"].split(": ", 1)[1] for t in accuracy],
+               "accuracy - baseline accuracy (points); the bar is -1"))  # fmt: skip
+    for axis, targets, labels, xlabel in panels:
+        axis.barh(range(len(targets)), [t["measured"] for t in targets], color=[colour[t["status"]] for t in targets])
+        axis.set_yticks(range(len(targets)), labels, fontsize=7)
+        axis.set_xlabel(xlabel)
+        axis.invert_yaxis()
     left.axvline(1.0, color="black", linewidth=0.8)
-    left.invert_yaxis()
-    right.barh(range(len(accuracy)), [t["measured"] for t in accuracy], color=[colour[t["status"]] for t in accuracy])
-    right.set_yticks(range(len(accuracy)), [t["target"].split(": ", 1)[1] for t in accuracy], fontsize=7)
     right.axvline(-1.0, color="black", linestyle="--", linewidth=0.8)
     right.axvline(0.0, color="black", linewidth=0.8)
     deltas = [t["measured"] for t in accuracy] or [0.0]
     right.set_xlim(min(-1.25, min(deltas) - 0.25), max(0.5, max(deltas) + 0.25))
-    right.set_xlabel("accuracy - baseline accuracy (points); the bar is -1")
-    right.invert_yaxis()
     figure.suptitle("Performance targets: green pass, red miss (benchmarks/suite.py)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

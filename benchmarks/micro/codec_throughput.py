@@ -190,24 +190,15 @@ def main() -> None:
                     )
                     total = compress_s + decompress_s
                     effective = (2 * nbytes + 2 * numel) / total
-                    rows.append(
-                        {
-                            "size_mb": size_mb,
-                            "mode": mode,
-                            "backend": backend,
-                            "chunks": num_chunks,
-                            "copy_gbps": copy_bandwidth / 1e9,
-                            "copy_gbps_by_mode": {name: value / 1e9 for name, value in copy_by_mode.items()},
-                            "compress_ms": compress_s * 1e3,
-                            "decompress_ms": decompress_s * 1e3,
-                            "host_us_per_call": None
-                            if compress_host_s is None or decompress_host_s is None
-                            else (compress_host_s + decompress_host_s) / 2 * 1e6,
-                            "input_gbps": nbytes / total / 1e9,
-                            "effective_gbps": effective / 1e9,
-                            "fraction_of_copy": effective / copy_bandwidth,
-                        }
-                    )
+                    host_us = None if compress_host_s is None else (compress_host_s + decompress_host_s) / 2 * 1e6
+                    rows.append({
+                        "size_mb": size_mb, "mode": mode, "backend": backend, "chunks": num_chunks,
+                        "copy_gbps": copy_bandwidth / 1e9,
+                        "copy_gbps_by_mode": {name: value / 1e9 for name, value in copy_by_mode.items()},
+                        "compress_ms": compress_s * 1e3, "decompress_ms": decompress_s * 1e3,
+                        "host_us_per_call": host_us, "input_gbps": nbytes / total / 1e9,
+                        "effective_gbps": effective / 1e9, "fraction_of_copy": effective / copy_bandwidth,
+                    })  # fmt: skip
                     del encoded
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
