@@ -452,22 +452,15 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     for key in dict.fromkeys((r.algorithm, r.layout) for r in runs):
         group = [r for r in runs if (r.algorithm, r.layout) == key]
         kills = [k for r in group for k in r.kills]
-        rows.append(
-            {
-                "algorithm": key[0],
-                "layout": key[1],
-                "runs": len(group),
-                "kills": len(kills),
-                "kills_by_kind": dict(Counter(k.kind for k in kills)),
-                "kills_missed_aim": sum(not k.landed for k in kills) + sum(not r.kills for r in group),
-                "restarts": sum(r.restarts for r in group),
-                "exact": sum(r.exact for r in group),
-                "not_exact": sum(not r.exact and not r.hang for r in group),
-                "torn_checkpoints": sum(len(r.torn) for r in group),
-                "leftover_partials": sum(r.leftover_partials for r in group),
-                "hangs": sum(r.hang for r in group),
-            }
-        )
+        rows.append({
+            "algorithm": key[0], "layout": key[1], "runs": len(group), "kills": len(kills),
+            "kills_by_kind": dict(Counter(k.kind for k in kills)),
+            "kills_missed_aim": sum(not k.landed for k in kills) + sum(not r.kills for r in group),
+            "restarts": sum(r.restarts for r in group), "exact": sum(r.exact for r in group),
+            "not_exact": sum(not r.exact and not r.hang for r in group),
+            "torn_checkpoints": sum(len(r.torn) for r in group),
+            "leftover_partials": sum(r.leftover_partials for r in group), "hangs": sum(r.hang for r in group),
+        })  # fmt: skip
     return rows
 
 
