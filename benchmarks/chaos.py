@@ -1,34 +1,14 @@
 """Kill a random rank at a random moment of an elastic job, and check that the job still ends where it should.
 
-Each run launches the job, ``chaos.py job`` (:func:`job`: the user's script of issue 34, a small Trainer fit with
-``ModelCheckpoint(every_n_train_steps=5, save_last=True)`` or ``"link"``, a shuffled ``DataLoader`` and
-``ckpt_path="last"``; dropout and a draw from Python's ``random`` make resuming restore the generators too), under
-``torchrun --max-restarts``, with a c10d rendezvous on 127.0.0.1. Every rank of the job appends its progress to a
-marker file (:class:`Markers`); the harness, not the job, watches them and SIGKILLs one worker, picked at random, at
-a moment of a kind picked at random:
+Each run launches ``chaos.py job`` (:func:`job`: a small Trainer fit with a checkpoint every 5 steps and
+``ckpt_path="last"``) under ``torchrun --max-restarts``, watches the ranks' marker files (:class:`Markers`) and
+SIGKILLs one worker at a moment of a kind picked at random (``mid_step``, ``collective``, ``checkpoint_save``,
+``restart``). Then every ``.ckpt`` left must load, and every rank's final weights must match the cached undisturbed
+job's: bit for bit (synchronous algorithms, ``diloco``), within 1e-5 (decentralized ones), or, for ``async``, a
+final loss within the spread of several seeds. The fault-tolerance page documents the kinds and the checks.
 
-- ``mid_step``: once a rank has started a training step picked at random, within that step's first milliseconds;
-- ``collective``: the job is told to make one rank sleep before its backward at a step picked at random; once it
-  does, and the others have had time to block on it, one of the others is killed while it waits in a collective;
-- ``checkpoint_save``: as soon as rank 0 marks the start of a save at or after a step picked at random (in these
-  runs the job holds each save open for 0.3 s, with its ``.partial`` file open), so the kill lands inside the save;
-- ``restart``: a ``mid_step`` kill first, then, a random fraction of a few seconds after torchrun has started the
-  new workers and before any of them has begun fitting, one of those.
-
-After the job, every ``.ckpt`` file left must load with ``torch.load(weights_only=True)`` (else it counts as torn),
-and every rank's final weights are compared with those of the undisturbed job of the same configuration (run once
-and cached): bit for bit for the synchronous algorithms, ``ddp`` and ``diloco``, within 1e-5 for ``decentralized`` and
-``low_precision_decentralized``; for ``async``, the final loss must lie within the spread of the undisturbed job's
-final loss over a few seeds, widened by that spread on either side. A job still running after ``--timeout-s`` is
-killed and counted as a hang.
-
-Two job options shape it without changing its arithmetic: ``--save-delay-s`` holds every checkpoint save open
-(one entry is slow to pickle, :class:`SlowToPickle`), and ``--straggle-rank/--straggle-step`` make one rank sleep
-before its backward once. Each rank that finishes writes ``OUT/final/rank{r}.pt``: its weights, the loss of those
-weights on the whole data set, its step count, the launcher's restart count and a trace of each step's inputs.
-
-Results go to ``benchmarks/results/chaos_<device>.json`` and ``.md`` (``--name`` to change), with the command.
-Run with the project's interpreter, for instance
+Results go to ``benchmarks/results/chaos_<device>.json`` and ``.md`` (``--name`` to change); ``--merge`` pools the
+reports of runs made side by side. For instance
 ``.venv/bin/python benchmarks/chaos.py --kills 4 --algorithms gradient_allreduce async --layouts 2``.
 """
 
@@ -63,17 +43,8 @@ from lab.render import markdown_table
 from lab.results import RESULTS, new_report, write_report
 
 SCRIPT = Path(__file__).resolve()
-ALGORITHMS = (
-    "ddp",
-    "gradient_allreduce",
-    "bytegrad",
-    "decentralized",
-    "low_precision_decentralized",
-    "low_rank",
-    "qadam",
-    "async",
-    "diloco",
-)
+ALGORITHMS = ("ddp", "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "low_rank",
+              "qadam", "async", "diloco")  # fmt: skip
 SYNCHRONOUS = frozenset({"ddp", "gradient_allreduce", "bytegrad", "low_rank", "qadam"})
 # Compared bit for bit: the synchronous ones, and diloco, whose replicas differ but whose schedule is deterministic.
 BIT_EXACT = SYNCHRONOUS | {"diloco"}
@@ -177,52 +148,14 @@ def agent_commands(
     """Return one torchrun command per node of ``layout``, all meeting at one rendezvous on 127.0.0.1."""
     endpoint = f"127.0.0.1:{free_port()}"
     job_id = f"chaos-{uuid.uuid4().hex[:8]}"
-    script = [
-        str(SCRIPT),
-        "job",
-        "--out",
-        str(out),
-        "--algorithm",
-        algorithm,
-        "--device",
-        device,
-        "--seed",
-        str(seed),
-        "--keywords",
-        json.dumps(algorithm_keywords(algorithm, layout)),
-        "--epochs",
-        str(EPOCHS),
-        "--checkpoint-every",
-        str(CHECKPOINT_EVERY),
-        "--step-sleep-s",
-        str(STEP_SLEEP_S),
-        "--save-last",
-        save_last,
-        *extra,
-    ]
-    return [
-        [
-            *torchrun(),
-            "--nnodes",
-            str(layout.nodes),
-            "--nproc-per-node",
-            str(layout.per_node),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            job_id,
-            "--local-addr",
-            "127.0.0.1",
-            "--max-restarts",
-            str(MAX_RESTARTS),
-            "--monitor-interval",
-            "0.1",
-            *script,
-        ]
-        for _ in range(layout.nodes)
-    ]
+    keywords = json.dumps(algorithm_keywords(algorithm, layout))
+    script = [str(SCRIPT), "job", "--out", str(out), "--algorithm", algorithm, "--device", device, "--seed", str(seed),
+              "--keywords", keywords, "--epochs", str(EPOCHS), "--checkpoint-every", str(CHECKPOINT_EVERY),
+              "--step-sleep-s", str(STEP_SLEEP_S), "--save-last", save_last, *extra]  # fmt: skip
+    agent = torchrun("--nnodes", str(layout.nodes), "--nproc-per-node", str(layout.per_node), "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", endpoint, "--rdzv-id", job_id, "--local-addr", "127.0.0.1",
+                     "--max-restarts", str(MAX_RESTARTS), "--monitor-interval", "0.1")  # fmt: skip
+    return [[*agent, *script] for _ in range(layout.nodes)]
 
 
 def worker_pids(agents: list[int]) -> dict[int, int]:
@@ -449,17 +382,11 @@ def compare(algorithm: str, finals: list[dict[str, Any]], references: list[list[
     """Compare a disturbed job's final records with the undisturbed job's (several seeds for ``async``)."""
     reference = references[0]
     if algorithm == "async":
-        losses = [min(f["loss"] for f in ref) for ref in references] + [
-            max(f["loss"] for f in ref) for ref in references
-        ]
+        losses = [f["loss"] for ref in references for f in ref]
         low, high = min(losses), max(losses)
-        spread = high - low
-        loss = finals[0]["loss"]
-        inside = low - spread <= loss <= high + spread
-        own = reference[0]["loss"]
-        return inside, (
-            f"loss {loss:.6f}, undisturbed {own:.6f} at the same seed, [{low:.6f}, {high:.6f}] over {len(references)}"
-        )
+        spread, loss, own = high - low, finals[0]["loss"], reference[0]["loss"]
+        seeds = f"undisturbed {own:.6f} at the same seed, [{low:.6f}, {high:.6f}] over {len(references)}"
+        return low - spread <= loss <= high + spread, f"loss {loss:.6f}, {seeds}"
     steps = [f["global_step"] for f in finals]
     if steps != [f["global_step"] for f in reference]:
         return False, f"steps {steps} against {[f['global_step'] for f in reference]}"
@@ -525,22 +452,15 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     for key in dict.fromkeys((r.algorithm, r.layout) for r in runs):
         group = [r for r in runs if (r.algorithm, r.layout) == key]
         kills = [k for r in group for k in r.kills]
-        rows.append(
-            {
-                "algorithm": key[0],
-                "layout": key[1],
-                "runs": len(group),
-                "kills": len(kills),
-                "kills_by_kind": dict(Counter(k.kind for k in kills)),
-                "kills_missed_aim": sum(not k.landed for k in kills) + sum(not r.kills for r in group),
-                "restarts": sum(r.restarts for r in group),
-                "exact": sum(r.exact for r in group),
-                "not_exact": sum(not r.exact and not r.hang for r in group),
-                "torn_checkpoints": sum(len(r.torn) for r in group),
-                "leftover_partials": sum(r.leftover_partials for r in group),
-                "hangs": sum(r.hang for r in group),
-            }
-        )
+        rows.append({
+            "algorithm": key[0], "layout": key[1], "runs": len(group), "kills": len(kills),
+            "kills_by_kind": dict(Counter(k.kind for k in kills)),
+            "kills_missed_aim": sum(not k.landed for k in kills) + sum(not r.kills for r in group),
+            "restarts": sum(r.restarts for r in group), "exact": sum(r.exact for r in group),
+            "not_exact": sum(not r.exact and not r.hang for r in group),
+            "torn_checkpoints": sum(len(r.torn) for r in group),
+            "leftover_partials": sum(r.leftover_partials for r in group), "hangs": sum(r.hang for r in group),
+        })  # fmt: skip
     return rows
 
 
@@ -602,16 +522,8 @@ def first_parting(trace: list[dict[str, Any]], expected: list[dict[str, Any]]) -
 
 
 def merge_reports(paths: list[Path], out: Path, name: str) -> int:
-    """Write the runs of several reports as one report ``name``, with each report's command.
-
-    Args:
-        paths: the reports' JSON files, of one device.
-        out: the results folder.
-        name: the merged report's file stem.
-
-    Returns:
-        The exit code: 1 if a merged run hung, tore a checkpoint or did not end exact.
-    """
+    """Write the runs of several reports (``paths``, of one device) as one report ``name`` in ``out``, with each
+    report's command; return 1 if a merged run hung, tore a checkpoint or did not end exact."""
     reports = [json.loads(path.read_text()) for path in paths]
     devices = {report["device"] for report in reports}
     if len(devices) != 1:
@@ -623,6 +535,11 @@ def merge_reports(paths: list[Path], out: Path, name: str) -> int:
         "name": name,
         "date": max(report["date"] for report in reports),
         "settings": {**reports[0]["settings"], "parts": [report["settings"] for report in reports]},
+        # Each input's own run: its name, its day (the code it tested) and the algorithms it covered.
+        "merged_from": [
+            {"name": r["name"], "date": r["date"], "algorithms": sorted({run["algorithm"] for run in r["runs"]})}
+            for r in reports
+        ],
         "rows": summarize([run_from_record(run) for run in runs]),
         "runs": runs,
     }
@@ -644,25 +561,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--save-last",
-        choices=SAVE_LAST_CHOICES,
-        default="true",
-        help="the job's ModelCheckpoint(save_last=...): a checkpoint saved as last.ckpt, or a link to the newest",
-    )
+    save_last = "the job's ModelCheckpoint(save_last=...): a checkpoint saved as last.ckpt, or a link to the newest"
+    parser.add_argument("--save-last", choices=SAVE_LAST_CHOICES, default="true", help=save_last)
     parser.add_argument("--timeout-s", type=float, default=240.0, help="a run still going after this is a hang")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="results file stem (default chaos_<device>)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lightning_bagua_chaos_cache")
-    parser.add_argument(
-        "--merge",
-        nargs="+",
-        type=Path,
-        default=None,
-        help="write one report (--name, --out) from these reports' runs instead of running jobs; for jobs run side"
-        " by side, one process per algorithm",
-    )
+    merge = "write one report (--name, --out) from these reports' runs instead of running jobs (jobs run side by side)"
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, help=merge)
     args = parser.parse_args(argv)
     command = "python benchmarks/chaos.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.merge:
@@ -678,51 +585,32 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             for algorithm in args.algorithms:
                 seeds = [args.seed + i for i in range(ASYNC_SEEDS if algorithm == "async" else 1)]
-                references = [
-                    undisturbed(algorithm, layout, args.device, s, args.save_last, args.cache, args.timeout_s)
-                    for s in seeds
-                ]
+                references = [undisturbed(algorithm, layout, args.device, s, args.save_last, args.cache,
+                                          args.timeout_s) for s in seeds]  # fmt: skip
                 for index in range(args.kills):
                     kind = rng.choice(args.kinds)
                     print(f"{algorithm} {layout.name} #{index} {kind}: started", flush=True)
-                    run = disturbed_run(
-                        algorithm, layout, kind, index, args.device, args.seed, args.save_last, rng, references,
-                        args.timeout_s, work,
-                    )  # fmt: skip
-                    if not run.kills and _RENDEZVOUS_FAILED in run.log_tail:
-                        # Another job took the rendezvous port between free_port() and the agent's bind: the job
-                        # never started, so nothing was tested. Once more, on a fresh port and folder.
-                        print(f"{algorithm} {layout.name} #{index}: the agent's rendezvous failed; again", flush=True)
+                    for attempt in (work, work / "again"):
                         run = disturbed_run(
                             algorithm, layout, kind, index, args.device, args.seed, args.save_last, rng, references,
-                            args.timeout_s, work / "again",
+                            args.timeout_s, attempt,
                         )  # fmt: skip
+                        # Another job took the rendezvous port between free_port() and the agent's bind: the job
+                        # never started, so nothing was tested. Once more, on a fresh port and folder.
+                        if run.kills or _RENDEZVOUS_FAILED not in run.log_tail or attempt != work:
+                            break
+                        print(f"{algorithm} {layout.name} #{index}: the agent's rendezvous failed; again", flush=True)
                     kills = "; ".join(f"{k.kind} rank {k.rank}{'' if k.landed else ' (missed aim)'}" for k in run.kills)
                     status = "HANG" if run.hang else "exact" if run.exact else "NOT EXACT"
-                    print(
-                        f"{algorithm} {layout.name} #{index} {kind}: {kills or 'no kill'}; restarts {run.restarts}; "
-                        f"{status} ({run.comparison}); torn {len(run.torn)}; {run.seconds} s",
-                        flush=True,
-                    )
+                    outcome = f"restarts {run.restarts}; {status} ({run.comparison}); torn {len(run.torn)}"
+                    outcome += f"; {run.seconds} s"
+                    print(f"{algorithm} {layout.name} #{index} {kind}: {kills or 'no kill'}; {outcome}", flush=True)
                     runs.append(run)
-    settings = {
-        "kills_per_configuration": args.kills,
-        "algorithms": args.algorithms,
-        "layouts": args.layouts,
-        "kinds": args.kinds,
-        "seed": args.seed,
-        "timeout_s": args.timeout_s,
-        "max_restarts": MAX_RESTARTS,
-        "samples": SAMPLES,
-        "batch": BATCH,
-        "epochs": EPOCHS,
-        "checkpoint_every": CHECKPOINT_EVERY,
-        "save_last": args.save_last,
-        "save_delay_s": SAVE_DELAY_S,
-        "straggle_s": STRAGGLE_S,
-        "async_seeds": ASYNC_SEEDS,
-        "near_tolerance": NEAR_TOLERANCE,
-    }
+    settings = {"kills_per_configuration": args.kills, "algorithms": args.algorithms, "layouts": args.layouts,
+                "kinds": args.kinds, "seed": args.seed, "timeout_s": args.timeout_s, "max_restarts": MAX_RESTARTS,
+                "samples": SAMPLES, "batch": BATCH, "epochs": EPOCHS, "checkpoint_every": CHECKPOINT_EVERY,
+                "save_last": args.save_last, "save_delay_s": SAVE_DELAY_S, "straggle_s": STRAGGLE_S,
+                "async_seeds": ASYNC_SEEDS, "near_tolerance": NEAR_TOLERANCE}  # fmt: skip
     benchmark = "SIGKILL a random worker at a random moment of an elastic torchrun job; count exact finishes"
     report = new_report(benchmark, settings, summarize(runs), command=command)
     name = args.name or f"chaos_{args.device}"
@@ -768,15 +656,12 @@ def job(argv: list[str]) -> None:
     parser.add_argument("--algorithm", required=True)
     parser.add_argument("--keywords", default="{}", help="JSON keywords for BaguaStrategy's algorithm")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--checkpoint-every", type=int, default=5)
-    parser.add_argument("--save-last", choices=("true", "link"), default="true", help="ModelCheckpoint's save_last")
-    parser.add_argument("--step-sleep-s", type=float, default=0.01)
-    parser.add_argument("--save-delay-s", type=float, default=0.0)
-    parser.add_argument("--straggle-rank", type=int, default=-1)
-    parser.add_argument("--straggle-step", type=int, default=-1)
-    parser.add_argument("--straggle-s", type=float, default=2.0)
+    parser.add_argument("--save-last", choices=SAVE_LAST_CHOICES, default="true", help="ModelCheckpoint's save_last")
+    for option, default in (("--seed", 0), ("--epochs", EPOCHS), ("--checkpoint-every", CHECKPOINT_EVERY),
+                            ("--straggle-rank", -1), ("--straggle-step", -1)):  # fmt: skip
+        parser.add_argument(option, type=int, default=default)
+    for option, default in (("--step-sleep-s", STEP_SLEEP_S), ("--save-delay-s", 0.0), ("--straggle-s", STRAGGLE_S)):
+        parser.add_argument(option, type=float, default=default)
     args = parser.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -849,20 +734,12 @@ def job(argv: list[str]) -> None:
     strategy: Any = "ddp" if args.algorithm == "ddp" else BaguaStrategy(algorithm=args.algorithm, **keywords)
     save_last: bool | str = True if args.save_last == "true" else "link"
     nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.checkpoint_every, save_last=save_last)
     trainer = pl.Trainer(
-        accelerator="gpu" if args.device == "cuda" else "cpu",
-        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        num_nodes=nodes,
-        strategy=strategy,
-        max_epochs=args.epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=True,
-        callbacks=[
-            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.checkpoint_every, save_last=save_last)
-        ],
-    )
+        accelerator="gpu" if args.device == "cuda" else "cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=nodes, strategy=strategy, max_epochs=args.epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=True, callbacks=[checkpoint],
+    )  # fmt: skip
     model = Regression()
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
     trainer.fit(model, loader, ckpt_path="last")

@@ -20,14 +20,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__:  # imported as ``benchmarks.dead_rank_exit`` (the fault tests)
-    from .lab.harness import free_port
-    from .lab.jobs import REPO, job_env, kill_all, live_processes, torchrun
-    from .lab.results import RESULTS, new_report, write_report
-else:  # run as a script, or imported with ``benchmarks/`` on the path
-    from lab.harness import free_port
-    from lab.jobs import REPO, job_env, kill_all, live_processes, torchrun
-    from lab.results import RESULTS, new_report, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab.harness import free_port
+from lab.jobs import REPO, job_env, kill_all, live_processes, torchrun
+from lab.results import RESULTS, new_report, write_report
 
 SCRIPT = REPO / "tests" / "strategies" / "scripts" / "fit_script.py"
 LAUNCHERS = ("lightning", "lightning_bagua.launch", "torchrun")

@@ -1,27 +1,12 @@
 """The benchmark suite in one command, and the check of every performance target against the measured results.
 
-It runs the benchmark scripts one after the other, each as a subprocess with its own command line (each writes
-its own ``benchmarks/results/*.json``), then reads those JSON files and writes the targets check:
-
-- ``--cpu``: the CPU network lab (``network_lab.py``; it needs root, ``ip`` and ``tc``, and is skipped with the
-  reason otherwise), the convergence runs (``convergence.py``), the codec on CPU (``micro/codec_throughput.py --cpu``),
-  the engine overhead on CPU (``engine_overhead.py --variant engine --cpu``) and the fused optimizer on CPU
-  (``micro/fused_optimizer.py``);
-- ``--gpu`` (two GPUs): the GPU network lab in both regimes, its report and its interleaved NVLink steps
-  (``gpu_network_lab.py``), the codec (``micro/codec_throughput.py``), and the engine's own overhead: the wrapper
-  against DDP and bucket autotuning over sockets (``engine_overhead.py --variant engine`` and ``--variant autotune``);
-- ``--report-only``: run nothing, rebuild the targets check from the JSON files there are;
-- ``--readme``: rewrite the README's algorithm table and chart from the GPU lab's results
-  (``benchmarks/readme_figures.py``), after the runs when given with ``--cpu`` or ``--gpu``.
-
-The targets check, ``targets.json``, ``targets.md`` and ``targets.png``, lists every target of the performance
-bar with the figure read from the results, pass or miss, or "not run" and why (usually: the results file is
-missing). Byte counts compare the payload the engine's ``CommunicationCounter`` counted (the network lab
-records it) with the payload the algorithm's definition implies under the counter's convention (a byte is
-counted once for each collective that takes it as input), for a model of the lab's size on two ranks; the wire
-bytes of ``lab/traffic.py`` (the bytes that leave the rank) are listed beside them.
-
-Run it::
+It runs the benchmark scripts one after the other, each a subprocess writing its own ``benchmarks/results/*.json``
+(``--cpu``: the CPU network lab, which needs root and ``tc``, convergence, the codec, the engine overhead and the
+fused optimizer on CPU; ``--gpu``: the GPU network lab with its report and interleaved NVLink jobs, the codec and the
+engine overhead on two GPUs), then checks every target of the performance bar against those files: ``targets.json``,
+``.md`` and ``.png`` give each target's figure, pass, miss or "not run" and why. Byte targets compare the payload
+the engine's ``CommunicationCounter`` counted in the network lab with what the algorithm's definition implies (a byte
+counted once per collective that takes it as input), beside the wire bytes of ``lab/traffic.py``. Run it::
 
     python benchmarks/suite.py --cpu                 # the CPU suite, then the targets check
     python benchmarks/suite.py --gpu                 # on a machine with two GPUs
@@ -75,20 +60,14 @@ def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
     """(name, command, reason it cannot run here or None) of every CPU benchmark."""
     lab_ok = os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
     lab = ["network_lab.py", *(["--rates", "100mbit", "--steps", "5"] if quick else [])]
+    codec = ["micro/codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])]
+    rounds = ["--rounds", "1"] if quick else []
     return [
         ("network_lab", lab, None if lab_ok else "needs root, iproute2 and tc (network namespaces and shaping)"),
         ("convergence", ["convergence.py", *(["--quick"] if quick else [])], None),
-        (
-            "codec_throughput",
-            ["micro/codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])],
-            None,
-        ),
-        (
-            "engine_overhead",
-            ["engine_overhead.py", "--variant", "engine", "--cpu", *(["--rounds", "1"] if quick else [])],
-            None,
-        ),
-        ("fused_optimizer", ["micro/fused_optimizer.py", *(["--rounds", "1"] if quick else [])], None),
+        ("codec_throughput", codec, None),
+        ("engine_overhead", ["engine_overhead.py", "--variant", "engine", "--cpu", *rounds], None),
+        ("fused_optimizer", ["micro/fused_optimizer.py", *rounds], None),
     ]
 
 
@@ -560,20 +539,19 @@ def chart(report: dict[str, Any], path: Path) -> bool:
     accuracy = [t for t in report["targets"] if t["measured"] is not None and "points" in t["bar"]]
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.35 * max(len(measured), len(accuracy), 4) + 1.5))
     colour = {"pass": "tab:green", "miss": "tab:red"}
-    labels = [t["target"] for t in measured]
-    left.barh(range(len(measured)), [t["measured"] for t in measured], color=[colour[t["status"]] for t in measured])
-    left.set_yticks(range(len(measured)), labels, fontsize=7)
-    left.set_xlabel("measured ratio (x); the bar is in the table")
+    panels = ((left, measured, [t["target"] for t in measured], "measured ratio (x); the bar is in the table"),
+              (right, accuracy, [t["target"].split(": ", 1)[1] for t in accuracy],
+               "accuracy - baseline accuracy (points); the bar is -1"))  # fmt: skip
+    for axis, targets, labels, xlabel in panels:
+        axis.barh(range(len(targets)), [t["measured"] for t in targets], color=[colour[t["status"]] for t in targets])
+        axis.set_yticks(range(len(targets)), labels, fontsize=7)
+        axis.set_xlabel(xlabel)
+        axis.invert_yaxis()
     left.axvline(1.0, color="black", linewidth=0.8)
-    left.invert_yaxis()
-    right.barh(range(len(accuracy)), [t["measured"] for t in accuracy], color=[colour[t["status"]] for t in accuracy])
-    right.set_yticks(range(len(accuracy)), [t["target"].split(": ", 1)[1] for t in accuracy], fontsize=7)
     right.axvline(-1.0, color="black", linestyle="--", linewidth=0.8)
     right.axvline(0.0, color="black", linewidth=0.8)
     deltas = [t["measured"] for t in accuracy] or [0.0]
     right.set_xlim(min(-1.25, min(deltas) - 0.25), max(0.5, max(deltas) + 0.25))
-    right.set_xlabel("accuracy - baseline accuracy (points); the bar is -1")
-    right.invert_yaxis()
     figure.suptitle("Performance targets: green pass, red miss (benchmarks/suite.py)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

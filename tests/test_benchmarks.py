@@ -693,6 +693,10 @@ def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
     assert [row["algorithm"] for row in merged["rows"]] == ["bytegrad", "low_rank"]
     assert [row["exact"] for row in merged["rows"]] == [1, 0]
     assert "--algorithms bytegrad ; python benchmarks/chaos.py --algorithms low_rank" in merged["command"]
+    assert [(part["name"], part["algorithms"]) for part in merged["merged_from"]] == [
+        ("bytegrad", ["bytegrad"]),
+        ("low_rank", ["low_rank"]),
+    ]
     table = (tmp_path / "out" / "chaos_cuda.md").read_text()
     assert "| **all** |  | **2** | **2** | **2** |" in table
     assert "low_rank 2 run 0 (mid_step)" in table

@@ -1,13 +1,8 @@
 """Jobs launched as subprocesses and disturbed from outside: their environment, their processes, their end.
 
-The robustness benchmarks (``chaos.py``, ``dead_rank_exit.py``) start a training job under a launcher, find its
-workers among the machine's processes, kill some of them, and make sure that nothing of the job outlives it:
-
-- :func:`job_env`: this process's environment without the launch variables a launcher sets for its workers, with
-  the given folders ahead on ``PYTHONPATH``;
-- :func:`torchrun`: the start of a ``torch.distributed.run`` command line;
-- :func:`live_processes`: every live process's id, parent and environment, read from ``/proc``;
-- :func:`kill_all`: SIGKILL to each of some processes (or their process groups) that may be gone already.
+The robustness benchmarks (``chaos.py``, ``dead_rank_exit.py``) start a training job under a launcher
+(:func:`torchrun`, :func:`job_env`), find its workers among the machine's processes (:func:`live_processes`), kill
+some of them (:func:`kill_all`), and make sure that nothing of the job outlives it.
 """
 
 import contextlib

@@ -13,6 +13,7 @@ second epoch's speed-up over the plain data set's second epoch.
 """
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -86,14 +87,8 @@ def main() -> None:
     base = ExpensiveDataset(args.samples, args.passes)
     times, reference = time_epochs(base, args)
     variants["plain"] = {"epoch_s": times}
-    backends = ["embedded"]
-    try:
-        import redis  # noqa: F401
-
-        if shutil.which("redis-server"):
-            backends.append("redis")
-    except ImportError:
-        pass
+    redis_ready = importlib.util.find_spec("redis") is not None and shutil.which("redis-server") is not None
+    backends = ["embedded", "redis"] if redis_ready else ["embedded"]
     skipped = [] if "redis" in backends else ["redis (needs `pip install redis` and redis-server)"]
     with tempfile.TemporaryDirectory() as tmp:
         for backend in backends:

@@ -4,38 +4,12 @@
     python benchmarks/micro/codec_throughput.py --cpu --threads 1  # CPU: native and torch backends
     python benchmarks/micro/codec_throughput.py --cpu --sizes-mb 1 4 --no-save
 
-For a buffer of ``B`` bytes of float32 (``N = B / 4`` elements) split into ``k`` chunks, with ``t_c`` and ``t_d``
-the median times of ``compress`` and of ``decompress`` (into a preallocated output), ``t = t_c + t_d``:
-
-- copy bandwidth ``= 2B / t_copy``, with ``t_copy`` the median time of ``dst.copy_(src)`` on buffers of ``B``
-  bytes (bytes read plus bytes written), the faster of its two timings below (launched one by one, small
-  copies are bound by the launches; replayed from a CUDA graph, a large copy can run on the slower copy
-  engines);
-- input throughput ``= B / t``: how many bytes of float32 buffer one compress + decompress round trip handles
-  per second;
-- effective bandwidth ``= (B + N + N + B) / t``: the bytes the round trip must move at the least (compress
-  reads the input and writes one code per element, decompress reads the codes and writes the output; the
-  32-byte headers are negligible);
-- fraction of copy ``= effective bandwidth / copy bandwidth``: 1.0 would mean the codec moves its bytes as
-  fast as a plain copy moves its own.
-
-Each time is the median (``--statistic min``: the minimum, for a loaded machine), over ``--reps`` batches, of one
-batch of ``--inner`` back-to-back calls divided by ``--inner``, after warm-up (which also compiles the Triton
-kernels). On a GPU, two timings (``mode``):
-
-- ``eager``: CUDA events around the batch, launched as training would launch it. The host queues work while
-  the device runs, but where the host needs longer per call than the device (kernel launches cost tens of
-  microseconds each on a slow host) the host's time is what is measured;
-- ``graph``: the batch captured once in a CUDA graph and replayed between CUDA events: the device's time, with
-  no launch gaps. The copy is timed the same way in each mode.
-
-On CPU the host clock times the batch. Each configuration is checked once for correctness (error within the
-codec's bound) before it is timed. The host time per call on a tiny tensor (launches, allocations, Python) is
-reported too, and for every size in eager mode the host time a call takes to issue (``host us/call``): on a GPU,
-where it exceeds the device time, the codec is launch-bound.
-
-Prints a Markdown table and writes ``benchmarks/results/codec_throughput_{gpu,cpu}.json`` (unless
-``--no-save``) with the machine and versions.
+For float32 buffers of 4 MiB and up, split into ``k`` chunks, each call is timed as the median (``--statistic min``:
+the minimum) of ``--reps`` batches of ``--inner`` calls after warm-up, after one check of the codec's error bound. On
+a GPU in two modes: ``eager`` (CUDA events around calls launched one by one, so a slow host shows) and ``graph``
+(the batch replayed from a CUDA graph: the device's own time). :data:`DEFINITIONS` says what each figure is; the
+host time per call on a tiny tensor is recorded too. Prints a Markdown table and writes
+``benchmarks/results/codec_throughput_{gpu,cpu}.json`` (unless ``--no-save``).
 """
 
 import argparse
@@ -216,24 +190,15 @@ def main() -> None:
                     )
                     total = compress_s + decompress_s
                     effective = (2 * nbytes + 2 * numel) / total
-                    rows.append(
-                        {
-                            "size_mb": size_mb,
-                            "mode": mode,
-                            "backend": backend,
-                            "chunks": num_chunks,
-                            "copy_gbps": copy_bandwidth / 1e9,
-                            "copy_gbps_by_mode": {name: value / 1e9 for name, value in copy_by_mode.items()},
-                            "compress_ms": compress_s * 1e3,
-                            "decompress_ms": decompress_s * 1e3,
-                            "host_us_per_call": None
-                            if compress_host_s is None or decompress_host_s is None
-                            else (compress_host_s + decompress_host_s) / 2 * 1e6,
-                            "input_gbps": nbytes / total / 1e9,
-                            "effective_gbps": effective / 1e9,
-                            "fraction_of_copy": effective / copy_bandwidth,
-                        }
-                    )
+                    host_us = None if compress_host_s is None else (compress_host_s + decompress_host_s) / 2 * 1e6
+                    rows.append({
+                        "size_mb": size_mb, "mode": mode, "backend": backend, "chunks": num_chunks,
+                        "copy_gbps": copy_bandwidth / 1e9,
+                        "copy_gbps_by_mode": {name: value / 1e9 for name, value in copy_by_mode.items()},
+                        "compress_ms": compress_s * 1e3, "decompress_ms": decompress_s * 1e3,
+                        "host_us_per_call": host_us, "input_gbps": nbytes / total / 1e9,
+                        "effective_gbps": effective / 1e9, "fraction_of_copy": effective / copy_bandwidth,
+                    })  # fmt: skip
                     del encoded
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -54,14 +54,9 @@ def make_tensors(args: argparse.Namespace, device: torch.device) -> tuple[list[t
     return params, grads
 
 
-def variants(cls: type[torch.optim.Optimizer], device: torch.device) -> list[str]:
-    names = ["for_loop", "foreach"]
-    if cls in HAS_FUSED:
-        names.append("torch_fused")
-    names += ["fuse_step", "fuse_step_no_check", "fuse_step_new_grads"]
-    if cls in HAS_FUSED:
-        names.append("fuse_step+torch_fused")
-    return names
+def variants(cls: type[torch.optim.Optimizer]) -> list[str]:
+    """The variants ``cls`` has: those of torch's fused kernel only where torch has one."""
+    return [name for name in VARIANTS if cls in HAS_FUSED or "torch_fused" not in name]
 
 
 def build(
@@ -128,7 +123,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name in names:
             cls, kwargs = OPTIMIZERS[name]
-            for variant in variants(cls, device):
+            for variant in variants(cls):
                 prepare, step = build(variant, cls, kwargs, args, device)
                 times[name].setdefault(variant, []).extend(time_variant(prepare, step, args, device))
 

@@ -1,23 +1,15 @@
 """Step-time balance: LoadBalancingDistributedSampler against DistributedSampler on variable-length sequences.
 
-Two CPU ranks (spawned processes, Gloo, one thread each) train a small GRU on sequences whose lengths follow a
-log-normal distribution, in two layouts: every sequence runs on its own (``unpadded``: a step's compute follows the
-batch's total length, as for inputs that cannot be padded or are packed) or every batch is padded to its longest
-sequence (``padded``: compute follows batch size x longest length). Balancing helps both: unpadded, the ranks'
-total lengths per step become nearly equal; padded, a step costs the longest sequence of any rank, and balanced ranks
-draw near-equal lengths, so that maximum is taken over ``batch_size`` independent draws instead of
-``world_size x batch_size``.
-After the backward, the ranks all-reduce their gradients, which makes the step synchronous: a rank that drew short
-sequences waits for the one that drew the longest. With the same data, model and batch size, one epoch runs with
-``DistributedSampler`` and one with ``LoadBalancingDistributedSampler(complexity_fn=len)`` (both shuffled), in
-``--rounds`` short rounds of alternating order (medians over the rounds are reported):
+Two CPU ranks (spawned, Gloo, one thread each) train a small GRU on log-normally long sequences, each run on its own
+(``unpadded``: a step costs the batch's total length) or padded to the batch's longest (``padded``), and all-reduce
+their gradients after the backward, so a rank that drew short sequences waits for the slowest. One epoch with each
+sampler (``complexity_fn=len`` for the balancing one), in ``--rounds`` rounds of alternating order:
 
     python benchmarks/micro/sampler_balance.py
 
-Prints a table and writes ``benchmarks/results/sampler_balance.json``: per sampler, the mean over steps of the slowest
-rank's compute time (forward + backward), of the time ranks spend waiting for the slowest one, of the synchronous step
-time, the mean gap in work (tokens, padding included) between the ranks' batches, and the epoch time (rank 0,
-between barriers).
+Prints a table and writes ``benchmarks/results/sampler_balance.json``: per sampler, medians over the rounds of the
+slowest rank's compute time, the time ranks wait for it, the step time, the gap in work between the ranks' batches
+and the epoch time.
 """
 
 import argparse
@@ -51,10 +43,6 @@ def make_dataset(args: argparse.Namespace) -> list[torch.Tensor]:
     lengths = (args.median_length * torch.exp(args.sigma * normal)).round()
     lengths = lengths.clamp(args.min_length, args.max_length).long()
     return [torch.randn(int(length), args.features, generator=generator) for length in lengths]
-
-
-def collate(batch: list[torch.Tensor]) -> list[torch.Tensor]:
-    return batch
 
 
 def run_epoch(model: nn.Module, loader: DataLoader, params: list[torch.Tensor], layout: str) -> dict:
@@ -100,7 +88,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] |
         ),
     }
     # Warm-up: allocator and kernels settle before anything is timed.
-    warm = DataLoader(dataset[: args.batch_size * 4], batch_size=args.batch_size, collate_fn=collate)
+    warm = DataLoader(dataset[: args.batch_size * 4], batch_size=args.batch_size, collate_fn=list)
     for layout in LAYOUTS:
         run_epoch(model, warm, params, layout)
     results: dict[str, list[dict]] = {f"{layout}/{name}": [] for layout in LAYOUTS for name in samplers}
@@ -110,7 +98,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] |
         for layout in LAYOUTS:
             for name, sampler in order:
                 sampler.set_epoch(round_index)
-                loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=collate)
+                loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=list)
                 results[f"{layout}/{name}"].append(run_epoch(model, loader, params, layout))
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, results)

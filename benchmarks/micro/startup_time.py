@@ -63,22 +63,8 @@ def make_venv(path: Path, wheel: Path | None) -> Path:
     subprocess.run([base_interpreter(), "-m", "venv", "--without-pip", str(path)], check=True)
     python = path / "bin" / "python"
     if wheel is not None:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "--python",
-                str(python),
-                "install",
-                "--no-deps",
-                "--no-index",
-                "-q",
-                str(wheel),
-            ],
-            check=True,
-            env=clean_env(),
-        )
+        install = ["install", "--no-deps", "--no-index", "-q", str(wheel)]
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(python), *install], check=True, env=clean_env())
     return python
 
 
