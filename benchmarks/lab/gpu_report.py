@@ -35,16 +35,14 @@ WARMUP_STEPS = 12  # untimed, unshaped: low_rank's 10 full-precision steps, Powe
 LR_FLOOR = 0.1  # the cosine schedule's last learning rate, as a fraction of the peak
 
 
-# What the rows of files written before the rows recorded their keywords ran, where it differs from algorithm_of.
-UNRECORDED_KEYWORDS: dict[str, dict[str, Any]] = {"low_precision_decentralized": {}}
-
-
 def recorded_keywords(method: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """The algorithm keywords a results row of ``method`` ran with (rows of older files did not record them)."""
-    rounds = entry.get("rounds") or [entry]
-    if "algorithm_keywords" in rounds[0]:
-        return rounds[0]["algorithm_keywords"]
-    return UNRECORDED_KEYWORDS.get(method, algorithm_of(method)[1])
+    """The algorithm keywords a results row of ``method`` ran with (as :func:`algorithm_of` where not recorded)."""
+    return (entry.get("rounds") or [entry])[0].get("algorithm_keywords", algorithm_of(method)[1])
+
+
+def median_range(values: list[float]) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of ``values``: how the lab records a figure over rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def split_bucket(method: str) -> tuple[str, float | None]:
@@ -65,7 +63,7 @@ def algorithm_of(method: str) -> tuple[str, dict[str, Any]]:
 
 
 def schedule_of(settings: dict[str, Any]) -> str:
-    """The learning-rate schedule an NVLink run trained with, in words (runs before ``--schedule``: constant)."""
+    """The learning-rate schedule an NVLink run trained with, in words."""
     if settings.get("schedule", "constant") == "constant":
         return f"{settings['lr']:g}, constant"
     return (
@@ -190,7 +188,7 @@ def nvlink_beside(loaded: dict[str, Any], method: str, base: str = "ddp") -> tup
     figures = []
     for name in (method, base):
         values = [row["step_s"]["nvlink"] for row in rows[name] if row.get("run") in shared]
-        figures.append({"median": statistics.median(values), "min": min(values), "max": max(values)})
+        figures.append(median_range(values))
     return figures[0], figures[1], {"runs": len(shared)}
 
 
@@ -233,7 +231,7 @@ def pool_nvlink_run(main: dict[str, Any], extra: dict[str, Any], stem: str) -> N
             )
         base["rounds"] = base["rounds"] + entry["rounds"]
         values = [row["step_s"]["nvlink"] for row in base["rounds"]]
-        base["step_s"]["nvlink"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        base["step_s"]["nvlink"] = median_range(values)
         curves = base.get("curves") or ([base["curve"]] if "curve" in base else [])
         curves += [entry["curve"]] if "curve" in entry else []
         if curves:
