@@ -12,7 +12,7 @@ its own ``benchmarks/results/*.json``), then reads those JSON files and writes t
   against DDP and bucket autotuning over sockets (``engine_overhead.py --variant engine`` and ``--variant autotune``);
 - ``--report-only``: run nothing, rebuild the targets check from the JSON files there are;
 - ``--readme``: rewrite the README's algorithm table and chart from the GPU lab's results
-  (``benchmarks/readme_figures.py``), after the runs when given with ``--cpu`` or ``--gpu``.
+  (``write_readme`` of ``benchmarks/lab/gpu_report.py``), after the runs when given with ``--cpu`` or ``--gpu``.
 
 The targets check, ``targets.json``, ``targets.md`` and ``targets.png``, lists every target of the performance
 bar with the figure read from the results, pass or miss, or "not run" and why (usually: the results file is
@@ -26,7 +26,7 @@ Run it::
     python benchmarks/suite.py --cpu                 # the CPU suite, then the targets check
     python benchmarks/suite.py --gpu                 # on a machine with two GPUs
     python benchmarks/suite.py --report-only         # the targets check from the committed results
-    python benchmarks/suite.py --readme              # the README's figures and chart (benchmarks/readme_figures.py)
+    python benchmarks/suite.py --readme              # the README's figures and chart (lab/gpu_report.py)
 """
 
 import argparse
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.cpu or args.gpu or args.report_only:
         report = write_report(Path(args.results), Path(args.out), args.command, runs)
     if args.readme:
-        from readme_figures import write_readme
+        from lab.gpu_report import write_readme
 
         write_readme(Path(args.results))
     return report

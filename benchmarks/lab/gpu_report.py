@@ -4,17 +4,22 @@
 :func:`load_results` merges them (further NVLink runs pool, later sockets runs replace rows) and the functions below
 read the merged runs: :func:`step_of`, :func:`nvlink_beside`, :func:`sockets_beside`, :func:`target_of`,
 :func:`steps_to_target`, :func:`seed_spread`, and the tables :func:`step_table`, :func:`time_to_target_table`,
-:func:`bucket_comparison`, :func:`interleaved_table`. :func:`report` writes ``gpu_network_lab.md`` and its chart.
+:func:`bucket_comparison`, :func:`interleaved_table`. :func:`report` writes ``gpu_network_lab.md`` and its chart,
+:func:`write_readme` the README's figures (``python benchmarks/suite.py --readme``).
 Nothing here imports torch: the documentation and the README's command read the results without it.
 """
 
 import json
+import logging
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from lab.render import markdown_table, pyplot
+from lab.results import RESULTS
+
+log = logging.getLogger(__name__)
 
 PEERS = ("ddp", "ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4", "ddp_powersgd_r8")
 OURS = (
@@ -450,3 +455,172 @@ def interleaved_table(run: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append([method, f"{step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]",
                      f"{entry['host_ms']['median']:.1f}"])  # fmt: skip
     return ["method", "step ms (x ddp) [min, max]", "host ms"], rows
+
+
+# ------------------------------------------------------------------------------------------------ the README's figures
+# The README holds its algorithm table and chart between README_START and README_END; ``python benchmarks/suite.py
+# --readme`` rewrites them from these results and ``tests/test_readme.py`` checks them, so a figure typed by hand
+# fails. The table: each algorithm's time to DDP's target loss at 10 Gbit/s, against DDP's (a method without one gets
+# its NVLink step against DDP's; one the lab has not run, "not measured yet"). The chart: the median step of every
+# method and peer at each link.
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+README_CHART = "benchmarks/results/readme_step_time.png"
+README_START = (
+    "<!-- figures:start: written by `python benchmarks/suite.py --readme`, checked by tests/test_readme.py -->"
+)
+README_END = "<!-- figures:end -->"
+HEADLINE_LINK = "10gbit"
+# Methods that average beside the steps at the link's pace: their NVLink curve says nothing of a shaped link's.
+BESIDE_THE_STEPS = ("async",)
+FINAL_LOSS_BAR = 1.01  # low_rank's row shows the fastest rank whose final loss is within 1% of DDP's
+# The links of the chart, slowest first, as the lab labels them.
+CHART_LINKS = (("1gbit", "1 Gbit/s"), ("10gbit", "10 Gbit/s"), ("25gbit", "25 Gbit/s"), ("unshaped", "TCP, unshaped"),
+               ("nvlink", "NVLink"))  # fmt: skip
+README_PEERS = (
+    ("ddp", "DDP (torch)"),
+    ("ddp_fp16", "DDP + fp16 hook (torch)"),
+    ("ddp_powersgd_r8", "DDP + PowerSGD hook, rank 8 (torch)"),
+)
+# (algorithm, its lab method or None for low_rank's chosen rank, when to use it)
+README_ALGORITHMS = (
+    ("auto", "auto", "you do not know your link: measures link and model at start, picks the fastest to DDP's loss"),
+    ("gradient_allreduce", "gradient_allreduce", "fast links (NVLink, InfiniBand); DDP's exact average, the default"),
+    ("bytegrad", "bytegrad", "1-25 Gbit/s Ethernet; 8-bit gradients, DDP's loss"),
+    ("decentralized", "decentralized", "many nodes where all-reduce latency binds; averages weights with peers"),
+    ("low_precision_decentralized", "low_precision_decentralized", "slow links, decentralized at 8 bits"),
+    ("qadam", "qadam", "Adam models on slow links; 8-bit momentum after a warm-up"),
+    ("async", "async", "ranks of uneven speed; weights averaged on a timer beside the steps"),
+    ("low_rank", None, "the slowest links (1-10 Gbit/s); rank-r gradient factors, PowerSGD-style"),
+    ("diloco", "diloco", "links below 1 Gbit/s; syncs every H steps with an outer Nesterov optimizer"),
+)
+
+
+def _time_to_target(loaded: dict[str, Any], method: str, link: str) -> float | None:
+    """Seconds to DDP's target loss at ``link``: steps to the target times the median step there."""
+    if method not in loaded.get("nvlink", {}).get("methods", {}) or (method in BESIDE_THE_STEPS and link != "nvlink"):
+        return None
+    reached = steps_to_target(loaded, method)
+    step = step_of(loaded, method, link)
+    return None if reached is None or step is None else reached * step["median"]
+
+
+def _final_loss_ratio(loaded: dict[str, Any], method: str) -> float:
+    _, _, final_ddp = target_of(loaded)
+    curve = loaded["nvlink"]["methods"].get(method, {}).get("curve", [])
+    return curve[-1]["val_loss"] / final_ddp if curve else math.inf
+
+
+def low_rank_method(loaded: dict[str, Any]) -> str | None:
+    """The lab's ``low_rank_rK`` with the shortest time to the target at the headline link, of the ranks whose final
+    loss is within 1% of DDP's; ``None`` where none is."""
+    ranks = [m for m in loaded.get("nvlink", {}).get("methods", {}) if m.startswith("low_rank_r")]
+    timed = {m: t for m in ranks if (t := _time_to_target(loaded, m, HEADLINE_LINK)) is not None}
+    close = [m for m in timed if _final_loss_ratio(loaded, m) <= FINAL_LOSS_BAR]
+    return min(close, key=timed.__getitem__) if close else None
+
+
+def headline(loaded: dict[str, Any], method: str | None) -> str:
+    """A method's figure for the table (see the module docstring)."""
+    ddp = _time_to_target(loaded, "ddp", HEADLINE_LINK)
+    seconds = None if method is None else _time_to_target(loaded, method, HEADLINE_LINK)
+    if seconds is not None and ddp is not None:
+        return f"{seconds:.0f} s ({seconds / ddp:.2f}x DDP)"
+    beside = None if method is None else nvlink_beside(loaded, method)
+    if beside is not None:
+        return f"no time to loss at a shaped link; NVLink step {beside[0]['median'] / beside[1]['median']:.2f}x DDP"
+    return "not measured yet"
+
+
+def readme_markdown(loaded: dict[str, Any]) -> str:
+    """The README's block between the markers."""
+    low_rank = low_rank_method(loaded)
+    target, at_step, _ = target_of(loaded)
+    nvlink = loaded["nvlink"]
+    lines = [
+        README_START,
+        "",
+        f"Time to DDP's validation loss ({target:.3f}, DDP's at step {at_step}) at 10 Gbit/s: a 114M-parameter"
+        f" GPT-style LM on two {nvlink['machine']['device']}s, NCCL over TCP shaped by `tc`, mean of"
+        f" {_seeds(nvlink)} seeds (`python benchmarks/gpu_network_lab.py`; every link and the spread in"
+        " [`gpu_network_lab.md`](benchmarks/results/gpu_network_lab.md)).",
+        "",
+        "| algorithm | when to use | time to DDP's loss, 10 Gbit/s |",
+        "| --- | --- | --- |",
+    ]
+    for name, method, when in README_ALGORITHMS:
+        chosen = low_rank if method is None else method
+        label = f"`{name}`" + (f" (rank {chosen.removeprefix('low_rank_r')})" if method is None and chosen else "")
+        lines.append(f"| {label} | {when} | {headline(loaded, chosen)} |")
+    for method, label in README_PEERS:
+        lines.append(f"| {label} | for comparison | {headline(loaded, method)} |")
+    lines += [
+        "",
+        f"![Median step time per method against the link rate, log scale]({README_CHART})",
+        "",
+        README_END,
+    ]
+    return "\n".join(lines)
+
+
+def _seeds(nvlink: dict[str, Any]) -> int:
+    return max(len(entry.get("curves", [])) or 1 for entry in nvlink["methods"].values())
+
+
+def chart_methods(loaded: dict[str, Any]) -> list[tuple[str, str]]:
+    """(lab method, legend label) of every line of the chart: ours, then the peers."""
+    low_rank = low_rank_method(loaded)
+    ours = [(method, name) for name, method, _ in README_ALGORITHMS if method is not None]
+    ranks = [low_rank] if low_rank is None or low_rank == "low_rank_r8" else ["low_rank_r8", low_rank]
+    ours += [(method, f"low_rank (rank {method.removeprefix('low_rank_r')})") for method in ranks if method]
+    lines = [*ours, *README_PEERS]
+    return [(m, label) for m, label in lines if any(step_of(loaded, m, link) for link, _ in CHART_LINKS)]
+
+
+def readme_chart(loaded: dict[str, Any], path: Path) -> None:
+    """Draw the median step of every method against the link, slowest link first."""
+    plt = pyplot()
+    if plt is None:
+        raise SystemExit("The README's chart needs matplotlib: pip install -r requirements/benchmarks.txt")
+
+    figure, axis = plt.subplots(figsize=(9, 5.5))
+    positions = range(len(CHART_LINKS))
+    markers = "os^vDP*Xh<>p"
+    for index, (method, label) in enumerate(chart_methods(loaded)):
+        points = [(x, step_of(loaded, method, link)) for x, (link, _) in zip(positions, CHART_LINKS, strict=True)]
+        xs = [x for x, step in points if step is not None]
+        ys = [step["median"] * 1e3 for _, step in points if step is not None]
+        peer = method.startswith("ddp")
+        axis.plot(xs, ys, marker=markers[index % len(markers)], linestyle="--" if peer else "-", label=label)
+    axis.set_xticks(list(positions), [label for _, label in CHART_LINKS])
+    axis.set_yscale("log")
+    axis.set_ylabel("median step (ms, log scale)")
+    axis.set_xlabel("link between the two GPUs")
+    axis.set_title("Step time against the link: 114M-parameter LM, two GPUs", fontsize=11)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(figure)
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with what lies between the markers (the markers included) replaced by ``block``."""
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(
+            f"README.md has no figures block: add the lines {README_START!r} and {README_END!r} where it goes."
+        )
+    return text[:start] + block + text[end + len(README_END) :]
+
+
+def write_readme(results: Path = RESULTS, readme: Path = README, draw: bool = True) -> str:
+    """Rewrite the README's figures block (and the chart, with ``draw``) from the results; return the block."""
+    loaded = load_results(results)
+    block = readme_markdown(loaded)
+    readme.write_text(replace_block(readme.read_text(encoding="utf-8"), block), encoding="utf-8")
+    if draw:
+        readme_chart(loaded, ROOT / README_CHART)
+    log.info(f"wrote the figures of {readme} and {README_CHART}")
+    return block
