@@ -489,7 +489,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--out", default=None, help="results file name without suffix (default: by regime)")
     parser.add_argument("--report", action="store_true", help="write the table and chart from the regimes' files")
-    parser.add_argument("--compare", default=None, metavar="STEM", help="write STEM.md from a bucket-size run's JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.interleave == "steps":
@@ -529,9 +528,7 @@ def launch(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.compare:
-        print(write_bucket_comparison(Path(arguments.results_dir) / f"{arguments.compare}.json"))
-    elif arguments.report:
+    if arguments.report:
         print(report(Path(arguments.results_dir), arguments.cpu))
     elif arguments.worker:
         worker(arguments)

@@ -81,27 +81,26 @@ def job(args: argparse.Namespace) -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     class StepTimer(pl.Callback):
+        """Each step's seconds between two CUDA synchronisations, and the bytes it handed to collectives."""
+
         def __init__(self) -> None:
             self.times: list[float] = []
             self.bytes: list[int] = []
-            self._start = 0.0
-            self._bytes_start = 0
+            self._start = (0.0, 0)
 
-        def _sync(self) -> None:
+        def _now(self, trainer: pl.Trainer) -> tuple[float, int]:
             if torch.cuda.is_available() and not args.cpu:
                 torch.cuda.synchronize()
+            counter = getattr(trainer.strategy, "communication_counter", None)
+            return time.perf_counter(), 0 if counter is None else counter.bytes_sent
 
         def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
-            self._sync()
-            counter = getattr(trainer.strategy, "communication_counter", None)
-            self._bytes_start = counter.bytes_sent if counter is not None else 0
-            self._start = time.perf_counter()
+            self._start = self._now(trainer)
 
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-            self._sync()
-            self.times.append(time.perf_counter() - self._start)
-            counter = getattr(trainer.strategy, "communication_counter", None)
-            self.bytes.append(counter.bytes_sent - self._bytes_start if counter is not None else 0)
+            now, sent = self._now(trainer)
+            self.times.append(now - self._start[0])
+            self.bytes.append(sent - self._start[1])
 
     if args.method == "single":
         strategy: Any = "auto"

@@ -281,9 +281,7 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 continue
             if method == "ddp":
                 ratio = " (1.00x)"
-            elif label == "nvlink":
-                # Side by side: over the pooled runs that timed DDP too (the same as the pooled medians' ratio when
-                # every run timed both).
+            elif label == "nvlink":  # over the pooled runs that timed DDP too
                 beside = nvlink_beside(loaded, method)
                 ratio = (
                     " (no DDP in its runs)"
@@ -291,12 +289,8 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                     else f" ({beside[0]['median'] / beside[1]['median']:.2f}x)"
                 )
             else:
-                beside_ddp = sockets_beside(loaded, method, label)
-                ratio = (
-                    " (no DDP in its run)"
-                    if beside_ddp is None
-                    else f" ({value['median'] / beside_ddp['median']:.2f}x)"
-                )
+                ddp = sockets_beside(loaded, method, label)
+                ratio = " (no DDP in its run)" if ddp is None else f" ({value['median'] / ddp['median']:.2f}x)"
             cells.append(_step_cell(value, ratio))
         launches = loaded.get("sockets", {}).get("methods", {}).get(method, {}).get("launches_per_step")
         cells.append("" if launches is None else f"{launches:.0f}")
