@@ -456,9 +456,7 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regime", choices=["nvlink", "sockets"], default="nvlink")
-    parser.add_argument(
-        "--methods", nargs="+", default=None, type=method_choice, help="default: all; METHOD@MiB: another bucket size"
-    )
+    parser.add_argument("--methods", nargs="+", type=method_choice, help="default: all; METHOD@MiB: a bucket size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rates", nargs="+", type=float, default=[25.0, 10.0, 1.0], help="Gbit/s, fastest first")
     parser.add_argument("--batch", type=int, default=16, help="sequences per GPU per step")
@@ -469,22 +467,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=300, help="nvlink: steps each method trains")
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument(
-        "--timing-steps", type=int, default=40, help="nvlink: timed steps of later rounds (--interleave steps: of each)"
-    )
-    parser.add_argument(
-        "--window",
-        type=int,
-        default=1,
-        help="sockets or --interleave steps: timed steps taken this many at a time, back to back between two"
-        " device synchronisations",
-    )
-    parser.add_argument(
-        "--interleave",
-        choices=["methods", "steps"],
-        default="methods",
-        help="steps: time NVLink steps only, every method built at once, their steps taken in turn (needs --out)",
-    )
+    parser.add_argument("--timing-steps", type=int, default=40, help="nvlink: timed steps of a later round")
+    parser.add_argument("--window", type=int, default=1, help="timed steps back to back between synchronisations")
+    parser.add_argument("--interleave", choices=["methods", "steps"], default="methods", help="steps: in turn")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--out", default=None, help="results file name without suffix (default: by regime)")
@@ -495,8 +480,7 @@ def parse_args() -> argparse.Namespace:
         if args.regime != "nvlink" or not args.out or args.out.startswith("gpu_network_lab"):
             parser.error("--interleave steps times NVLink steps apart from the lab's runs: give it --out NAME")
         if any(split_bucket(method)[0] == "async" for method in args.methods or ()):
-            # async averages on a thread of its own between the steps: built beside the others, it would send while
-            # they are timed.
+            # async's averaging thread would send while the others are timed.
             parser.error("--interleave steps cannot time async: time it in the lab's own rounds")
         if args.window < 1 or args.timing_steps % args.window:
             parser.error(f"--window {args.window} must be a positive divisor of --timing-steps {args.timing_steps}")

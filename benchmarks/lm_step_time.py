@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab.harness import SOCKETS_ENV, rotated
+from lab.harness import SOCKETS_ENV, result_lines, rotated
 from lab.jobs import job_env
 from lab.models import DecoderLM
 from lab.render import markdown_table
@@ -168,17 +168,15 @@ def job(args: argparse.Namespace) -> None:
 
 def run_job(args: argparse.Namespace, regime: str, method: str) -> dict[str, Any]:
     env = job_env([ROOT / "src"], **(SOCKETS_ENV if regime == "sockets" else {}))
-    command = [str(Path(__file__).resolve()), "--job", "--method", method, "--batch", str(args.batch)]
-    command += ["--devices", str(args.devices)]
-    command += ["--steps", str(args.steps), "--warmup", str(args.warmup), *(["--cpu"] if args.cpu else [])]
+    flags = {"method": method, "batch": args.batch, "devices": args.devices, "steps": args.steps, "warmup": args.warmup}
+    command = [sys.executable, str(Path(__file__).resolve()), "--job", *(f"--{k}={v}" for k, v in flags.items())]
     # Lightning's own launcher starts the second process, as a user's `python train.py` would.
-    completed = subprocess.run(
-        [sys.executable, *command], env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout
-    )
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    if completed.returncode != 0 or not lines:
+    command += ["--cpu"] if args.cpu else []
+    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    found = result_lines(completed.stdout, "RESULT")
+    if completed.returncode != 0 or not found:
         raise RuntimeError(f"{regime}/{method} failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}")
-    return {"regime": regime, **json.loads(lines[-1][len("RESULT ") :])}
+    return {"regime": regime, **found[-1]}
 
 
 def summarise(regime: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -282,7 +280,7 @@ def write(
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regimes", nargs="+", default=["nvlink", "sockets"], choices=["nvlink", "sockets"])
-    parser.add_argument("--methods", nargs="+", default=None, help="default: all")
+    parser.add_argument("--methods", nargs="+", help="default: all")
     parser.add_argument("--batch", type=int, default=64, help="sequences of 1024 tokens per GPU per step")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps (also qadam's and async's warm-up)")
@@ -290,7 +288,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="jobs per method, interleaved with the other methods")
     parser.add_argument("--devices", type=int, default=2, help="GPUs (or Gloo processes) per job; 'single' uses 1")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
-    parser.add_argument("--out", default=None, help="results file name without suffix (default: lm_step_time_gpu)")
+    parser.add_argument("--out", help="results file name without suffix (default: lm_step_time_gpu)")
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the results files go")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)

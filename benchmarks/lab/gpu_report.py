@@ -1,12 +1,9 @@
-"""Reading the GPU step-time lab's results: the report, the README's figures and the docs read them alike.
+"""Reading the GPU step-time lab's results: its report, the README's figures, the docs and the targets read them alike.
 
-``benchmarks/gpu_network_lab.py`` writes ``gpu_network_lab_nvlink*.json`` and ``gpu_network_lab_sockets*.json``;
-:func:`load_results` merges them (further NVLink runs pool, later sockets runs replace rows) and the functions below
-read the merged runs: :func:`step_of`, :func:`nvlink_beside`, :func:`sockets_beside`, :func:`target_of`,
-:func:`steps_to_target`, :func:`seed_spread`, and the tables :func:`step_table`, :func:`time_to_target_table`,
-:func:`bucket_comparison`, :func:`interleaved_table`. :func:`report` writes ``gpu_network_lab.md`` and its chart,
-:func:`write_readme` the README's figures (``python benchmarks/suite.py --readme``).
-Nothing here imports torch: the documentation and the README's command read the results without it.
+:func:`load_results` merges ``gpu_network_lab_nvlink*.json`` (further NVLink runs pool) and
+``gpu_network_lab_sockets*.json`` (later sockets runs replace rows); :func:`report` writes ``gpu_network_lab.md``
+and its chart, :func:`write_readme` the README's figures (``python benchmarks/suite.py --readme``). Nothing here
+imports torch: the docs and the README's command read the results without it.
 """
 
 import json
@@ -177,24 +174,18 @@ def tag_rounds(run: dict[str, Any], stem: str) -> dict[str, Any]:
 
 
 def nvlink_beside(loaded: dict[str, Any], method: str, base: str = "ddp") -> tuple[dict[str, float], ...] | None:
-    """``method``'s and ``base``'s NVLink steps over the runs that timed both, side by side; ``None`` if none did.
-
-    Pooled runs may time some methods alone (``--methods``): a ratio to DDP then reads only the runs that timed
-    DDP too, so that both sides met the same machine in the same job.
-
-    Returns:
-        The two methods' ``{"median", "min", "max"}`` over their rounds of those runs, and ``{"runs": count}``.
-    """
+    """``method``'s and ``base``'s NVLink steps (:func:`median_range`) over the pooled runs that timed both, and
+    ``{"runs": count}``; ``None`` if none did. A ratio to DDP so reads both sides from the same jobs."""
     methods = loaded.get("nvlink", {}).get("methods", {})
     rows = {name: methods.get(name, {}).get("rounds", []) for name in (method, base)}
     shared = {row.get("run") for row in rows[method]} & {row.get("run") for row in rows[base]}
     if not shared:
         return None
-    figures = []
-    for name in (method, base):
-        values = [row["step_s"]["nvlink"] for row in rows[name] if row.get("run") in shared]
-        figures.append(median_range(values))
-    return figures[0], figures[1], {"runs": len(shared)}
+    ours, theirs = (
+        median_range([row["step_s"]["nvlink"] for row in rows[name] if row.get("run") in shared])
+        for name in (method, base)
+    )
+    return ours, theirs, {"runs": len(shared)}
 
 
 def sockets_beside(loaded: dict[str, Any], method: str, label: str, base: str = "ddp") -> dict[str, float] | None:
@@ -313,14 +304,8 @@ def steps_to_target(loaded: dict[str, Any], method: str) -> int | None:
 
 
 def seed_spread(entry: dict[str, Any]) -> tuple[int, str]:
-    """How many seeds a method's NVLink curve averages, and their final losses' range (``""`` for a single seed).
-
-    Args:
-        entry: the method's entry of the NVLink results; pooled runs keep each seed's curve in ``curves``.
-
-    Returns:
-        The number of seeds, and ``"[min, max]"`` of their final validation losses when there is more than one.
-    """
+    """How many seeds a method's NVLink entry averages (pooled runs keep each seed's curve in ``curves``), and their
+    final losses' ``"[min, max]"`` (``""`` for a single seed)."""
     finals = [curve[-1]["val_loss"] for curve in entry.get("curves", [])]
     if len(finals) < 2:
         return 1, ""
