@@ -58,10 +58,8 @@ SIZES = ("width", "depth", "batch", "bucket_mb", "warmup", "steps", "rounds")  #
 
 def make_model(width: int, depth: int) -> nn.Module:
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, 1))
+    hidden = (layer for _ in range(depth) for layer in (nn.Linear(width, width), nn.GELU()))
+    return nn.Sequential(*hidden, nn.Linear(width, 1))
 
 
 def train_step(wrapped: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
@@ -231,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     path = write_report(Path(args.results_dir), f"{STEMS[args.variant]}_{'cpu' if args.cpu else 'gpu'}", report)
     print(f"{report['parameters'] / 1e6:.1f}M parameters on {device} x{args.devices}")
     for row in rows:
-        print(
-            f"{row['setting']:36s} {row['median_ms']:8.2f} ms/step (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})"
-        )
+        print(f"{row['setting']:36s} {row['median_ms']:8.2f} ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})")
     print(f"-> {path}")
 
 
