@@ -48,14 +48,18 @@ DEFAULTS = {
 }
 CPU_SHAPE = {"engine": (512, 4, 256), "telemetry": (512, 4, 256), "autotune": (256, 3, 64)}
 TELEMETRY_ALGORITHMS = {"gradient_allreduce": {}, "bytegrad": {"hierarchical": False}}
+SETTINGS = {  # what each variant times, alternated in every round
+    "engine": ["torch_ddp", "bagua_gradient_allreduce"],
+    "telemetry": [f"{algorithm}/telemetry_{state}" for algorithm in TELEMETRY_ALGORITHMS for state in ("off", "on")],
+    "autotune": ["default", "autotuned"],
+}
+SIZES = ("width", "depth", "batch", "bucket_mb", "warmup", "steps", "rounds")  # DEFAULTS' order
 
 
 def make_model(width: int, depth: int) -> nn.Module:
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, 1))
+    hidden = (layer for _ in range(depth) for layer in (nn.Linear(width, width), nn.GELU()))
+    return nn.Sequential(*hidden, nn.Linear(width, 1))
 
 
 def train_step(wrapped: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
@@ -132,14 +136,6 @@ def autotune(wrapped: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
     }
 
 
-def settings_of(variant: str) -> list[str]:
-    if variant == "engine":
-        return ["torch_ddp", "bagua_gradient_allreduce"]
-    if variant == "telemetry":
-        return [f"{algorithm}/telemetry_{state}" for algorithm in TELEMETRY_ALGORITHMS for state in ("off", "on")]
-    return ["default", "autotuned"]
-
-
 def worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
     if args.cpu:
         # One compute thread per rank: several ranks' thread pools on few cores make every timing noise.
@@ -156,7 +152,7 @@ def worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
     extra: dict[str, Any] = {"rounds": [], "sample_record_rank0": {}}
     for _ in range(args.rounds):
         tuned: dict[str, Any] = {}
-        for setting in settings_of(args.variant):
+        for setting in SETTINGS[args.variant]:
             model = make_model(args.width, args.depth).to(device)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
             wrapped = build(setting, model, optimizer, args, rank)
@@ -203,16 +199,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variant", choices=list(STEMS), default="engine")
     parser.add_argument("--devices", type=int, default=2, help="ranks: GPUs, or CPU processes with --cpu")
     parser.add_argument("--cpu", action="store_true", help="Gloo on CPU, a smaller model")
-    for name in ("width", "depth", "batch", "bucket_mb", "warmup", "steps", "rounds"):
+    for name in SIZES:
         parser.add_argument(f"--{name.replace('_', '-')}", type=float if name == "bucket_mb" else int, default=None)
     parser.add_argument("--results-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
-    names = ("width", "depth", "batch", "bucket_mb", "warmup", "steps", "rounds")
-    for name, default in zip(names, DEFAULTS[args.variant], strict=True):
+    for name, default in zip(SIZES, DEFAULTS[args.variant], strict=True):
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.cpu:
-        for name, limit in zip(names, CPU_SHAPE[args.variant], strict=False):
+        for name, limit in zip(SIZES, CPU_SHAPE[args.variant], strict=False):
             setattr(args, name, min(getattr(args, name), limit))
     elif torch.cuda.device_count() < args.devices:
         raise SystemExit(f"--devices {args.devices} needs as many GPUs, found {torch.cuda.device_count()}; or --cpu.")
@@ -234,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     path = write_report(Path(args.results_dir), f"{STEMS[args.variant]}_{'cpu' if args.cpu else 'gpu'}", report)
     print(f"{report['parameters'] / 1e6:.1f}M parameters on {device} x{args.devices}")
     for row in rows:
-        print(
-            f"{row['setting']:36s} {row['median_ms']:8.2f} ms/step (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})"
-        )
+        print(f"{row['setting']:36s} {row['median_ms']:8.2f} ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})")
     print(f"-> {path}")
 
 

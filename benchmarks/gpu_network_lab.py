@@ -1,74 +1,20 @@
 """GPU network lab: every method on two GPUs of one host, over NVLink and over shaped TCP sockets, side by side.
 
-The model is a GPT-style byte-level decoder (16 layers, width 768, 12 heads, 512-token context: 114M parameters)
-trained in bf16 autocast with AdamW (QAdam for ``qadam``) on the Python standard library's source, the text every
-machine has offline (as the CPU lab's ``charlm`` task). Each GPU takes 16 sequences of 512 tokens a step. The
-learning rate follows the usual GPT schedule (``--schedule cosine``): a linear warm-up over ``--lr-warmup`` steps,
-then a cosine decay to a tenth of ``--lr`` at ``--train-steps``. Without the warm-up, runs of this model at this
-rate stall on a plateau near step 75 or not, seed by seed and method by method: the lab files of 2026-11-27 and
-earlier (``--schedule constant``) show it, DDP's and ``gradient_allreduce``'s final losses 4% apart where the math
-is the same, which hid any 1% difference between methods.
+A GPT-style byte-level decoder (16 layers, width 768, 114M parameters, bf16 autocast, 16 sequences of 512 tokens
+per GPU) trains on the Python standard library's source, every method in one ``torchrun`` job per regime (the
+engine driven from plain PyTorch, as the strategy drives it); rounds interleave the methods, in an order rotated
+from round to round. ``nvlink``: NCCL's defaults; the first round trains ``--train-steps`` steps (warm-up, then
+cosine decay) and evaluates every ``--eval-every``, for the time to a target loss. ``sockets``: NCCL over TCP on
+``lo``, unshaped, then shaped by ``tc``'s ``tbf`` to each of ``--rates``. ``docs/source/performance.md``
+documents the options (``--window``, ``--interleave steps``, ``METHOD@MiB``, pooled and supplementary runs).
 
-Two regimes, one ``torchrun`` job each, every method trained in that one job (one process group, no Lightning
-start-up per method: the engine is used from plain PyTorch, as the strategy uses it):
+On a machine with two GPUs (``--cpu``: a tiny model on two Gloo processes, a smoke test)::
 
-* ``nvlink``: NCCL's defaults. In the first round each method trains ``--train-steps`` steps from the same seed
-  and is evaluated on a held-out slice every ``--eval-every`` steps: its validation curve gives its steps to the
-  target loss, and its steps after the warm-up its NVLink step time. Later rounds only time ``--timing-steps``
-  steps after the warm-up.
-* ``sockets``: NCCL over TCP on ``lo`` (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket
-  NCCL_SOCKET_IFNAME=lo``). Each method walks through the rates in one process: unshaped, then ``lo`` shaped by
-  ``tc``'s ``tbf`` to each of ``--rates`` (``tc qdisc replace`` between phases, run by rank 0 between two
-  barriers; the first step after a change is not timed). ``tbf`` on ``lo`` shapes both directions together, so
-  a rate is the two GPUs' total, as on a half-duplex link. The full-precision methods that cost what DDP costs
-  (``gradient_allreduce``, ``decentralized``) skip the slowest rate, where a step takes seconds.
-  ``--window K`` takes a phase's timed steps ``K`` at a time, back to back between two device synchronisations (as
-  training runs them), a step's time the window's over ``K``: work a method leaves in flight into the next step
-  overlaps it there. The report marks such a run.
-  The first steps of each method (its own warm-up, and PowerSGD's ``start_powerSGD_iter``) run unshaped and
-  untimed. Two steps of each method are profiled after the unshaped phase: CUDA kernel launches per step.
-
-Rounds interleave the methods (each round runs every method once, in an order rotated from round to round); a
-method's figure is the median over rounds of its per-round median step, with the rounds' min and max.
-
-Peers: ``ddp``; ``ddp_fp16`` (torch's ``fp16_compress_hook``); ``ddp_powersgd_rK`` (torch's PowerSGD hook at rank
-K with ``batch_tensors_with_same_shape=True``, its fastest setting, after 10 uncompressed steps). Ours: every
-algorithm, with ``bytegrad``, ``qadam``, ``low_precision_decentralized`` and ``low_rank`` flat
-(``hierarchical=False``: on one node their default would not compress; the GPU lab files of 2026-11-27 and
-earlier ran ``low_precision_decentralized`` with its default), ``low_rank_rK`` at rank K.
-
-On a machine with two GPUs (the device's ``tc`` comes from ``shared/tools`` when the image has none)::
-
-    python benchmarks/gpu_network_lab.py --regime nvlink --rounds 3
-    python benchmarks/gpu_network_lab.py --regime sockets --rounds 3
-    python benchmarks/gpu_network_lab.py --report     # the table, time to target and chart from both files
-
-Each regime writes ``benchmarks/results/gpu_network_lab_<regime>.json``; ``--report`` writes
-``gpu_network_lab.md`` and ``gpu_network_lab.png``. A sockets run of some methods apart, written with
-``--out gpu_network_lab_sockets_NAME``, is added to the report (its rows replace the main run's), with its
-command. A further NVLink run, written with ``--out gpu_network_lab_nvlink_NAME`` (another ``--seed``, more
-rounds), pools with the first instead: each method's step is the median over both runs' rounds, its curve the
-mean of the seeds' curves, and its final loss is shown with the seeds' range; runs of other settings or keywords
-are refused. ``--cpu`` runs a tiny model on two Gloo processes, unshaped
-(a smoke test of the script; its figures mean nothing).
-
-A method may be named with a bucket size, ``METHOD@MiB`` (``bytegrad@100``): it runs with DDP's reducer capped at
-that size instead of its wrapper's default, side by side with the others. Such a run compares bucket sizes: it
-must be written under a name of its own (``--out gpu_bucket_cap_NAME``), never pooled into the report, and writes
-``NAME.md`` with each variant's steps against the same method at its default bucket size (``--compare STEM``
-writes it again from the JSON)::
-
-    python benchmarks/gpu_network_lab.py --regime sockets --rounds 2 --rates 10 1 \
-        --methods ddp bytegrad bytegrad@100 --out gpu_bucket_cap_sockets
-
-``--interleave steps`` (NVLink) times steps only, with every method built at once and their steps taken in turn:
-each window of ``--window`` steps (one by default) runs every method once, the order rotated from window to window,
-so that a slow stretch of the host (a host-bound step follows the CPU's pace, which drifts over a job) falls on
-every method alike. Each round has ``--timing-steps`` steps of every method after the lab's warm-up. It needs every
-method's model and state in memory together, and cannot time ``async``, whose averaging thread would send while the
-others are timed. It writes ``<--out>.json`` and ``.md`` (step and host time per method, against DDP's); the NVLink
-step targets of ``benchmarks/suite.py`` read such a run when it is newer than the lab's NVLink runs::
-
+    python benchmarks/gpu_network_lab.py --regime nvlink --rounds 3     # gpu_network_lab_nvlink.json
+    python benchmarks/gpu_network_lab.py --regime sockets --rounds 3    # gpu_network_lab_sockets.json
+    python benchmarks/gpu_network_lab.py --report                       # gpu_network_lab.md and .png
+    python benchmarks/gpu_network_lab.py --regime sockets --rates 10 1 --methods ddp bytegrad bytegrad@100 \
+        --out gpu_bucket_cap_sockets                                    # bucket sizes, beside the report
     python benchmarks/gpu_network_lab.py --interleave steps --rounds 3 --timing-steps 20 \
         --methods ddp ddp_fp16 bytegrad low_rank_r8 --out step_breakdown_nvlink_interleaved
 """
@@ -88,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -101,11 +48,13 @@ from lab.gpu_report import (
     WARMUP_STEPS,
     algorithm_of,
     interleaved_table,
+    median_range,
     report,
     split_bucket,
     write_bucket_comparison,
 )
 from lab.harness import SOCKETS_ENV, rotated
+from lab.jobs import job_env, torchrun
 from lab.models import DecoderLM
 from lab.render import markdown_table
 from lab.results import machine
@@ -163,12 +112,7 @@ class Wrapped:
     """One method's model, optimizer and wrapper."""
 
     def __init__(
-        self,
-        method: str,
-        args: argparse.Namespace,
-        device: torch.device,
-        bucket_cap_mb: float | None = None,
-        keywords: dict[str, Any] | None = None,
+        self, method: str, args: argparse.Namespace, device: torch.device, bucket_cap_mb: float | None
     ) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         from torch.nn.parallel import DistributedDataParallel
@@ -177,14 +121,8 @@ class Wrapped:
         from lightning_bagua.engine.algorithms.qadam import QAdamOptimizer
 
         torch.manual_seed(args.seed)
-        shape = {"width": 64, "depth": 2, "heads": 4} if args.cpu else {}
-        self.module = DecoderLM(
-            shape.get("vocab", 256),
-            shape.get("width", 768),
-            shape.get("depth", 16),
-            shape.get("heads", 12),
-            args.context,
-        ).to(device)
+        width, depth, heads = (64, 2, 4) if args.cpu else (768, 16, 12)
+        self.module = DecoderLM(256, width, depth, heads, args.context).to(device)
         self.parameters = sum(p.numel() for p in self.module.parameters())
         if method == "qadam":
             self.optimizer: torch.optim.Optimizer = QAdamOptimizer(
@@ -196,7 +134,7 @@ class Wrapped:
         self.bagua: Any = None
         device_ids = [device.index] if device.type == "cuda" else None
         if method in PEERS:
-            bucket = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+            bucket = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}  # else DDP's own default
             ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **bucket)
             if method == "ddp_fp16":
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -210,13 +148,10 @@ class Wrapped:
                 ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             self.model: nn.Module = ddp
         else:
-            name, algorithm_keywords = algorithm_of(method)
+            name, keywords = algorithm_of(method)
+            algorithm = Algorithm.init(name, **keywords)
             self.bagua = BaguaDistributedDataParallel(
-                self.module,
-                [self.optimizer],
-                Algorithm.init(name, **{**algorithm_keywords, **(keywords or {})}),
-                device_ids=device_ids,
-                bucket_cap_mb=bucket_cap_mb,
+                self.module, [self.optimizer], algorithm, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb
             )
             self.bagua.bagua_algorithm_impl.start()
             self.model = self.bagua
@@ -284,25 +219,22 @@ def timed_window(wrapped: Wrapped, window: list[torch.Tensor], device: torch.dev
 
 
 def shape_link(rate_gbit: float | None) -> None:
-    """Shape ``lo`` to ``rate_gbit`` (``None``: unshaped): a token bucket of 100 us of the link, two frames at least."""
-    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
-    if rate_gbit is None:
-        return
-    rate = rate_gbit * 1e9
-    burst = max(int(rate / 8 * 100e-6), 2 * 65536)
-    limit = max(int(rate / 8 * 0.05), 8 << 20)
-    command = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate_gbit}gbit"]
-    subprocess.run([*command, "burst", str(burst), "limit", str(limit)], check=True)
-
-
-def is_launch(key: str) -> bool:
-    """Whether a profiler event is a launch the host makes: a kernel's, or a CUDA graph's (one for all its kernels)."""
-    return "LaunchKernel" in key or "GraphLaunch" in key
+    """Shape ``lo`` to ``rate_gbit`` (``None``: unshaped), rank 0 between two barriers of the job: a token bucket of
+    100 us of the link, two 64 KiB frames at least."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
+    if dist.get_rank() == 0 and rate_gbit is not None:
+        rate = rate_gbit * 1e9
+        burst = max(int(rate / 8 * 100e-6), 2 * 65536)
+        limit = max(int(rate / 8 * 0.05), 8 << 20)
+        command = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate_gbit}gbit"]
+        subprocess.run([*command, "burst", str(burst), "limit", str(limit)], check=True)
+    dist.barrier()
 
 
 def count_launches(wrapped: Wrapped, batches: Batches, seed: int, step: int, device: torch.device) -> dict[str, float]:
-    """Launches per step (host API calls, a graph's replay counted once) and kernels run on the device, over two
-    profiled steps."""
+    """Launches per step over two profiled steps: the host's kernel launches, a CUDA graph's replay counted once."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -310,21 +242,14 @@ def count_launches(wrapped: Wrapped, batches: Batches, seed: int, step: int, dev
         for offset in range(2):
             wrapped.step(batches.for_step(seed, step + offset), device)
         synchronize(device)
-    launches = kernels = 0
-    for event in profiler.key_averages():
-        if is_launch(event.key):
-            launches += event.count
-        if getattr(event, "device_type", None) is not None and str(event.device_type).endswith("CUDA"):
-            kernels += event.count
-    return {"launches_per_step": launches / 2, "device_events_per_step": kernels / 2}
+    events = profiler.key_averages()
+    launches = sum(event.count for event in events if "LaunchKernel" in event.key or "GraphLaunch" in event.key)
+    return {"launches_per_step": launches / 2}
 
 
 def run_method(
     method: str, args: argparse.Namespace, batches: Batches, device: torch.device, first_round: bool
 ) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
     method, bucket_cap_mb = split_bucket(method)
     wrapped = Wrapped(method, args, device, bucket_cap_mb=bucket_cap_mb)
     row: dict[str, Any] = {"method": method, "parameters": wrapped.parameters}
@@ -363,10 +288,7 @@ def run_method(
             if rate is not None and rate < 5 and method in FULL_PRECISION:
                 continue
             if not args.cpu:
-                dist.barrier()
-                if rank == 0:
-                    shape_link(rate)
-                dist.barrier()
+                shape_link(rate)
             timed(1)  # the first step after a change fills queues and windows
             count = TIMED_STEPS["slow" if rate and rate < 5 else "fast"]
             row["step_s"][label] = statistics.median(timed(count, args.window))
@@ -374,10 +296,7 @@ def run_method(
                 row.update(count_launches(wrapped, batches, args.seed, step, device))
                 step += 2
         if not args.cpu:
-            dist.barrier()
-            if rank == 0:
-                shape_link(None)
-            dist.barrier()
+            shape_link(None)
     wrapped.close()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -395,8 +314,6 @@ def evaluate(wrapped: Wrapped, batches: Batches, device: torch.device) -> float:
 
 def join_job(cpu: bool) -> tuple[torch.device, int]:
     """Join the torchrun job's default group (Gloo with ``cpu``, else NCCL on the local GPU): its device and rank."""
-    import torch.distributed as dist
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cpu:
         device = torch.device("cpu")
@@ -409,13 +326,9 @@ def join_job(cpu: bool) -> tuple[torch.device, int]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
     device, rank = join_job(args.cpu)
     text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
-    batch = 4 if args.cpu else args.batch
-    context = args.context
-    batches = Batches(text, rank, batch, context, device)
+    batches = Batches(text, rank, 4 if args.cpu else args.batch, args.context, device)
     if args.interleave == "steps":
         run_interleaved(args, batches, device, rank)
         dist.destroy_process_group()
@@ -473,69 +386,68 @@ def run_interleaved(args: argparse.Namespace, batches: Batches, device: torch.de
         wrapped.close()
 
 
+def write_run(args: argparse.Namespace, path: Path, benchmark: str, command: str, rounds: int, methods: dict) -> dict:
+    """Write a run's JSON (what ran, where, its settings and each method's figures) to ``path``; return it."""
+    # A regime's command names its regime and rounds; an interleaved run's settings keep them.
+    hidden = {"worker", "results_dir", "report", "out"} | ({"regime", "rounds"} if "--regime" in command else set())
+    run = {
+        "benchmark": benchmark,
+        "command": command,
+        "settings": {k: v for k, v in vars(args).items() if k not in hidden},
+        "rounds": rounds,
+        "machine": machine(None if args.cpu else torch.device("cuda", 0)),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "methods": methods,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run, indent=1) + "\n")
+    return run
+
+
 def write_interleaved(args: argparse.Namespace, rows: dict[str, list[dict[str, float]]], rounds: int) -> None:
     """An interleaved run's medians over rounds, with each round's row, as ``<--out>.json`` and its table (``.md``)."""
-    summary: dict[str, Any] = {}
-    for method, method_rows in rows.items():
-        summary[method] = {"rounds": method_rows}
-        for key in ("step_ms", "host_ms"):
-            values = [row[key] for row in method_rows]
-            summary[method][key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    summary = {
+        method: {
+            "rounds": method_rows,
+            **{key: median_range([row[key] for row in method_rows]) for key in ("step_ms", "host_ms")},
+        }
+        for method, method_rows in rows.items()
+    }
     command = f"python benchmarks/gpu_network_lab.py --interleave steps --rounds {args.rounds}"
     command += f" --timing-steps {args.timing_steps}" + (f" --window {args.window}" if args.window != 1 else "")
     command += (f" --methods {' '.join(args.methods)}" if args.methods else "") + f" --out {args.out}"
-    run = {
-        "benchmark": "NVLink steps of every method, built together and timed in turn",
-        "command": command,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(None if args.cpu else torch.device("cuda", 0)),
-        "settings": {k: v for k, v in vars(args).items() if k not in {"worker", "results_dir", "report", "out"}},
-        "rounds": rounds,
-        "methods": summary,
-    }
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.out}.json").write_text(json.dumps(run, indent=1) + "\n")
+    out = Path(args.results_dir) / f"{args.out}.json"
+    run = write_run(
+        args, out, "NVLink steps of every method, built together and timed in turn", command, rounds, summary
+    )
     device = run["machine"]["device"]
     heading = f"Written by `{command}` ({device}, {rounds} rounds). Medians over rounds [min, max]; per step.\n\n"
-    (out / f"{args.out}.md").write_text(heading + markdown_table(*interleaved_table(run)))
+    out.with_suffix(".md").write_text(heading + markdown_table(*interleaved_table(run)))
 
 
 def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], rounds: int) -> None:
+    """A regime's run: each method's figures over rounds (median, min, max per link), its curve, its launches."""
     summary = {}
     for method, method_rows in rows.items():
-        labels = list(method_rows[0]["step_s"])
-        entry: dict[str, Any] = {"step_s": {}, "rounds": method_rows}
-        for label in labels:
-            values = [row["step_s"][label] for row in method_rows if label in row["step_s"]]
-            entry["step_s"][label] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-        for key in ("launches_per_step", "device_events_per_step", "parameters"):
-            if key in method_rows[0]:
-                entry[key] = method_rows[0][key]
-        if "curve" in method_rows[0]:
-            entry["curve"] = method_rows[0]["curve"]
-        summary[method] = entry
-    report = {
-        "benchmark": f"GPU network lab, regime {args.regime}",
-        "command": f"python benchmarks/gpu_network_lab.py --regime {args.regime} --rounds {args.rounds}"
+        first = method_rows[0]
+        summary[method] = {
+            "step_s": {
+                label: median_range([row["step_s"][label] for row in method_rows if label in row["step_s"]])
+                for label in first["step_s"]
+            },
+            "rounds": method_rows,
+            **{key: first[key] for key in ("launches_per_step", "parameters", "curve") if key in first},
+        }
+    command = (
+        f"python benchmarks/gpu_network_lab.py --regime {args.regime} --rounds {args.rounds}"
         + (f" --methods {' '.join(args.methods)}" if args.methods else "")
         + (f" --rates {' '.join(f'{r:g}' for r in args.rates)}" if args.regime == "sockets" else "")
         + (f" --seed {args.seed}" if args.seed else "")
         + (f" --window {args.window}" if args.window != 1 else "")
         + (f" --schedule {args.schedule}" if args.schedule != "cosine" else "")
-        + (f" --lr-warmup {args.lr_warmup}" if args.schedule == "cosine" and args.lr_warmup != LR_WARMUP else ""),
-        "settings": {
-            k: v
-            for k, v in vars(args).items()
-            if k not in {"worker", "results_dir", "report", "regime", "rounds", "out"}
-        },
-        "rounds": rounds,
-        "machine": machine(None if args.cpu else torch.device("cuda", 0)),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "methods": summary,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+        + (f" --lr-warmup {args.lr_warmup}" if args.schedule == "cosine" and args.lr_warmup != LR_WARMUP else "")
+    )
+    write_run(args, path, f"GPU network lab, regime {args.regime}", command, rounds, summary)
 
 
 # ------------------------------------------------------------------------------------------------ entry
@@ -544,9 +456,7 @@ def write_regime(path: Path, args: argparse.Namespace, rows: dict[str, list[dict
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regime", choices=["nvlink", "sockets"], default="nvlink")
-    parser.add_argument(
-        "--methods", nargs="+", default=None, type=method_choice, help="default: all; METHOD@MiB: another bucket size"
-    )
+    parser.add_argument("--methods", nargs="+", type=method_choice, help="default: all; METHOD@MiB: a bucket size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rates", nargs="+", type=float, default=[25.0, 10.0, 1.0], help="Gbit/s, fastest first")
     parser.add_argument("--batch", type=int, default=16, help="sequences per GPU per step")
@@ -557,35 +467,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=300, help="nvlink: steps each method trains")
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument(
-        "--timing-steps", type=int, default=40, help="nvlink: timed steps of later rounds (--interleave steps: of each)"
-    )
-    parser.add_argument(
-        "--window",
-        type=int,
-        default=1,
-        help="sockets or --interleave steps: timed steps taken this many at a time, back to back between two"
-        " device synchronisations",
-    )
-    parser.add_argument(
-        "--interleave",
-        choices=["methods", "steps"],
-        default="methods",
-        help="steps: time NVLink steps only, every method built at once, their steps taken in turn (needs --out)",
-    )
+    parser.add_argument("--timing-steps", type=int, default=40, help="nvlink: timed steps of a later round")
+    parser.add_argument("--window", type=int, default=1, help="timed steps back to back between synchronisations")
+    parser.add_argument("--interleave", choices=["methods", "steps"], default="methods", help="steps: in turn")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--out", default=None, help="results file name without suffix (default: by regime)")
     parser.add_argument("--report", action="store_true", help="write the table and chart from the regimes' files")
-    parser.add_argument("--compare", default=None, metavar="STEM", help="write STEM.md from a bucket-size run's JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.interleave == "steps":
         if args.regime != "nvlink" or not args.out or args.out.startswith("gpu_network_lab"):
             parser.error("--interleave steps times NVLink steps apart from the lab's runs: give it --out NAME")
         if any(split_bucket(method)[0] == "async" for method in args.methods or ()):
-            # async averages on a thread of its own between the steps: built beside the others, it would send while
-            # they are timed.
+            # async's averaging thread would send while the others are timed.
             parser.error("--interleave steps cannot time async: time it in the lab's own rounds")
         if args.window < 1 or args.timing_steps % args.window:
             parser.error(f"--window {args.window} must be a positive divisor of --timing-steps {args.timing_steps}")
@@ -604,12 +499,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    if args.regime == "sockets" and not args.cpu:
-        env.update(SOCKETS_ENV)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += [__file__, "--worker"]
-    command += [arg for arg in sys.argv[1:] if arg != "--worker"]
+    env = job_env([ROOT / "src"], **(SOCKETS_ENV if args.regime == "sockets" and not args.cpu else {}))
+    command = [*torchrun("--standalone", "--nproc-per-node", "2"), __file__, "--worker", *sys.argv[1:]]
     subprocess.run(command, env=env, check=True, cwd=ROOT)
     if args.interleave == "steps":
         print((Path(args.results_dir) / f"{args.out}.md").read_text())
@@ -621,9 +512,7 @@ def launch(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.compare:
-        print(write_bucket_comparison(Path(arguments.results_dir) / f"{arguments.compare}.json"))
-    elif arguments.report:
+    if arguments.report:
         print(report(Path(arguments.results_dir), arguments.cpu))
     elif arguments.worker:
         worker(arguments)

@@ -1,42 +1,21 @@
 """Step time of a ~124M-parameter transformer LM under Lightning: DDP and its hooks against every Bagua algorithm.
 
-The model is a GPT-2-small-shaped decoder (12 layers, width 768, 12 heads, tied 50304-token embeddings, 1024-token
-context) trained in bf16-mixed precision on random tokens, with a large per-GPU batch (``--batch``, 64 sequences by
-default: activations then take most of the memory a step uses, as in real pre-training; the peak is recorded).
-For each network regime and method, a fresh ``torchrun`` job trains ``--warmup + --steps`` steps under
-``lightning.Trainer``; a callback times every step between CUDA synchronisations. Recorded per method: the median
-step time, tokens per second over all ranks, the payload bytes per step each rank hands to collectives, and the
-peak GPU memory.
+A GPT-2-small-shaped decoder (12 layers, width 768, 1024-token context) trains in bf16-mixed on random tokens,
+``--batch`` sequences per GPU, one fresh job per method and regime (``nvlink``: NCCL's defaults; ``sockets``: NCCL
+over TCP on ``lo``), ``--repeats`` jobs per method interleaved in rotated order. A callback times each step between
+CUDA synchronisations; recorded per method: the median of the jobs' median steps, their min and max, tokens per
+second, the bytes handed to collectives per step and the peak GPU memory. Methods: ``single`` (one GPU, the floor),
+``ddp``, ``ddp_fp16``, ``ddp_powersgd`` (rank 1) and every algorithm (``bytegrad``, ``qadam``, ``low_rank`` flat).
 
-Methods: ``single`` (one GPU, no communication: the limit), ``ddp`` (Lightning's ``strategy="ddp"``),
-``ddp_fp16`` (DDP with torch's ``fp16_compress_hook``), ``ddp_powersgd`` (DDP with torch's PowerSGD hook, rank 1,
-after ten uncompressed steps) and every algorithm of ``BaguaStrategy`` with its defaults, except that bytegrad
-and qadam run flat (``hierarchical=False``: on one node their hierarchical default would not compress); qadam and
-async are timed after their warm-up.
+    python benchmarks/lm_step_time.py                           # two GPUs, both regimes, every method
+    python benchmarks/lm_step_time.py --devices 1 --regimes nvlink --methods single ddp auto diloco
 
-Regimes: ``nvlink`` (NCCL's defaults) and ``sockets`` (NCCL forced onto TCP over loopback:
-``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo``, a commodity interconnect).
-
-On a machine with two GPUs::
-
-    python benchmarks/lm_step_time.py                           # both regimes, every method
-    python benchmarks/lm_step_time.py --regimes sockets --methods ddp bytegrad
-    python benchmarks/lm_step_time.py --devices 1 --regimes nvlink --methods ddp bytegrad   # one GPU: host cost
-
-Every method runs ``--repeats`` jobs (5 by default), interleaved: each round runs every method once, in an order
-rotated from round to round. Recorded per method: the median of the jobs' median step times, the min and max of
-them and their spread ``(max - min) / median``; a ratio between two methods means something only where it is
-larger than both spreads.
-
-It writes ``benchmarks/results/lm_step_time_gpu.json`` and ``lm_step_time_gpu.md`` (``--out`` names them).
-``benchmarks/results/lm_step_time_gpu_1xh200_auto_diloco`` is its one-GPU run of ``auto`` and ``diloco`` beside
-DDP (the command is in the file). ``--cpu`` runs a tiny model on two Gloo processes instead (a smoke test of the
-script; its figures mean nothing) and writes ``lm_step_time_cpu.*``.
+It writes ``benchmarks/results/lm_step_time_gpu.json`` and ``.md`` (``--out`` names them; ``--cpu``: a tiny model
+on two Gloo processes, a smoke test, ``lm_step_time_cpu.*``).
 """
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -48,8 +27,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab.harness import SOCKETS_ENV, rotated
+from lab.harness import SOCKETS_ENV, result_lines, rotated
+from lab.jobs import job_env
 from lab.models import DecoderLM
+from lab.render import markdown_table
 from lab.results import new_report, write_report
 
 RESULTS = Path(__file__).parent / "results"
@@ -100,27 +81,26 @@ def job(args: argparse.Namespace) -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     class StepTimer(pl.Callback):
+        """Each step's seconds between two CUDA synchronisations, and the bytes it handed to collectives."""
+
         def __init__(self) -> None:
             self.times: list[float] = []
             self.bytes: list[int] = []
-            self._start = 0.0
-            self._bytes_start = 0
+            self._start = (0.0, 0)
 
-        def _sync(self) -> None:
+        def _now(self, trainer: pl.Trainer) -> tuple[float, int]:
             if torch.cuda.is_available() and not args.cpu:
                 torch.cuda.synchronize()
+            counter = getattr(trainer.strategy, "communication_counter", None)
+            return time.perf_counter(), 0 if counter is None else counter.bytes_sent
 
         def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
-            self._sync()
-            counter = getattr(trainer.strategy, "communication_counter", None)
-            self._bytes_start = counter.bytes_sent if counter is not None else 0
-            self._start = time.perf_counter()
+            self._start = self._now(trainer)
 
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-            self._sync()
-            self.times.append(time.perf_counter() - self._start)
-            counter = getattr(trainer.strategy, "communication_counter", None)
-            self.bytes.append(counter.bytes_sent - self._bytes_start if counter is not None else 0)
+            now, sent = self._now(trainer)
+            self.times.append(now - self._start[0])
+            self.bytes.append(sent - self._start[1])
 
     if args.method == "single":
         strategy: Any = "auto"
@@ -187,20 +167,16 @@ def job(args: argparse.Namespace) -> None:
 
 
 def run_job(args: argparse.Namespace, regime: str, method: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    if regime == "sockets":
-        env.update(SOCKETS_ENV)
-    command = [str(Path(__file__).resolve()), "--job", "--method", method, "--batch", str(args.batch)]
-    command += ["--devices", str(args.devices)]
-    command += ["--steps", str(args.steps), "--warmup", str(args.warmup), *(["--cpu"] if args.cpu else [])]
+    env = job_env([ROOT / "src"], **(SOCKETS_ENV if regime == "sockets" else {}))
+    flags = {"method": method, "batch": args.batch, "devices": args.devices, "steps": args.steps, "warmup": args.warmup}
+    command = [sys.executable, str(Path(__file__).resolve()), "--job", *(f"--{k}={v}" for k, v in flags.items())]
     # Lightning's own launcher starts the second process, as a user's `python train.py` would.
-    completed = subprocess.run(
-        [sys.executable, *command], env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout
-    )
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    if completed.returncode != 0 or not lines:
+    command += ["--cpu"] if args.cpu else []
+    completed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    found = result_lines(completed.stdout, "RESULT")
+    if completed.returncode != 0 or not found:
         raise RuntimeError(f"{regime}/{method} failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}")
-    return {"regime": regime, **json.loads(lines[-1][len("RESULT ") :])}
+    return {"regime": regime, **found[-1]}
 
 
 def summarise(regime: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -220,32 +196,27 @@ def summarise(regime: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def markdown(results: list[dict[str, Any]], regimes: list[str], methods: list[str], command: str) -> str:
-    by_key = {(r["regime"], r["method"]): r for r in results}
-    lines = [
-        "Median over the repeats of each job's median step time in ms (ratio to Lightning DDP's in the same",
-        f"regime), then the repeats' spread (max - min) / median. Written by `{command}`;",
-        "every figure is in the JSON file of the same name.",
-        "",
-        "| method | " + " | ".join(f"{regime} ms (x DDP)" for regime in regimes) + " | MB/step | peak GiB |",
-        "|---|" + "---|" * len(regimes) + "---|---|",
-    ]
-    for method in methods:
-        cells = []
+def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of a run: per method and regime the median step (x DDP's) and the repeats' range, and the
+    peak memory; the docs' table of the run too."""
+    results = report["results"]
+    regimes = list(dict.fromkeys(row["regime"] for row in results))
+    by_key = {(row["regime"], row["method"]): row for row in results}
+    rows = []
+    for method in dict.fromkeys(row["method"] for row in results):
+        cells = [method]
         for regime in regimes:
             row, ddp = by_key.get((regime, method)), by_key.get((regime, "ddp"))
             if row is None:
-                cells.append("")
-            else:
-                ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp else ""
-                cells.append(f"{row['median_step_s'] * 1e3:.1f}{ratio}, spread {row['spread'] * 100:.0f}%")
-        any_row = next((by_key[(regime, method)] for regime in regimes if (regime, method) in by_key), None)
-        payload = None if any_row is None else any_row["bytes_per_step"]
-        peak = None if any_row is None else any_row["peak_memory_bytes"]
-        cells.append("" if payload is None else f"{payload / 1e6:.1f}")
-        cells.append("" if peak is None else f"{peak / 2**30:.1f}")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+                cells.append("-")
+                continue
+            ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp else ""
+            low, high = row["min_step_s"] * 1e3, row["max_step_s"] * 1e3
+            cells.append(f"{row['median_step_s'] * 1e3:.1f} ms{ratio}, {low:.1f}-{high:.1f}")
+        peak = next(row for row in results if row["method"] == method)["peak_memory_bytes"]
+        rows.append([*cells, "-" if peak is None else f"{peak / 2**30:.1f} GiB"])
+    repeats = report["settings"]["repeats"]
+    return ["method", *(f"{regime}: median of {repeats} (x DDP), min-max" for regime in regimes), "peak memory"], rows
 
 
 def suite(args: argparse.Namespace) -> None:
@@ -300,15 +271,16 @@ def write(
         command=command,
     )
     report |= {"rounds": rounds, "results": report.pop("rows")}
-    table = markdown(results, args.regimes, methods, command)
-    write_report(Path(args.results_dir), stem, report, table)
-    return table
+    text = f"Written by `{command}`; every figure is in the JSON file of the same name.\n\n"
+    text += markdown_table(*table(report))
+    write_report(Path(args.results_dir), stem, report, text)
+    return text
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regimes", nargs="+", default=["nvlink", "sockets"], choices=["nvlink", "sockets"])
-    parser.add_argument("--methods", nargs="+", default=None, help="default: all")
+    parser.add_argument("--methods", nargs="+", help="default: all")
     parser.add_argument("--batch", type=int, default=64, help="sequences of 1024 tokens per GPU per step")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps (also qadam's and async's warm-up)")
@@ -316,7 +288,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="jobs per method, interleaved with the other methods")
     parser.add_argument("--devices", type=int, default=2, help="GPUs (or Gloo processes) per job; 'single' uses 1")
     parser.add_argument("--cpu", action="store_true", help="a tiny model on two Gloo processes (smoke test)")
-    parser.add_argument("--out", default=None, help="results file name without suffix (default: lm_step_time_gpu)")
+    parser.add_argument("--out", help="results file name without suffix (default: lm_step_time_gpu)")
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the results files go")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ddp", help=argparse.SUPPRESS)

@@ -11,15 +11,13 @@ counted once per collective that takes it as input), beside the wire bytes of ``
     python benchmarks/suite.py --cpu                 # the CPU suite, then the targets check
     python benchmarks/suite.py --gpu                 # on a machine with two GPUs
     python benchmarks/suite.py --report-only         # the targets check from the committed results
-    python benchmarks/suite.py --readme              # the README's figures and chart (benchmarks/readme_figures.py)
+    python benchmarks/suite.py --readme              # the README's figures and chart (lab/gpu_report.py)
 """
 
 import argparse
 import json
 import logging
 import math
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +34,7 @@ RESULTS = BENCHMARKS / "results"
 ROOT = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))
 from lab import traffic  # noqa: E402
+from lab.harness import can_shape_links  # noqa: E402
 from lab.render import markdown_table, pyplot  # noqa: E402
 from lab.results import write_report as write_results  # noqa: E402
 
@@ -58,7 +57,7 @@ BUCKET_CAP_METHODS = (*PEER_METHODS, "ddp@100", *(name for method in BUCKET_CAP 
 
 def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
     """(name, command, reason it cannot run here or None) of every CPU benchmark."""
-    lab_ok = os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
+    lab_ok = can_shape_links()
     lab = ["network_lab.py", *(["--rates", "100mbit", "--steps", "5"] if quick else [])]
     codec = ["micro/codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])]
     rounds = ["--rounds", "1"] if quick else []
@@ -607,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.cpu or args.gpu or args.report_only:
         report = write_report(Path(args.results), Path(args.out), args.command, runs)
     if args.readme:
-        from readme_figures import write_readme
+        from lab.gpu_report import write_readme
 
         write_readme(Path(args.results))
     return report

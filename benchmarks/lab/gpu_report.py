@@ -1,20 +1,22 @@
-"""Reading the GPU step-time lab's results: the report, the README's figures and the docs read them alike.
+"""Reading the GPU step-time lab's results: its report, the README's figures, the docs and the targets read them alike.
 
-``benchmarks/gpu_network_lab.py`` writes ``gpu_network_lab_nvlink*.json`` and ``gpu_network_lab_sockets*.json``;
-:func:`load_results` merges them (further NVLink runs pool, later sockets runs replace rows) and the functions below
-read the merged runs: :func:`step_of`, :func:`nvlink_beside`, :func:`sockets_beside`, :func:`target_of`,
-:func:`steps_to_target`, :func:`seed_spread`, and the tables :func:`step_table`, :func:`time_to_target_table`,
-:func:`bucket_comparison`, :func:`interleaved_table`. :func:`report` writes ``gpu_network_lab.md`` and its chart.
-Nothing here imports torch: the documentation and the README's command read the results without it.
+:func:`load_results` merges ``gpu_network_lab_nvlink*.json`` (further NVLink runs pool) and
+``gpu_network_lab_sockets*.json`` (later sockets runs replace rows); :func:`report` writes ``gpu_network_lab.md``
+and its chart, :func:`write_readme` the README's figures (``python benchmarks/suite.py --readme``). Nothing here
+imports torch: the docs and the README's command read the results without it.
 """
 
 import json
+import logging
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from lab.render import markdown_table, pyplot
+from lab.results import RESULTS
+
+log = logging.getLogger(__name__)
 
 PEERS = ("ddp", "ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4", "ddp_powersgd_r8")
 OURS = (
@@ -35,16 +37,14 @@ WARMUP_STEPS = 12  # untimed, unshaped: low_rank's 10 full-precision steps, Powe
 LR_FLOOR = 0.1  # the cosine schedule's last learning rate, as a fraction of the peak
 
 
-# What the rows of files written before the rows recorded their keywords ran, where it differs from algorithm_of.
-UNRECORDED_KEYWORDS: dict[str, dict[str, Any]] = {"low_precision_decentralized": {}}
-
-
 def recorded_keywords(method: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """The algorithm keywords a results row of ``method`` ran with (rows of older files did not record them)."""
-    rounds = entry.get("rounds") or [entry]
-    if "algorithm_keywords" in rounds[0]:
-        return rounds[0]["algorithm_keywords"]
-    return UNRECORDED_KEYWORDS.get(method, algorithm_of(method)[1])
+    """The algorithm keywords a results row of ``method`` ran with (as :func:`algorithm_of` where not recorded)."""
+    return (entry.get("rounds") or [entry])[0].get("algorithm_keywords", algorithm_of(method)[1])
+
+
+def median_range(values: list[float]) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of ``values``: how the lab records a figure over rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def split_bucket(method: str) -> tuple[str, float | None]:
@@ -65,7 +65,7 @@ def algorithm_of(method: str) -> tuple[str, dict[str, Any]]:
 
 
 def schedule_of(settings: dict[str, Any]) -> str:
-    """The learning-rate schedule an NVLink run trained with, in words (runs before ``--schedule``: constant)."""
+    """The learning-rate schedule an NVLink run trained with, in words."""
     if settings.get("schedule", "constant") == "constant":
         return f"{settings['lr']:g}, constant"
     return (
@@ -174,24 +174,18 @@ def tag_rounds(run: dict[str, Any], stem: str) -> dict[str, Any]:
 
 
 def nvlink_beside(loaded: dict[str, Any], method: str, base: str = "ddp") -> tuple[dict[str, float], ...] | None:
-    """``method``'s and ``base``'s NVLink steps over the runs that timed both, side by side; ``None`` if none did.
-
-    Pooled runs may time some methods alone (``--methods``): a ratio to DDP then reads only the runs that timed
-    DDP too, so that both sides met the same machine in the same job.
-
-    Returns:
-        The two methods' ``{"median", "min", "max"}`` over their rounds of those runs, and ``{"runs": count}``.
-    """
+    """``method``'s and ``base``'s NVLink steps (:func:`median_range`) over the pooled runs that timed both, and
+    ``{"runs": count}``; ``None`` if none did. A ratio to DDP so reads both sides from the same jobs."""
     methods = loaded.get("nvlink", {}).get("methods", {})
     rows = {name: methods.get(name, {}).get("rounds", []) for name in (method, base)}
     shared = {row.get("run") for row in rows[method]} & {row.get("run") for row in rows[base]}
     if not shared:
         return None
-    figures = []
-    for name in (method, base):
-        values = [row["step_s"]["nvlink"] for row in rows[name] if row.get("run") in shared]
-        figures.append({"median": statistics.median(values), "min": min(values), "max": max(values)})
-    return figures[0], figures[1], {"runs": len(shared)}
+    ours, theirs = (
+        median_range([row["step_s"]["nvlink"] for row in rows[name] if row.get("run") in shared])
+        for name in (method, base)
+    )
+    return ours, theirs, {"runs": len(shared)}
 
 
 def sockets_beside(loaded: dict[str, Any], method: str, label: str, base: str = "ddp") -> dict[str, float] | None:
@@ -233,7 +227,7 @@ def pool_nvlink_run(main: dict[str, Any], extra: dict[str, Any], stem: str) -> N
             )
         base["rounds"] = base["rounds"] + entry["rounds"]
         values = [row["step_s"]["nvlink"] for row in base["rounds"]]
-        base["step_s"]["nvlink"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        base["step_s"]["nvlink"] = median_range(values)
         curves = base.get("curves") or ([base["curve"]] if "curve" in base else [])
         curves += [entry["curve"]] if "curve" in entry else []
         if curves:
@@ -278,9 +272,7 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 continue
             if method == "ddp":
                 ratio = " (1.00x)"
-            elif label == "nvlink":
-                # Side by side: over the pooled runs that timed DDP too (the same as the pooled medians' ratio when
-                # every run timed both).
+            elif label == "nvlink":  # over the pooled runs that timed DDP too
                 beside = nvlink_beside(loaded, method)
                 ratio = (
                     " (no DDP in its runs)"
@@ -288,12 +280,8 @@ def step_table(loaded: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                     else f" ({beside[0]['median'] / beside[1]['median']:.2f}x)"
                 )
             else:
-                beside_ddp = sockets_beside(loaded, method, label)
-                ratio = (
-                    " (no DDP in its run)"
-                    if beside_ddp is None
-                    else f" ({value['median'] / beside_ddp['median']:.2f}x)"
-                )
+                ddp = sockets_beside(loaded, method, label)
+                ratio = " (no DDP in its run)" if ddp is None else f" ({value['median'] / ddp['median']:.2f}x)"
             cells.append(_step_cell(value, ratio))
         launches = loaded.get("sockets", {}).get("methods", {}).get(method, {}).get("launches_per_step")
         cells.append("" if launches is None else f"{launches:.0f}")
@@ -316,14 +304,8 @@ def steps_to_target(loaded: dict[str, Any], method: str) -> int | None:
 
 
 def seed_spread(entry: dict[str, Any]) -> tuple[int, str]:
-    """How many seeds a method's NVLink curve averages, and their final losses' range (``""`` for a single seed).
-
-    Args:
-        entry: the method's entry of the NVLink results; pooled runs keep each seed's curve in ``curves``.
-
-    Returns:
-        The number of seeds, and ``"[min, max]"`` of their final validation losses when there is more than one.
-    """
+    """How many seeds a method's NVLink entry averages (pooled runs keep each seed's curve in ``curves``), and their
+    final losses' ``"[min, max]"`` (``""`` for a single seed)."""
     finals = [curve[-1]["val_loss"] for curve in entry.get("curves", [])]
     if len(finals) < 2:
         return 1, ""
@@ -452,3 +434,172 @@ def interleaved_table(run: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append([method, f"{step['median']:.1f}{ratio} [{step['min']:.1f}, {step['max']:.1f}]",
                      f"{entry['host_ms']['median']:.1f}"])  # fmt: skip
     return ["method", "step ms (x ddp) [min, max]", "host ms"], rows
+
+
+# ------------------------------------------------------------------------------------------------ the README's figures
+# The README holds its algorithm table and chart between README_START and README_END; ``python benchmarks/suite.py
+# --readme`` rewrites them from these results and ``tests/test_readme.py`` checks them, so a figure typed by hand
+# fails. The table: each algorithm's time to DDP's target loss at 10 Gbit/s, against DDP's (a method without one gets
+# its NVLink step against DDP's; one the lab has not run, "not measured yet"). The chart: the median step of every
+# method and peer at each link.
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+README_CHART = "benchmarks/results/readme_step_time.png"
+README_START = (
+    "<!-- figures:start: written by `python benchmarks/suite.py --readme`, checked by tests/test_readme.py -->"
+)
+README_END = "<!-- figures:end -->"
+HEADLINE_LINK = "10gbit"
+# Methods that average beside the steps at the link's pace: their NVLink curve says nothing of a shaped link's.
+BESIDE_THE_STEPS = ("async",)
+FINAL_LOSS_BAR = 1.01  # low_rank's row shows the fastest rank whose final loss is within 1% of DDP's
+# The links of the chart, slowest first, as the lab labels them.
+CHART_LINKS = (("1gbit", "1 Gbit/s"), ("10gbit", "10 Gbit/s"), ("25gbit", "25 Gbit/s"), ("unshaped", "TCP, unshaped"),
+               ("nvlink", "NVLink"))  # fmt: skip
+README_PEERS = (
+    ("ddp", "DDP (torch)"),
+    ("ddp_fp16", "DDP + fp16 hook (torch)"),
+    ("ddp_powersgd_r8", "DDP + PowerSGD hook, rank 8 (torch)"),
+)
+# (algorithm, its lab method or None for low_rank's chosen rank, when to use it)
+README_ALGORITHMS = (
+    ("auto", "auto", "you do not know your link: measures link and model at start, picks the fastest to DDP's loss"),
+    ("gradient_allreduce", "gradient_allreduce", "fast links (NVLink, InfiniBand); DDP's exact average, the default"),
+    ("bytegrad", "bytegrad", "1-25 Gbit/s Ethernet; 8-bit gradients, DDP's loss"),
+    ("decentralized", "decentralized", "many nodes where all-reduce latency binds; averages weights with peers"),
+    ("low_precision_decentralized", "low_precision_decentralized", "slow links, decentralized at 8 bits"),
+    ("qadam", "qadam", "Adam models on slow links; 8-bit momentum after a warm-up"),
+    ("async", "async", "ranks of uneven speed; weights averaged on a timer beside the steps"),
+    ("low_rank", None, "the slowest links (1-10 Gbit/s); rank-r gradient factors, PowerSGD-style"),
+    ("diloco", "diloco", "links below 1 Gbit/s; syncs every H steps with an outer Nesterov optimizer"),
+)
+
+
+def _time_to_target(loaded: dict[str, Any], method: str, link: str) -> float | None:
+    """Seconds to DDP's target loss at ``link``: steps to the target times the median step there."""
+    if method not in loaded.get("nvlink", {}).get("methods", {}) or (method in BESIDE_THE_STEPS and link != "nvlink"):
+        return None
+    reached = steps_to_target(loaded, method)
+    step = step_of(loaded, method, link)
+    return None if reached is None or step is None else reached * step["median"]
+
+
+def _final_loss_ratio(loaded: dict[str, Any], method: str) -> float:
+    _, _, final_ddp = target_of(loaded)
+    curve = loaded["nvlink"]["methods"].get(method, {}).get("curve", [])
+    return curve[-1]["val_loss"] / final_ddp if curve else math.inf
+
+
+def low_rank_method(loaded: dict[str, Any]) -> str | None:
+    """The lab's ``low_rank_rK`` with the shortest time to the target at the headline link, of the ranks whose final
+    loss is within 1% of DDP's; ``None`` where none is."""
+    ranks = [m for m in loaded.get("nvlink", {}).get("methods", {}) if m.startswith("low_rank_r")]
+    timed = {m: t for m in ranks if (t := _time_to_target(loaded, m, HEADLINE_LINK)) is not None}
+    close = [m for m in timed if _final_loss_ratio(loaded, m) <= FINAL_LOSS_BAR]
+    return min(close, key=timed.__getitem__) if close else None
+
+
+def headline(loaded: dict[str, Any], method: str | None) -> str:
+    """A method's figure for the table (see the module docstring)."""
+    ddp = _time_to_target(loaded, "ddp", HEADLINE_LINK)
+    seconds = None if method is None else _time_to_target(loaded, method, HEADLINE_LINK)
+    if seconds is not None and ddp is not None:
+        return f"{seconds:.0f} s ({seconds / ddp:.2f}x DDP)"
+    beside = None if method is None else nvlink_beside(loaded, method)
+    if beside is not None:
+        return f"no time to loss at a shaped link; NVLink step {beside[0]['median'] / beside[1]['median']:.2f}x DDP"
+    return "not measured yet"
+
+
+def readme_markdown(loaded: dict[str, Any]) -> str:
+    """The README's block between the markers."""
+    low_rank = low_rank_method(loaded)
+    target, at_step, _ = target_of(loaded)
+    nvlink = loaded["nvlink"]
+    lines = [
+        README_START,
+        "",
+        f"Time to DDP's validation loss ({target:.3f}, DDP's at step {at_step}) at 10 Gbit/s: a 114M-parameter"
+        f" GPT-style LM on two {nvlink['machine']['device']}s, NCCL over TCP shaped by `tc`, mean of"
+        f" {_seeds(nvlink)} seeds (`python benchmarks/gpu_network_lab.py`; every link and the spread in"
+        " [`gpu_network_lab.md`](benchmarks/results/gpu_network_lab.md)).",
+        "",
+        "| algorithm | when to use | time to DDP's loss, 10 Gbit/s |",
+        "| --- | --- | --- |",
+    ]
+    for name, method, when in README_ALGORITHMS:
+        chosen = low_rank if method is None else method
+        label = f"`{name}`" + (f" (rank {chosen.removeprefix('low_rank_r')})" if method is None and chosen else "")
+        lines.append(f"| {label} | {when} | {headline(loaded, chosen)} |")
+    for method, label in README_PEERS:
+        lines.append(f"| {label} | for comparison | {headline(loaded, method)} |")
+    lines += [
+        "",
+        f"![Median step time per method against the link rate, log scale]({README_CHART})",
+        "",
+        README_END,
+    ]
+    return "\n".join(lines)
+
+
+def _seeds(nvlink: dict[str, Any]) -> int:
+    return max(len(entry.get("curves", [])) or 1 for entry in nvlink["methods"].values())
+
+
+def chart_methods(loaded: dict[str, Any]) -> list[tuple[str, str]]:
+    """(lab method, legend label) of every line of the chart: ours, then the peers."""
+    low_rank = low_rank_method(loaded)
+    ours = [(method, name) for name, method, _ in README_ALGORITHMS if method is not None]
+    ranks = [low_rank] if low_rank is None or low_rank == "low_rank_r8" else ["low_rank_r8", low_rank]
+    ours += [(method, f"low_rank (rank {method.removeprefix('low_rank_r')})") for method in ranks if method]
+    lines = [*ours, *README_PEERS]
+    return [(m, label) for m, label in lines if any(step_of(loaded, m, link) for link, _ in CHART_LINKS)]
+
+
+def readme_chart(loaded: dict[str, Any], path: Path) -> None:
+    """Draw the median step of every method against the link, slowest link first."""
+    plt = pyplot()
+    if plt is None:
+        raise SystemExit("The README's chart needs matplotlib: pip install -r requirements/benchmarks.txt")
+
+    figure, axis = plt.subplots(figsize=(9, 5.5))
+    positions = range(len(CHART_LINKS))
+    markers = "os^vDP*Xh<>p"
+    for index, (method, label) in enumerate(chart_methods(loaded)):
+        points = [(x, step_of(loaded, method, link)) for x, (link, _) in zip(positions, CHART_LINKS, strict=True)]
+        xs = [x for x, step in points if step is not None]
+        ys = [step["median"] * 1e3 for _, step in points if step is not None]
+        peer = method.startswith("ddp")
+        axis.plot(xs, ys, marker=markers[index % len(markers)], linestyle="--" if peer else "-", label=label)
+    axis.set_xticks(list(positions), [label for _, label in CHART_LINKS])
+    axis.set_yscale("log")
+    axis.set_ylabel("median step (ms, log scale)")
+    axis.set_xlabel("link between the two GPUs")
+    axis.set_title("Step time against the link: 114M-parameter LM, two GPUs", fontsize=11)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(figure)
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with what lies between the markers (the markers included) replaced by ``block``."""
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(
+            f"README.md has no figures block: add the lines {README_START!r} and {README_END!r} where it goes."
+        )
+    return text[:start] + block + text[end + len(README_END) :]
+
+
+def write_readme(results: Path = RESULTS, readme: Path = README, draw: bool = True) -> str:
+    """Rewrite the README's figures block (and the chart, with ``draw``) from the results; return the block."""
+    loaded = load_results(results)
+    block = readme_markdown(loaded)
+    readme.write_text(replace_block(readme.read_text(encoding="utf-8"), block), encoding="utf-8")
+    if draw:
+        readme_chart(loaded, ROOT / README_CHART)
+    log.info(f"wrote the figures of {readme} and {README_CHART}")
+    return block

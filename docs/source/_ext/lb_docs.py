@@ -378,34 +378,13 @@ def _chaos(results: str) -> tuple[list[str], list[list[str]], list[str]]:
     return header, rows, data["command"].split(" ; ")
 
 
-def _step_cell(row: dict[str, Any] | None, ddp: dict[str, Any] | None, spread: bool) -> str:
-    """A median step time in ms with its ratio to DDP's; with ``spread``, one decimal and the repeats' min-max."""
-    if row is None:
-        return "-"
-    ratio = f" ({row['median_step_s'] / ddp['median_step_s']:.2f}x)" if ddp is not None else ""
-    if not spread:
-        return f"{row['median_step_s'] * 1e3:.0f} ms{ratio}"
-    low, high = row["min_step_s"] * 1e3, row["max_step_s"] * 1e3
-    return f"{row['median_step_s'] * 1e3:.1f} ms{ratio}, {low:.1f}-{high:.1f}"
-
-
 def _lm_step_time(results: str) -> tuple[list[str], list[list[str]], list[str]]:
     # One GPU or two, one regime column per regime run; the device and the repeats are part of what was measured.
     data = _load(results)
+    header, rows = _benchmark_module("lm_step_time").table(data)
     machine, settings = data["machine"], data["settings"]
-    regimes: list[str] = list(dict.fromkeys(row["regime"] for row in data["results"]))
-    by_key = {(row["regime"], row["method"]): row for row in data["results"]}
-    rows = []
-    for method in dict.fromkeys(row["method"] for row in data["results"]):
-        any_row = next(by_key[(regime, method)] for regime in regimes if (regime, method) in by_key)
-        cells = [method]
-        for regime in regimes:
-            cells.append(_step_cell(by_key.get((regime, method)), by_key.get((regime, "ddp")), spread=True))
-        cells.append(f"{any_row['peak_memory_bytes'] / 2**30:.1f} GiB")
-        rows.append(cells)
-    header = ["method", *(f"{regime}: median of {settings['repeats']} (x DDP), min-max" for regime in regimes)]
     where = f"{settings['devices']} x {machine['device']}, torch {machine['torch']}"
-    return [*header, "peak memory"], rows, [f"{data['command']} ({where}, batch {settings['batch']})"]
+    return header, rows, [f"{data['command']} ({where}, batch {settings['batch']})"]
 
 
 def _benchmark_module(script: str) -> Any:
