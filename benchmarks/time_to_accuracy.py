@@ -324,14 +324,22 @@ def markdown(report: dict[str, Any]) -> str:
     """The tables: per task and layout, time to target per rate, then the communication overhead per rate."""
     settings = report["settings"]
     evaluations = ", ".join(f"{task} {every}" for task, every in settings["eval_every"].items())
+    if any("start_steps_s" in row for row in report["lab"]):
+        rule = "its first steps as the lab timed them (auto's measuring steps too) plus the rest x median step time"
+        first_steps = " Every method's first steps (warm-up, auto's trials) count at the time they took."
+    else:  # a run older than the lab's record of first steps
+        rule, first_steps = (
+            "steps to target x median step time",
+            " Warm-up steps are counted at the compressed step's time.",
+        )
     lines = [
-        f"Time to target = steps to target x median step time. Target: the baseline's final held-out accuracy"
+        f"Time to target = {rule}. Target: the baseline's final held-out accuracy"
         f" (DDP with SGD; DDP with Adam for qadam), mean over {settings['seeds']} seed(s), less"
         f" {settings['margin_pts']} points. Steps: the first evaluation (every {evaluations} steps) at"
         " which the method's accuracy, averaged over the seeds, reaches it, on two Gloo processes. Step time: the"
         f" CPU network lab, methods interleaved over {settings['rounds']} rounds, median [min, max] of the rounds."
         " Overhead: step time less the no-communication step (`single`) of the same rounds; for low_rank also as a"
-        " ratio to DDP + PowerSGD at the same rank. Warm-up steps are counted at the compressed step's time.",
+        f" ratio to DDP + PowerSGD at the same rank.{first_steps}",
         f"Written by `{report['command']}`; every curve and measurement is in `{STEM}.json`.",
     ]
     rows = report["combined"]
@@ -355,13 +363,15 @@ def markdown(report: dict[str, Any]) -> str:
                 final = f"{first['final_acc_pct']:.2f}" if "final_acc_pct" in first else "-"
                 steps = first["steps_to_target"] if first["steps_to_target"] is not None else first["status"]
                 times.append([method, final, str(steps), *(_time_cell(by_key[(rate, method)]) for rate in rates)])
-            lines.append(markdown_table(["method", "final accuracy %", "steps to target", *map(str, rates)], times))
+            lines += [
+                markdown_table(["method", "final accuracy %", "steps to target", *map(str, rates)], times).rstrip()
+            ]
             if rates and rates[0] is not None:
                 overheads = [
                     [method, *(_overhead_cell(by_key[(rate, method)]) for rate in rates)] for method in methods
                 ]
-                lines += [f"Communication overhead per step, {task}, {layout}:", ""]
-                lines.append(markdown_table(["method", *map(str, rates)], overheads))
+                lines += ["", f"Communication overhead per step, {task}, {layout}:", ""]
+                lines.append(markdown_table(["method", *map(str, rates)], overheads).rstrip())
     lines += bars_markdown(report)
     failures = report["curve_failures"] + report["lab_failures"]
     if failures:
