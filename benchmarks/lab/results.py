@@ -97,13 +97,6 @@ def write_report(out: Path, stem: str, report: dict[str, Any], table: str | None
     return path
 
 
-def load_report(path: Path) -> dict[str, Any]:
-    """A results file, or a :class:`FileNotFoundError` that names the benchmark to run."""
-    if not path.exists():
-        raise FileNotFoundError(f"benchmark results {path} not found; run the benchmark that writes it")
-    return dict(json.loads(path.read_text()))
-
-
 def spread(values: list[float]) -> dict[str, float]:
     """Mean, median, sample standard deviation (0 for one value), minimum, maximum and count of ``values``."""
     return {
