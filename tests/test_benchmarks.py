@@ -151,8 +151,9 @@ def test_time_to_accuracy_tiny_curves_with_cpu_hooks(tmp_path: Path) -> None:
     assert hook["powersgd_iter"] > hook["powersgd_start_iter"]
     assert "hook" not in runs["ddp"]
     ddp = report["curves"]["digits/ddp"]
-    assert ddp["target_pct"] == ddp["final_acc_pct"] - 0.5
-    assert ddp["steps_to_target"] in (3, 6)  # DDP reaches its own final accuracy by its last step at the latest
+    # The target is DDP's held-out loss at the evaluation nearest two thirds of its run: step 3 of 6.
+    assert ddp["target_loss"] == runs["ddp"]["curve"][0]["loss"]
+    assert ddp["steps_to_target"] == 3
     rows = {r["method"]: r for r in report["combined"]}
     assert set(rows) == {"ddp", "ddp_powersgd_r1"}
     assert rows["ddp_powersgd_r1"]["status"] in {"reached", "not reached"}
@@ -236,6 +237,8 @@ def test_time_to_accuracy_counts_every_methods_first_steps_alike() -> None:
     assert math.isclose(time_to_target(lab, 10), statistics.median([0.08 + 7 * 0.01, 0.11 + 7 * 0.01]))
     # A target reached within the first steps costs those steps alone.
     assert math.isclose(time_to_target(lab, 2), statistics.median([0.07, 0.10]))
+    # Steps to a loss target are interpolated: half a step more costs half a median step.
+    assert math.isclose(time_to_target(lab, 2.5), statistics.median([0.075, 0.105]))
     # auto's first steps are its trials and its pick's warm-up: the same rule.
     auto = {"median_step_s": 0.01, "start_steps_s": [[0.2] * 12], "auto_trial_s": [2.0], "auto_trial_steps": [10]}
     assert math.isclose(time_to_target(auto, 100), 12 * 0.2 + 88 * 0.01)
@@ -243,6 +246,19 @@ def test_time_to_accuracy_counts_every_methods_first_steps_alike() -> None:
     older = {"median_step_s": 0.01, "auto_trial_s": [0.3, 0.5], "auto_trial_steps": [10, 10]}
     assert math.isclose(time_to_target(older, 100), 0.4 + 90 * 0.01)
     assert math.isclose(time_to_target({"median_step_s": 0.01}, 100), 1.0)
+
+
+def test_time_to_accuracy_targets_ddps_loss_two_thirds_in_and_interpolates() -> None:
+    tta = benchmark_module("time_to_accuracy")
+    curve = [{"step": 10, "loss": 1.0}, {"step": 20, "loss": 0.6}, {"step": 30, "loss": 0.5}]
+    assert tta.target_loss(curve, 2 / 3) == 0.6  # step 20 is nearest 2/3 of 30
+    assert tta.first_reaching(curve, 0.6) == 20.0
+    assert math.isclose(tta.first_reaching(curve, 0.8), 15.0)  # halfway from 1.0 to 0.6
+    assert tta.first_reaching(curve, 1.5) == 10.0
+    assert tta.first_reaching(curve, 0.4) is None
+    # The first crossing counts, from the evaluation just before it, whatever came earlier.
+    bumpy = [{"step": 10, "loss": 0.5}, {"step": 20, "loss": 0.6}, {"step": 30, "loss": 0.3}]
+    assert math.isclose(tta.first_reaching(bumpy, 0.4), 20 + 10 * 2 / 3)
 
 
 def test_network_lab_links_send_no_faster_than_their_rate(tmp_path: Path) -> None:

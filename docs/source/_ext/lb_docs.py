@@ -446,7 +446,7 @@ def _time_to_accuracy() -> tuple[list[str], list[list[str]], list[str]]:
         cells = [task, layout, method]
         first = by_key[(task, layout, rates[0] if rates else None, method)]
         steps = first["steps_to_target"]
-        cells.append(str(steps) if steps is not None else first["status"])
+        cells.append(f"{steps:.0f}" if steps is not None else first["status"])
         for rate in rates:
             row = by_key[(task, layout, rate, method)]
             if "time_to_target_s" in row:

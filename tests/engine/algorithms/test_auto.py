@@ -151,7 +151,7 @@ def test_bad_input_fails_at_construction(kwargs, error, match):
 
 
 def test_factors_match_the_results_files():
-    """Every factor is the largest steps-to-target ratio to DDP's over the CPU and GPU tables."""
+    """Every factor is the largest steps-to-target ratio to DDP's over the CPU and GPU tables, to three digits."""
     ratios: dict[str, list[float]] = {}
     rows = json.loads((RESULTS / "time_to_accuracy_cpu.json").read_text())["combined"]
     ddp = {(row["task"], row["layout"]): row["steps_to_target"] for row in rows if row["method"] == "ddp"}
@@ -167,7 +167,7 @@ def test_factors_match_the_results_files():
     for method, factor in _auto_factors.STEPS_TO_TARGET.items():
         if method == "gradient_allreduce":
             continue
-        assert factor == pytest.approx(max(ratios[method])), method
+        assert factor == pytest.approx(max(ratios[method]), rel=1e-3), method
 
 
 # -- real processes ---------------------------------------------------------------------------------------------------
