@@ -179,6 +179,16 @@ def test_lab_method_names_take_diloco_defaults_and_any_period():
         "fragment_update_alpha": ours.fragment_update_alpha,
     }
     assert harness.torchft_settings("torchft_diloco")["sync_every"] == ours.sync_every
+    # Streaming by name, the same keywords for ours and the peer.
+    assert harness.resolve_algorithm("diloco_h20_f2_d5") == (
+        "diloco",
+        {"sync_every": 20, "fragments": 2, "fragment_sync_delay": 5},
+    )
+    streaming = harness.torchft_settings("torchft_diloco_h20_f2_d5")
+    assert (streaming["sync_every"], streaming["fragments"], streaming["fragment_sync_delay"]) == (20, 2, 5)
+    assert harness.diloco_keywords("diloco_h20_d5") == {"sync_every": 20, "fragment_sync_delay": 5}
+    for bad in ("diloco_h20_f0", "diloco_h20_d", "diloco_h20_d5_f2", "diloco_h0_f2"):
+        assert harness.diloco_keywords(bad) is None, bad
     for other in ("diloco_h8", "torchft_diloco_h0", "torchft_diloco_hx", "torchft_diloco_h8:flat", "torchft"):
         assert harness.torchft_settings(other) is None, other
     lab = benchmark("network_lab")

@@ -2,9 +2,11 @@
 
 ``low_rank_r4`` is ``low_rank`` at rank 4 (:func:`split_rank`); a stem may stand for an algorithm with keywords of
 its own (:data:`ALGORITHM_VARIANTS`, :func:`resolve_algorithm`); ``diloco_h20`` is ``diloco`` syncing every 20
-steps, and ``torchft_diloco_h20`` torchft's DiLoCo at the same settings (:mod:`lab.torchft_peer`).
+steps, ``diloco_h20_f2_d5`` streams it in 2 fragments, each exchange behind 5 steps (:func:`diloco_keywords`), and
+``torchft_diloco_h20`` torchft's DiLoCo at the same settings (:mod:`lab.torchft_peer`).
 """
 
+import re
 from typing import Any
 
 LOW_RANK_RANKS = (1, 4, 8)  # the ranks of ``low_rank`` and of DDP's PowerSGD that are compared
@@ -25,9 +27,9 @@ def resolve_algorithm(stem: str) -> tuple[str, dict[str, Any]]:
 
     ``diloco_h<H>`` is ``diloco`` syncing every ``H`` steps: ``("diloco", {"sync_every": H})``.
     """
-    period = diloco_period(stem)
-    if period is not None:
-        return "diloco", {"sync_every": period}
+    diloco = diloco_keywords(stem)
+    if diloco is not None:
+        return "diloco", diloco
     name, keywords = ALGORITHM_VARIANTS.get(stem, (stem, {}))
     return name, dict(keywords)
 
@@ -73,10 +75,24 @@ DILOCO_METHODS = ("diloco_h10", "diloco_h20", "diloco_h50")
 """``diloco`` at the sync periods the labs accept by name (any ``diloco_h<H>`` resolves; these are listed)."""
 
 
+def diloco_keywords(stem: str) -> dict[str, int] | None:
+    """``"diloco_h20"`` -> ``{"sync_every": 20}``; ``_f<F>`` and ``_d<τ>`` add ``fragments`` and
+    ``fragment_sync_delay`` (``"diloco_h20_f2_d5"``: streaming); any other stem -> ``None``."""
+    match = re.fullmatch(r"diloco_h(\d+)(?:_f(\d+))?(?:_d(\d+))?", stem)
+    if match is None or int(match[1]) == 0 or match[2] == "0":
+        return None
+    keywords = {"sync_every": int(match[1])}
+    if match[2]:
+        keywords["fragments"] = int(match[2])
+    if match[3]:
+        keywords["fragment_sync_delay"] = int(match[3])
+    return keywords
+
+
 def diloco_period(stem: str) -> int | None:
-    """``"diloco_h20"`` -> ``20``; any other stem -> ``None``."""
-    head, _, period = stem.partition("_h")
-    return int(period) if head == "diloco" and period.isdigit() and int(period) > 0 else None
+    """``"diloco_h20"`` -> ``20`` (also with fragments and delay); any other stem -> ``None``."""
+    keywords = diloco_keywords(stem)
+    return None if keywords is None else keywords["sync_every"]
 
 
 TORCHFT_METHODS = ("torchft_diloco", *(f"torchft_{method}" for method in DILOCO_METHODS))
@@ -88,24 +104,22 @@ TORCHFT_FLAT_NOTE = "flat: one torchft replica per rank (torchft's peer has no h
 
 
 def torchft_settings(method: str) -> dict[str, Any] | None:
-    """``"torchft_diloco_h20"`` -> the peer's keywords at our ``diloco``'s defaults, H=20; other names -> ``None``.
+    """``"torchft_diloco_h20"`` -> the peer's keywords at our ``diloco``'s defaults, H=20 (``_f<F>``, ``_d<τ>`` as
+    :func:`diloco_keywords`); other names -> ``None``.
 
     ``sync_every``, ``fragments``, ``fragment_sync_delay`` and ``fragment_update_alpha`` are the ones the labs'
     ``diloco_h<H>`` runs with (the algorithm's defaults; ``torchft_diloco`` alone takes its default H too).
     """
     import inspect
 
-    head, _, period = method.partition("_h")
-    if head != "torchft_diloco" or (method != head and not (period.isdigit() and int(period) > 0)):
+    ours = {} if method == "torchft_diloco" else diloco_keywords(method.removeprefix("torchft_"))
+    if not method.startswith("torchft_") or ours is None:
         return None
     from lightning_bagua.engine.algorithms.diloco import DiLoCoAlgorithm
 
     shared = ("sync_every", "fragments", "fragment_sync_delay", "fragment_update_alpha")
     parameters = inspect.signature(DiLoCoAlgorithm.__init__).parameters
-    settings: dict[str, Any] = {name: parameters[name].default for name in shared}
-    if period:
-        settings["sync_every"] = int(period)
-    return settings
+    return {name: parameters[name].default for name in shared} | ours
 
 
 def extra_low_rank_methods() -> list[str]:
