@@ -71,30 +71,46 @@ FLAT = [
 # -- the decision from figures --------------------------------------------------------------------------------------
 
 
+BYTEGRAD_STEPS = _auto_factors.STEPS_TO_TARGET["bytegrad"]
+LOW_RANK_STEPS = _auto_factors.STEPS_TO_TARGET["low_rank_r16"]
+
+
 def test_the_pick_weighs_step_time_by_the_steps_to_ddps_loss():
-    # bytegrad's step is the shortest, but 1.75x the steps make it the slowest to the loss; low_rank wins.
+    # low_rank's step is the shortest, but its extra steps to DDP's loss make it slower there than bytegrad.
+    assert LOW_RANK_STEPS > BYTEGRAD_STEPS, "the figures below assume low_rank needs more steps than bytegrad"
+    low_rank_ms = 6.0 * BYTEGRAD_STEPS / LOW_RANK_STEPS * 1.01
+    assert low_rank_ms < 6.0
     figures = figures_for(
-        {"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 5.0, "low_rank(rank=16, hierarchical=False)": 6.0}
+        {
+            "gradient_allreduce": 10.0,
+            "bytegrad(hierarchical=False)": 6.0,
+            "low_rank(rank=16, hierarchical=False)": low_rank_ms,
+        }
     )
     index, reason, predicted, factors = decide(FLAT, figures)
-    assert index == 2
-    assert predicted["bytegrad(hierarchical=False)"] == pytest.approx(5.0e-3 * 1.75)
-    assert predicted["low_rank(rank=16, hierarchical=False)"] == pytest.approx(6.0e-3 * 1.125)
+    assert index == 1
+    assert predicted["bytegrad(hierarchical=False)"] == pytest.approx(6.0e-3 * BYTEGRAD_STEPS)
+    assert predicted["low_rank(rank=16, hierarchical=False)"] == pytest.approx(low_rank_ms * 1e-3 * LOW_RANK_STEPS)
     assert factors["gradient_allreduce"] == 1.0
-    assert "0.675x" in reason
-    assert "1.125x" in reason
+    assert f"{0.6 * BYTEGRAD_STEPS:.3g}x" in reason
+    assert f"{BYTEGRAD_STEPS:.4g}x" in reason
     assert decide(FLAT, figures) == (index, reason, predicted, factors)  # deterministic
 
 
 def test_nothing_faster_falls_back_to_gradient_allreduce():
     figures = figures_for(
-        {"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 6.0, "low_rank(rank=16, hierarchical=False)": 9.0}
+        {
+            "gradient_allreduce": 10.0,
+            "bytegrad(hierarchical=False)": 10.0 / BYTEGRAD_STEPS * 1.01,
+            "low_rank(rank=16, hierarchical=False)": 10.0 / LOW_RANK_STEPS * 1.01,
+        }
     )
     index, reason, _, _ = decide(FLAT, figures)
     assert index == 0
     assert "nothing measured" in reason
     # An exact tie goes to gradient_allreduce too, and so do candidates left untimed.
-    assert decide(FLAT, figures_for({"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 10.0 / 1.75}))[0] == 0
+    tie = {"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 10.0 / BYTEGRAD_STEPS}
+    assert decide(FLAT, figures_for(tie))[0] == 0
     assert decide(FLAT, figures_for({"bytegrad(hierarchical=False)": 1.0}))[0] == 0
 
 
@@ -398,8 +414,9 @@ def test_a_short_run_measures_within_its_share_and_keeps_room_for_gradient_allre
 def test_a_slow_link_times_the_fewest_bytes_first_and_skips_what_its_link_bound_loses():
     # At this bandwidth DDP's gradients take 90 ms. low_rank sends the fewest bytes (its 8-bit factors and the exact
     # biases, 3% of the gradient bytes) and runs first. Once it measures 20 ms (22.5 ms to DDP's loss with its
-    # 1.125x steps), bytegrad's link bound, 1.75x steps of one byte per element (22.5 ms each), cannot win, and
+    # 1.125x steps), bytegrad's link bound, its extra steps of one byte per element (22.5 ms each), cannot win, and
     # gradient_allreduce's 90 ms of bytes cannot either: neither runs a step, and low_rank is the pick.
+    assert LOW_RANK_STEPS == 1.125, "the 20 ms below give low_rank 22.5 ms per DDP step at 1.125x steps"
     numel = sum(p.numel() for p in wide_model().parameters())
     bandwidth = 4 * numel / 0.090
     step_ms = {"gradient_allreduce": 100.0, BYTEGRAD_LABEL: 30.0, LOW_RANK_LABEL: 20.0}
@@ -407,8 +424,8 @@ def test_a_slow_link_times_the_fewest_bytes_first_and_skips_what_its_link_bound_
     assert result["plan"] == [(LOW_RANK_LABEL, 3), (LOW_RANK_LABEL, 13)]  # 13 steps of 20 ms fill min_trial_s
     assert result["steps"] == 14
     assert re.fullmatch(
-        r"even at its link bound, 1\.75x steps of 22\.5 ms each lose to low_rank\(rank=16, hierarchical=False\)'s"
-        r" 22\.5 ms per DDP step",
+        re.escape(f"even at its link bound, {BYTEGRAD_STEPS:.4g}x steps of 22.5 ms each lose to {LOW_RANK_LABEL}'s")
+        + r" 22\.5 ms per DDP step",
         result["skipped"][BYTEGRAD_LABEL],
     ), result["skipped"]
     assert result["skipped"]["gradient_allreduce"].startswith("even at its link bound, 1x steps of 90.0 ms each")

@@ -609,7 +609,7 @@ class AutoImpl(AlgorithmImpl):
             needed = (self._timed_steps + 1) * (2 if index != 0 and 0 in self._queue else 1)
             if best is not None and bound >= predicted[best]:
                 self._figures.skipped[label] = (
-                    f"even at its {binding} bound, {factor:.3g}x steps of {bound * 1e3 / factor:.1f} ms each lose to"
+                    f"even at its {binding} bound, {factor:.4g}x steps of {bound * 1e3 / factor:.1f} ms each lose to"
                     f" {best}'s {predicted[best] * 1e3:.1f} ms per DDP step"
                 )
             elif self._budget() - self._trial_steps < needed:
