@@ -187,7 +187,27 @@ def test_lab_method_names_take_diloco_defaults_and_any_period():
     streaming = harness.torchft_settings("torchft_diloco_h20_f2_d5")
     assert (streaming["sync_every"], streaming["fragments"], streaming["fragment_sync_delay"]) == (20, 2, 5)
     assert harness.diloco_keywords("diloco_h20_d5") == {"sync_every": 20, "fragment_sync_delay": 5}
-    for bad in ("diloco_h20_f0", "diloco_h20_d", "diloco_h20_d5_f2", "diloco_h0_f2"):
+    # The outer SGD by name: a learning rate, a momentum, or both; what is left out is the algorithm's default.
+    from lightning_bagua.engine.algorithms.diloco import _PAPER_OUTER_KWARGS
+
+    assert harness.diloco_keywords("diloco_h20_lr0.1")["outer_optimizer_kwargs"] == _PAPER_OUTER_KWARGS | {"lr": 0.1}
+    plain = harness.diloco_keywords("diloco_h20_f2_lr1_m0")
+    assert plain == {
+        "sync_every": 20,
+        "fragments": 2,
+        "outer_optimizer_kwargs": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+    }
+    peer = harness.torchft_settings("torchft_diloco_h20_lr1_m0")
+    assert (peer["outer_lr"], peer["outer_momentum"]) == (1.0, 0.0)
+    assert "outer_optimizer_kwargs" not in peer
+    for bad in (
+        "diloco_h20_f0",
+        "diloco_h20_d",
+        "diloco_h20_d5_f2",
+        "diloco_h0_f2",
+        "diloco_h20_lr0",
+        "diloco_h20_m0_lr1",
+    ):
         assert harness.diloco_keywords(bad) is None, bad
     for other in ("diloco_h8", "torchft_diloco_h0", "torchft_diloco_hx", "torchft_diloco_h8:flat", "torchft"):
         assert harness.torchft_settings(other) is None, other

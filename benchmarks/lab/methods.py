@@ -75,17 +75,23 @@ DILOCO_METHODS = ("diloco_h10", "diloco_h20", "diloco_h50")
 """``diloco`` at the sync periods the labs accept by name (any ``diloco_h<H>`` resolves; these are listed)."""
 
 
-def diloco_keywords(stem: str) -> dict[str, int] | None:
+def diloco_keywords(stem: str) -> dict[str, Any] | None:
     """``"diloco_h20"`` -> ``{"sync_every": 20}``; ``_f<F>`` and ``_d<τ>`` add ``fragments`` and
-    ``fragment_sync_delay`` (``"diloco_h20_f2_d5"``: streaming); any other stem -> ``None``."""
-    match = re.fullmatch(r"diloco_h(\d+)(?:_f(\d+))?(?:_d(\d+))?", stem)
-    if match is None or int(match[1]) == 0 or match[2] == "0":
+    ``fragment_sync_delay`` (``"diloco_h20_f2_d5"``: streaming); ``_lr<x>`` and ``_m<μ>`` set the outer SGD's
+    learning rate and momentum, the default's 0.7 and 0.9 where left out, Nesterov where the momentum is not 0
+    (``"diloco_h20_lr1_m0"``: plain averaging of the replicas); any other stem -> ``None``."""
+    match = re.fullmatch(r"diloco_h(\d+)(?:_f(\d+))?(?:_d(\d+))?(?:_lr(\d+(?:\.\d+)?))?(?:_m(\d+(?:\.\d+)?))?", stem)
+    if match is None or int(match[1]) == 0 or match[2] == "0" or (match[4] and float(match[4]) == 0):
         return None
-    keywords = {"sync_every": int(match[1])}
+    keywords: dict[str, Any] = {"sync_every": int(match[1])}
     if match[2]:
         keywords["fragments"] = int(match[2])
     if match[3]:
         keywords["fragment_sync_delay"] = int(match[3])
+    if match[4] or match[5]:
+        momentum = float(match[5]) if match[5] else 0.9
+        lr = float(match[4]) if match[4] else 0.7
+        keywords["outer_optimizer_kwargs"] = {"lr": lr, "momentum": momentum, "nesterov": momentum > 0}
     return keywords
 
 
@@ -104,8 +110,8 @@ TORCHFT_FLAT_NOTE = "flat: one torchft replica per rank (torchft's peer has no h
 
 
 def torchft_settings(method: str) -> dict[str, Any] | None:
-    """``"torchft_diloco_h20"`` -> the peer's keywords at our ``diloco``'s defaults, H=20 (``_f<F>``, ``_d<τ>`` as
-    :func:`diloco_keywords`); other names -> ``None``.
+    """``"torchft_diloco_h20"`` -> the peer's keywords at our ``diloco``'s defaults, H=20 (``_f<F>``, ``_d<τ>``,
+    ``_lr<x>`` and ``_m<μ>`` as :func:`diloco_keywords`); other names -> ``None``.
 
     ``sync_every``, ``fragments``, ``fragment_sync_delay`` and ``fragment_update_alpha`` are the ones the labs'
     ``diloco_h<H>`` runs with (the algorithm's defaults; ``torchft_diloco`` alone takes its default H too).
@@ -119,6 +125,9 @@ def torchft_settings(method: str) -> dict[str, Any] | None:
 
     shared = ("sync_every", "fragments", "fragment_sync_delay", "fragment_update_alpha")
     parameters = inspect.signature(DiLoCoAlgorithm.__init__).parameters
+    outer = ours.pop("outer_optimizer_kwargs", None)
+    if outer is not None:
+        ours |= {"outer_lr": outer["lr"], "outer_momentum": outer["momentum"]}
     return {name: parameters[name].default for name in shared} | ours
 
 
