@@ -34,7 +34,7 @@ RESULTS = BENCHMARKS / "results"
 ROOT = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))
 from lab import traffic  # noqa: E402
-from lab.harness import can_shape_links  # noqa: E402
+from lab.harness import LAB_TOOLS, can_shape_links  # noqa: E402
 from lab.render import markdown_table, pyplot  # noqa: E402
 from lab.results import write_report as write_results  # noqa: E402
 
@@ -57,12 +57,11 @@ BUCKET_CAP_METHODS = (*PEER_METHODS, "ddp@100", *(name for method in BUCKET_CAP 
 
 def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
     """(name, command, reason it cannot run here or None) of every CPU benchmark."""
-    lab_ok = can_shape_links()
     lab = ["network_lab.py", *(["--rates", "100mbit", "--steps", "5"] if quick else [])]
     codec = ["micro/codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])]
     rounds = ["--rounds", "1"] if quick else []
     return [
-        ("network_lab", lab, None if lab_ok else "needs root, iproute2 and tc (network namespaces and shaping)"),
+        ("network_lab", lab, None if can_shape_links() else f"needs {LAB_TOOLS}"),
         ("convergence", ["convergence.py", *(["--quick"] if quick else [])], None),
         ("codec_throughput", codec, None),
         ("engine_overhead", ["engine_overhead.py", "--variant", "engine", "--cpu", *rounds], None),
