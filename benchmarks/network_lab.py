@@ -187,9 +187,9 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         inputs, targets = random_batch(args.task, args.batch, generator)
     times: list[float] = []
     bytes_before = 0
+    impl = getattr(wrapped, "bagua_algorithm_impl", None)  # the engine's algorithm; None outside the engine
     # async averages on a timer, not per step: its bytes are counted per averaging round, from its first one on.
-    averaging = getattr(wrapped, "bagua_algorithm_impl", None)
-    averaging = averaging if isinstance(averaging, AsyncModelAverageImpl) else None
+    averaging = impl if isinstance(impl, AsyncModelAverageImpl) else None
     bytes_before_rounds = 0
 
     def train_step() -> float:
@@ -201,8 +201,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         return time.perf_counter() - start
 
     # auto: its measuring steps come first, and their time is its own (reported beside the pick's step).
-    auto = getattr(wrapped, "bagua_algorithm_impl", None)
-    auto = auto if isinstance(auto, AutoImpl) else None
+    auto = impl if isinstance(impl, AutoImpl) else None
     warmup, trial_s, trial_steps = args.warmup, 0.0, 0
     # Every step before the timed ones, auto's trials included: a run pays its first steps (connections, first
     # allocations, a hook's full-precision warm-up) at their own cost, whichever method it runs.
@@ -218,7 +217,6 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         # The pick's own full-precision warm-up (low_rank's) is not its step.
         warmup = max(warmup, getattr(pick, "warmup_steps", 0) + 1)
     # diloco communicates once a period: its step is timed over whole periods (the timed steps a multiple of H).
-    impl = getattr(wrapped, "bagua_algorithm_impl", None)
     period = impl.config.sync_every if isinstance(impl, DiLoCoImpl) else 1
     peer_settings = torchft_settings(method)
     if peer_settings is not None:
@@ -309,6 +307,7 @@ def worker(args: argparse.Namespace) -> None:
 def worker_command(
     args: argparse.Namespace, schedule: list[tuple[int, str]], rank: int, master: str, port: int
 ) -> list[str]:
+    """Return the command of rank ``rank``'s worker: this script with ``--worker`` and the lab's settings."""
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--schedule", json.dumps(schedule)]
     command += ["--rank", str(rank), "--master", master, "--port", str(port), "--task", args.task]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -466,6 +465,7 @@ def measure(
 
 
 def describe(hosts: int, ranks_per_host: int, from_hosts: bool = False) -> str:
+    """Say in words how many ranks the layout has and over which links they talk."""
     without = ", no LOCAL_WORLD_SIZE (the engine reads the layout from the hosts)" if from_hosts else ""
     if (hosts, ranks_per_host) == (2, 1):
         return f"two Gloo ranks over a shaped veth link{without}"
@@ -502,6 +502,7 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    """Return the report's table with the sentences that say what it shows and what wrote it."""
     settings = report["settings"]
     hosts, ranks_per_host = settings["hosts"], settings["ranks_per_host"]
     from_hosts = settings.get("no_local_world_size", False)
@@ -518,6 +519,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], path: Path, title: str) -> bool:
+    """Draw every method's median step at every rate to ``path``; return whether matplotlib was there to draw it."""
     plt = pyplot()
     if plt is None:
         return False
@@ -584,6 +586,7 @@ def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
 
 def orchestrate(args: argparse.Namespace) -> None:
+    """Run the link check or the lab, write its results (unless ``--no-save``) and print its table."""
     command = "python benchmarks/network_lab.py " + " ".join(args.argv)
     if args.check_links is not None:
         report = check_links(args.rates, args.check_links or [args.burst_us], command)
@@ -605,6 +608,7 @@ def orchestrate(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the lab's options (``argv``, else this process's), keeping them as given in ``argv`` for the command."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates (100mbit, 1gbit, ...) or unshaped")
     parser.add_argument("--methods", nargs="+", default=None, help="default: all")

@@ -132,6 +132,7 @@ def run_steps(steps: list[tuple[str, list[str], str | None]], timeout: int) -> l
 
 
 def _load(results: Path, name: str) -> dict[str, Any] | None:
+    """Return the results file ``results/<name>.json``, or ``None`` where it is missing."""
     path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -474,6 +475,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def _figure(t: dict[str, Any]) -> str:
+    """Return a target's figure as the table shows it: points against the baseline, else a ratio."""
     return f"{t['measured']:+.2f}" if "points" in t["bar"] else f"{t['measured']:.3f}x"
 
 
@@ -524,6 +526,7 @@ def write_report(results: Path, out: Path, command: str, runs: list[dict[str, An
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the suite's options (``argv``, else this process's) and add the command that reproduces them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run the CPU benchmarks")
     parser.add_argument("--gpu", action="store_true", help="run the two-GPU benchmarks")
@@ -544,6 +547,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the chosen benchmarks, then check the targets and write the README's figures as asked; return the report."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
     runs: list[dict[str, Any]] = []
