@@ -590,20 +590,16 @@ def orchestrate(args: argparse.Namespace) -> None:
     command = "python benchmarks/network_lab.py " + " ".join(args.argv)
     if args.check_links is not None:
         report = check_links(args.rates, args.check_links or [args.burst_us], command)
-        table = links_table(report)
-        if not args.no_save:
-            write_report(Path(args.out), "network_lab_links", report, table)
-        print(table)
-        return
-    report = lab_report(args, command)
-    methods = report["settings"]["methods"]
-    table = markdown(report)
-    if not args.no_save:
-        out = Path(args.out)
+        stem, table = "network_lab_links", links_table(report)
+    else:
+        report = lab_report(args, command)
         stem = layout_name(args.hosts, args.ranks_per_host, args.no_local_world_size, args.task)
-        write_report(out, stem, report, table)
-        title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
-        chart(report["results"], args.rates, methods, out / f"{stem}.png", title)
+        table = markdown(report)
+    if not args.no_save:
+        write_report(Path(args.out), stem, report, table)
+        if args.check_links is None:
+            title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
+            chart(report["results"], args.rates, report["settings"]["methods"], Path(args.out) / f"{stem}.png", title)
     print(table)
 
 

@@ -6,7 +6,8 @@ fused optimizer on CPU; ``--gpu``: the GPU network lab with its report and inter
 engine overhead on two GPUs), then checks every target of the performance bar against those files: ``targets.json``,
 ``.md`` and ``.png`` give each target's figure, pass, miss or "not run" and why. Byte targets compare the payload
 the engine's ``CommunicationCounter`` counted in the network lab with what the algorithm's definition implies (a byte
-counted once per collective that takes it as input), beside the wire bytes of ``lab/traffic.py``. Run it::
+counted once per collective that takes it as input, ``lab/traffic.py``'s ``payload_bytes``), beside the wire
+bytes of its ``wire_bytes``. Run it::
 
     python benchmarks/suite.py --cpu                 # the CPU suite, then the targets check
     python benchmarks/suite.py --gpu                 # on a machine with two GPUs
@@ -179,8 +180,8 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
             ratios = [_job_ratio(other, method, base) for other in repeats]
             ratio = statistics.median(ratios)
             if len(repeats) > 1:
-                runs = ", ".join(f"`{other['stem']}` {run:.3f}x" for other, run in zip(repeats, ratios, strict=True))
-                detail += f"; the median ratio of {len(repeats)} runs of this job: {runs}"
+                each = ", ".join(f"`{other['stem']}` {run:.3f}x" for other, run in zip(repeats, ratios, strict=True))
+                detail += f"; the median ratio of {len(repeats)} runs of this job: {each}"
             found.append(_target(target, f"{job['stem']}.json", f"<= {bar:.2f}x", ratio, ratio <= bar, detail,
                                  command=job["command"]))  # fmt: skip
             return
@@ -382,11 +383,11 @@ def lab_targets(results: Path) -> list[dict[str, Any]]:
 
 def byte_targets(results: Path) -> list[dict[str, Any]]:
     """Measured payload per step in the network lab against the count the algorithm implies."""
-    data = _load(results, "network_lab_cpu")
+    data = _load(results, "network_lab_cpu") or {"results": []}
     found = []
     for algorithm in (*traffic.ALGORITHMS, "async"):
         name = f"Bytes per step within 10% of the theoretical count: {algorithm}"
-        rows = [] if data is None else [r for r in data["results"] if r["method"] == algorithm]
+        rows = [r for r in data["results"] if r["method"] == algorithm]
         if not rows or rows[0]["bytes_per_step"] is None:
             found.append(_target(name, "network_lab_cpu.json", "within 10%", None, None, "no measurement"))
             continue
