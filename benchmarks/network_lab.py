@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.harness import (
     BURST_US,
     bits_per_second,
-    can_shape_links,
+    check_links,
     headline,
     interleaved,
     lab_hosts,
-    link_burst_bytes,
+    links_table,
+    require_lab_tools,
     result_lines,
 )
 from lab.jobs import job_env
@@ -66,7 +66,7 @@ from lab.methods import (
 )
 from lab.models import random_batch, task_loss, task_model
 from lab.render import markdown_table, pyplot
-from lab.results import machine, write_report
+from lab.results import stamp, write_report
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parents[1]
@@ -187,9 +187,9 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         inputs, targets = random_batch(args.task, args.batch, generator)
     times: list[float] = []
     bytes_before = 0
+    impl = getattr(wrapped, "bagua_algorithm_impl", None)  # the engine's algorithm; None outside the engine
     # async averages on a timer, not per step: its bytes are counted per averaging round, from its first one on.
-    averaging = getattr(wrapped, "bagua_algorithm_impl", None)
-    averaging = averaging if isinstance(averaging, AsyncModelAverageImpl) else None
+    averaging = impl if isinstance(impl, AsyncModelAverageImpl) else None
     bytes_before_rounds = 0
 
     def train_step() -> float:
@@ -201,8 +201,7 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         return time.perf_counter() - start
 
     # auto: its measuring steps come first, and their time is its own (reported beside the pick's step).
-    auto = getattr(wrapped, "bagua_algorithm_impl", None)
-    auto = auto if isinstance(auto, AutoImpl) else None
+    auto = impl if isinstance(impl, AutoImpl) else None
     warmup, trial_s, trial_steps = args.warmup, 0.0, 0
     # Every step before the timed ones, auto's trials included: a run pays its first steps (connections, first
     # allocations, a hook's full-precision warm-up) at their own cost, whichever method it runs.
@@ -218,7 +217,6 @@ def time_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
         # The pick's own full-precision warm-up (low_rank's) is not its step.
         warmup = max(warmup, getattr(pick, "warmup_steps", 0) + 1)
     # diloco communicates once a period: its step is timed over whole periods (the timed steps a multiple of H).
-    impl = getattr(wrapped, "bagua_algorithm_impl", None)
     period = impl.config.sync_every if isinstance(impl, DiLoCoImpl) else 1
     peer_settings = torchft_settings(method)
     if peer_settings is not None:
@@ -309,6 +307,7 @@ def worker(args: argparse.Namespace) -> None:
 def worker_command(
     args: argparse.Namespace, schedule: list[tuple[int, str]], rank: int, master: str, port: int
 ) -> list[str]:
+    """Return the command of rank ``rank``'s worker: this script with ``--worker`` and the lab's settings."""
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--schedule", json.dumps(schedule)]
     command += ["--rank", str(rank), "--master", master, "--port", str(port), "--task", args.task]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -466,6 +465,7 @@ def measure(
 
 
 def describe(hosts: int, ranks_per_host: int, from_hosts: bool = False) -> str:
+    """Say in words how many ranks the layout has and over which links they talk."""
     without = ", no LOCAL_WORLD_SIZE (the engine reads the layout from the hosts)" if from_hosts else ""
     if (hosts, ranks_per_host) == (2, 1):
         return f"two Gloo ranks over a shaped veth link{without}"
@@ -502,6 +502,7 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    """Return the report's table with the sentences that say what it shows and what wrote it."""
     settings = report["settings"]
     hosts, ranks_per_host = settings["hosts"], settings["ranks_per_host"]
     from_hosts = settings.get("no_local_world_size", False)
@@ -518,6 +519,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], path: Path, title: str) -> bool:
+    """Draw every method's median step at every rate to ``path``; return whether matplotlib was there to draw it."""
     plt = pyplot()
     if plt is None:
         return False
@@ -541,15 +543,9 @@ def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], p
     return True
 
 
-def require_lab_tools() -> None:
-    """Stop with a message unless this process may create namespaces and shape links (root, ``ip``, ``tc``)."""
-    if not can_shape_links():
-        raise SystemExit("network_lab.py needs root, iproute2 and tc (network namespaces and shaping).")
-
-
 def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Measure every method at every rate of ``args`` and return the report (settings, machine, results)."""
-    require_lab_tools()
+    require_lab_tools("network_lab.py")
     if args.hosts < 2 or args.ranks_per_host < 1:
         raise SystemExit("The lab needs at least two hosts and one rank per host.")
     if args.rounds < 1:
@@ -576,171 +572,39 @@ def lab_report(args: argparse.Namespace, command: str) -> dict[str, Any]:
             f"{describe(args.hosts, args.ranks_per_host, args.no_local_world_size)}, one network namespace per host,"
             " tc-shaped; methods interleaved (round-robin, rotated each round)"
         ),
-        "command": command,
+        **stamp(command),
         "settings": {
             k: v
             for k, v in vars(args).items()
             if k not in {"worker", "rank", "master", "port", "schedule", "world_size", "argv", "out"}
         }
         | {"methods": methods, "hook_warmup_steps": HOOK_WARMUP},
-        "machine": machine(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "total_wall_s": time.perf_counter() - started,
         "results": results,
         "failures": failures,
     }
 
 
-PROBE_SIZES = (4_000, 16_000, 64_000, 256_000, 1_000_000, 4_000_000)  # bytes of one message
-PROBE_REPEATS = 7
-PROBE_IDLE_S = 0.05  # the pause before each message, as the compute between two steps
-
-
-def probe(role: str, address: str, port: int) -> None:
-    """One end of the link check; the client prints ``PROBE`` lines, one per message size.
-
-    The client sends each message of ``PROBE_SIZES`` ``PROBE_REPEATS`` times, each after ``PROBE_IDLE_S`` idle,
-    and times it from its first byte to the server's one-byte reply, which comes once the whole message is in.
-    """
-    if role == "server":
-        with socket.create_server((address, port)) as server:
-            connection, _ = server.accept()
-            with connection:
-                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                for size in PROBE_SIZES:
-                    for _ in range(PROBE_REPEATS):
-                        received = 0
-                        while received < size:
-                            chunk = connection.recv(1 << 20)
-                            if not chunk:  # the client is gone: an empty read would repeat forever
-                                raise ConnectionError(f"the link check's client left after {received} of {size} bytes")
-                            received += len(chunk)
-                        connection.sendall(b"k")
-        return
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            connection = socket.create_connection((address, port), timeout=30)
-            break
-        except OSError:  # the server is not listening yet
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-    with connection:
-        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for size in PROBE_SIZES:
-            message, times = bytes(size), []
-            for _ in range(PROBE_REPEATS):
-                time.sleep(PROBE_IDLE_S)
-                start = time.perf_counter()
-                connection.sendall(message)
-                connection.recv(1)
-                times.append(time.perf_counter() - start)
-            print("PROBE " + json.dumps({"size": size, "times_s": times}), flush=True)
-
-
-def check_links(args: argparse.Namespace) -> dict[str, Any]:
-    """Time single messages over a link of every rate and bucket of ``args``; return the report."""
-    require_lab_tools()
-    bursts = args.check_links or [args.burst_us]
-    rows = []
-    for rate in args.rates:
-        for burst_us in bursts if rate != "unshaped" else [None]:
-            with lab_hosts(rate, 2, burst_us or BURST_US) as hosts:
-                port = random.randrange(20000, 60000)
-                script = [sys.executable, str(Path(__file__).resolve()), "--probe-port", str(port)]
-                server = subprocess.Popen(
-                    ["ip", "netns", "exec", hosts[1][0], *script, "--probe", "server", "--master", hosts[1][2]]
-                )
-                try:
-                    client = subprocess.run(
-                        ["ip", "netns", "exec", hosts[0][0], *script, "--probe", "client", "--master", hosts[1][2]],
-                        capture_output=True,
-                        text=True,
-                        check=True,
-                        timeout=600,
-                    )
-                finally:
-                    if server.poll() is None:
-                        server.kill()  # the client failed: nothing more will come
-                    server.wait()
-            for line in result_lines(client.stdout, "PROBE"):
-                wire = None if rate == "unshaped" else line["size"] * 8 / bits_per_second(rate)
-                rows.append(
-                    {
-                        "rate": rate,
-                        "burst_us": burst_us,
-                        "burst_bytes": None if burst_us is None else link_burst_bytes(rate, burst_us),
-                        "size": line["size"],
-                        "median_s": statistics.median(line["times_s"]),
-                        "min_s": min(line["times_s"]),
-                        "max_s": max(line["times_s"]),
-                        "rate_bound_s": wire,
-                    }
-                )
-    return {
-        "benchmark": "link check: one message at a time over the lab's shaped link between two hosts",
-        "command": "python benchmarks/network_lab.py " + " ".join(args.argv),
-        "settings": {
-            "rates": args.rates,
-            "bursts_us": bursts,
-            "sizes": list(PROBE_SIZES),
-            "repeats": PROBE_REPEATS,
-            "idle_s": PROBE_IDLE_S,
-        },
-        "machine": machine(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "results": rows,
-    }
-
-
-def links_markdown(report: dict[str, Any]) -> str:
-    """The link check as a table: a column per (rate, bucket), a row per message size."""
-    columns = list(dict.fromkeys((row["rate"], row["burst_us"]) for row in report["results"]))
-    by_key = {(row["rate"], row["burst_us"], row["size"]): row for row in report["results"]}
-    settings = report["settings"]
-    rows = []
-    for size in settings["sizes"]:
-        cells = [f"{size / 1e3:g} kB"]
-        for rate, burst in columns:
-            row = by_key[(rate, burst, size)]
-            cell = f"{row['median_s'] * 1e3:.2f} [{row['min_s'] * 1e3:.2f}, {row['max_s'] * 1e3:.2f}]"
-            bound = row["rate_bound_s"]
-            cells.append(cell if bound is None else f"{cell} (size / rate {bound * 1e3:.2f})")
-        rows.append(cells)
-    header = ["message", *(rate if burst is None else f"{rate}, bucket {burst:g} us" for rate, burst in columns)]
-    return "\n".join([
-        "Time of one message from its first byte sent to the receiver's one-byte reply, after"
-        f" {settings['idle_s'] * 1e3:g} ms idle: median of {settings['repeats']} [min, max] in ms; `size / rate` is"
-        " the least time the link's rate allows for the message's bytes alone. The bucket is `tbf`'s, in"
-        " microseconds of the link's time (`link_burst_bytes`).",
-        f"Written by `{report['command']}`; the numbers are in `network_lab_links.json`.",
-        "",
-        markdown_table(header, rows),
-    ])  # fmt: skip
-
-
 def orchestrate(args: argparse.Namespace) -> None:
+    """Run the link check or the lab, write its results (unless ``--no-save``) and print its table."""
+    command = "python benchmarks/network_lab.py " + " ".join(args.argv)
     if args.check_links is not None:
-        report = check_links(args)
-        table = links_markdown(report)
-        if not args.no_save:
-            write_report(Path(args.out), "network_lab_links", report, table)
-        print(table)
-        return
-    report = lab_report(args, "python benchmarks/network_lab.py " + " ".join(args.argv))
-    methods = report["settings"]["methods"]
-    table = markdown(report)
-    if not args.no_save:
-        out = Path(args.out)
+        report = check_links(args.rates, args.check_links or [args.burst_us], command)
+        stem, table = "network_lab_links", links_table(report)
+    else:
+        report = lab_report(args, command)
         stem = layout_name(args.hosts, args.ranks_per_host, args.no_local_world_size, args.task)
-        write_report(out, stem, report, table)
-        title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
-        chart(report["results"], args.rates, methods, out / f"{stem}.png", title)
+        table = markdown(report)
+    if not args.no_save:
+        write_report(Path(args.out), stem, report, table)
+        if args.check_links is None:
+            title = describe(args.hosts, args.ranks_per_host, args.no_local_world_size)
+            chart(report["results"], args.rates, report["settings"]["methods"], Path(args.out) / f"{stem}.png", title)
     print(table)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the lab's options (``argv``, else this process's), keeping them as given in ``argv`` for the command."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates (100mbit, 1gbit, ...) or unshaped")
     parser.add_argument("--methods", nargs="+", default=None, help="default: all")
@@ -774,8 +638,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--probe", choices=("server", "client"), default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--probe-port", type=int, default=0, help=argparse.SUPPRESS)
     arguments = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(arguments)
     if args.warmup <= HOOK_WARMUP:
@@ -791,9 +653,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.probe is not None:
-        probe(arguments.probe, arguments.master, arguments.probe_port)
-    elif arguments.worker:
+    if arguments.worker:
         worker(arguments)
     else:
         orchestrate(arguments)

@@ -6,7 +6,8 @@ fused optimizer on CPU; ``--gpu``: the GPU network lab with its report and inter
 engine overhead on two GPUs), then checks every target of the performance bar against those files: ``targets.json``,
 ``.md`` and ``.png`` give each target's figure, pass, miss or "not run" and why. Byte targets compare the payload
 the engine's ``CommunicationCounter`` counted in the network lab with what the algorithm's definition implies (a byte
-counted once per collective that takes it as input), beside the wire bytes of ``lab/traffic.py``. Run it::
+counted once per collective that takes it as input, ``lab/traffic.py``'s ``payload_bytes``), beside the wire
+bytes of its ``wire_bytes``. Run it::
 
     python benchmarks/suite.py --cpu                 # the CPU suite, then the targets check
     python benchmarks/suite.py --gpu                 # on a machine with two GPUs
@@ -33,8 +34,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 RESULTS = BENCHMARKS / "results"
 ROOT = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))
-from lab import traffic  # noqa: E402
-from lab.harness import can_shape_links  # noqa: E402
+from lab import gpu_report, traffic  # noqa: E402
+from lab.harness import LAB_TOOLS, can_shape_links  # noqa: E402
 from lab.render import markdown_table, pyplot  # noqa: E402
 from lab.results import write_report as write_results  # noqa: E402
 
@@ -42,7 +43,8 @@ TOLERANCE = 0.10  # bytes per step: measured within 10 % of the count the algori
 
 
 LOW_RANKS = (4, 8, 16, 32)  # the lab's low_rank_rK methods
-FINAL_LOSS_BAR = 1.01  # a method's mean final validation loss against DDP's, at the same steps and seeds
+# A method's mean final validation loss against DDP's, at the same steps and seeds.
+FINAL_LOSS_BAR = gpu_report.FINAL_LOSS_BAR
 # What the suite's interleaved NVLink job times beside the peers: ours but async (whose thread would send
 # while the others are timed), each named by its lab method.
 INTERLEAVED = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam",
@@ -57,12 +59,11 @@ BUCKET_CAP_METHODS = (*PEER_METHODS, "ddp@100", *(name for method in BUCKET_CAP 
 
 def cpu_steps(quick: bool) -> list[tuple[str, list[str], str | None]]:
     """(name, command, reason it cannot run here or None) of every CPU benchmark."""
-    lab_ok = can_shape_links()
     lab = ["network_lab.py", *(["--rates", "100mbit", "--steps", "5"] if quick else [])]
     codec = ["micro/codec_throughput.py", "--cpu", "--threads", "1", *(["--sizes-mb", "4", "16"] if quick else [])]
     rounds = ["--rounds", "1"] if quick else []
     return [
-        ("network_lab", lab, None if lab_ok else "needs root, iproute2 and tc (network namespaces and shaping)"),
+        ("network_lab", lab, None if can_shape_links() else f"needs {LAB_TOOLS}"),
         ("convergence", ["convergence.py", *(["--quick"] if quick else [])], None),
         ("codec_throughput", codec, None),
         ("engine_overhead", ["engine_overhead.py", "--variant", "engine", "--cpu", *rounds], None),
@@ -132,6 +133,7 @@ def run_steps(steps: list[tuple[str, list[str], str | None]], timeout: int) -> l
 
 
 def _load(results: Path, name: str) -> dict[str, Any] | None:
+    """Return the results file ``results/<name>.json``, or ``None`` where it is missing."""
     path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -153,20 +155,10 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
     Every step ratio compares rows of one regime's results; the PowerSGD and launch targets compare ``low_rank`` at
     rank K with torch's batched PowerSGD hook at the same rank.
     """
-    from lab.gpu_report import (
-        OURS,
-        algorithm_of,
-        load_results,
-        nvlink_beside,
-        recorded_keywords,
-        sockets_beside,
-        target_of,
-    )
-
     command = "python benchmarks/gpu_network_lab.py --report, from the runs gpu_network_lab.md names"
 
     try:
-        loaded = load_results(results)
+        loaded = gpu_report.load_results(results)
     except SystemExit:
         loaded = {}
     found = []
@@ -188,8 +180,8 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
             ratios = [_job_ratio(other, method, base) for other in repeats]
             ratio = statistics.median(ratios)
             if len(repeats) > 1:
-                runs = ", ".join(f"`{other['stem']}` {run:.3f}x" for other, run in zip(repeats, ratios, strict=True))
-                detail += f"; the median ratio of {len(repeats)} runs of this job: {runs}"
+                each = ", ".join(f"`{other['stem']}` {run:.3f}x" for other, run in zip(repeats, ratios, strict=True))
+                detail += f"; the median ratio of {len(repeats)} runs of this job: {each}"
             found.append(_target(target, f"{job['stem']}.json", f"<= {bar:.2f}x", ratio, ratio <= bar, detail,
                                  command=job["command"]))  # fmt: skip
             return
@@ -202,14 +194,15 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
             missing = f"no {label} step of {method if value is None else base} in the GPU network lab's results"
             found.append(_target(target, source, f"<= {bar:.2f}x", None, None, missing))
             return
-        if method in OURS and (ran := recorded_keywords(method, rows[method])) != (now := algorithm_of(method)[1]):
+        ran = gpu_report.recorded_keywords(method, rows[method]) if method in gpu_report.OURS else None
+        if ran is not None and ran != (now := gpu_report.algorithm_of(method)[1]):
             stale = f"{method} ran with {ran or 'its defaults'}, but the lab now runs it with {now}: run the lab again"
             found.append(_target(target, source, f"<= {bar:.2f}x", None, None, stale))
             return
         over = "rounds"
         if label != "nvlink":
             # The sockets rows come from several runs: the peer's step timed in the method's own run.
-            ref = sockets_beside(loaded, method, label, base)
+            ref = gpu_report.sockets_beside(loaded, method, label, base)
             if ref is None:
                 alone = f"no sockets run timed {method} beside {base} at {label}"
                 found.append(_target(target, source, f"<= {bar:.2f}x", None, None, alone))
@@ -217,7 +210,7 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
             over = "rounds, both from the run of the method's row"
         if label == "nvlink":
             # Pooled NVLink runs may have timed the method without DDP: only the runs that timed both count.
-            beside = nvlink_beside(loaded, method, base)
+            beside = gpu_report.nvlink_beside(loaded, method, base)
             if beside is None:
                 alone = f"no NVLink run timed {method} beside {base} (the lab's runs that timed it ran it alone)"
                 found.append(_target(target, source, f"<= {bar:.2f}x", None, None, alone))
@@ -228,7 +221,7 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
         detail = f"{value['median'] * 1e3:.1f} ms vs {ref['median'] * 1e3:.1f} ms (medians over {over})"
         found.append(_target(target, source, f"<= {bar:.2f}x", ratio, ratio <= bar, detail, command=command))
 
-    for method in OURS:
+    for method in gpu_report.OURS:
         step_ratio(f"NVLink: {method} step vs DDP", "nvlink", method, "ddp", 1.10)
     for method in ("bytegrad", "low_rank_r4", "low_rank_r8"):
         step_ratio(f"Unshaped sockets: {method} step vs DDP", "unshaped", method, "ddp", 0.50)
@@ -252,18 +245,18 @@ def gpu_targets(results: Path) -> list[dict[str, Any]]:
     for rank in LOW_RANKS:
         method = f"low_rank_r{rank}"
         target = f"Final validation loss: {method} vs DDP (same steps and seeds)"
-        ratio = _final_loss_ratio(loaded, nvlink, method)
-        if ratio is None:
+        ratio = gpu_report.final_loss_ratio(loaded, method) if "ddp" in nvlink else math.inf
+        if math.isinf(ratio):
             found.append(_target(target, "gpu_network_lab_nvlink.json", bar, None, None, "no curves"))
             continue
-        _, _, final_ddp = target_of(loaded)
+        _, _, final_ddp = gpu_report.target_of(loaded)
         spreads = f"{_seed_spread(nvlink, method)}; DDP {_seed_spread(nvlink, 'ddp')}"
         detail = f"{nvlink[method]['curve'][-1]['val_loss']:.4f} vs {final_ddp:.4f}, {spreads}"
         found.append(_target(target, "gpu_network_lab_nvlink.json", bar, ratio, ratio <= FINAL_LOSS_BAR, detail,
                              command=command))  # fmt: skip
     _final_loss_and_time_targets(loaded, nvlink, found, command)
     for rate in ("10gbit", "1gbit"):
-        times = {m: t for m in nvlink if (t := _time_to_target(loaded, m, rate)) is not None}
+        times = {m: t for m in nvlink if (t := gpu_report.time_to_target(loaded, m, rate)) is not None}
         target = f"{rate}: time to the target loss, best low_rank vs the best other method"
         ours = {m: t for m, t in times.items() if m.startswith("low_rank")}
         others = {m: t for m, t in times.items() if not m.startswith("low_rank")}
@@ -294,7 +287,7 @@ def _final_loss_and_time_targets(
     keeping = [
         method
         for method in (f"low_rank_r{rank}" for rank in LOW_RANKS)
-        if (ratio := _final_loss_ratio(loaded, nvlink, method)) is not None and ratio <= FINAL_LOSS_BAR
+        if gpu_report.final_loss_ratio(loaded, method) <= FINAL_LOSS_BAR
     ]
     for rate in ("10gbit", "1gbit"):
         target = f"{rate}: time to the target loss, low_rank at a rank within 1% of DDP's final loss vs the rest"
@@ -302,9 +295,11 @@ def _final_loss_and_time_targets(
             found.append(_target(target, "gpu_network_lab_nvlink.json", "<= 1x", None, False,
                                  "no low_rank rank's final loss is within 1% of DDP's"))  # fmt: skip
             continue
-        ours = {m: t for m in keeping if (t := _time_to_target(loaded, m, rate)) is not None}
+        ours = {m: t for m in keeping if (t := gpu_report.time_to_target(loaded, m, rate)) is not None}
         others = {
-            m: t for m in nvlink if not m.startswith("low_rank") and (t := _time_to_target(loaded, m, rate)) is not None
+            m: t
+            for m in nvlink
+            if not m.startswith("low_rank") and (t := gpu_report.time_to_target(loaded, m, rate)) is not None
         }
         if not ours or not others:
             untimed = ", ".join(m for m in keeping if m not in ours)
@@ -316,16 +311,6 @@ def _final_loss_and_time_targets(
             found.append(_target(target, "gpu_network_lab_sockets.json", "<= 1x", None, None, detail))
             continue
         found.append(_fastest_to_target(target, ours, others, command))
-
-
-def _final_loss_ratio(loaded: dict[str, Any], nvlink: dict[str, Any], method: str) -> float | None:
-    """``method``'s mean final validation loss over DDP's; ``None`` without both curves."""
-    from lab.gpu_report import target_of
-
-    curve = nvlink.get(method, {}).get("curve")
-    if not curve or "ddp" not in nvlink:
-        return None
-    return curve[-1]["val_loss"] / target_of(loaded)[2]
 
 
 def _fastest_to_target(target: str, ours: dict[str, float], others: dict[str, float], command: str) -> dict[str, Any]:
@@ -372,22 +357,8 @@ def _job_ratio(job: dict[str, Any], method: str, base: str) -> float:
 
 def _seed_spread(methods: dict[str, Any], method: str) -> str:
     """How many seeds a method's NVLink curve averages, with their final losses' range when more than one."""
-    from lab.gpu_report import seed_spread
-
-    seeds, spread = seed_spread(methods[method])
+    seeds, spread = gpu_report.seed_spread(methods[method])
     return f"mean of {seeds} seeds {spread}" if spread else "one seed"
-
-
-def _time_to_target(loaded: dict[str, Any], method: str, label: str) -> float | None:
-    """Steps to the lab's target loss times the method's median step at ``label``; ``None`` where not measured."""
-    from lab.gpu_report import step_of, steps_to_target
-
-    reached = steps_to_target(loaded, method)
-    step = step_of(loaded, method, label)
-    # async averages at the link's pace beside the steps: its NVLink curve does not carry over to a shaped link.
-    if reached is None or step is None or method == "async":
-        return None
-    return reached * step["median"]
 
 
 def lab_targets(results: Path) -> list[dict[str, Any]]:
@@ -410,34 +381,13 @@ def lab_targets(results: Path) -> list[dict[str, Any]]:
     return found
 
 
-def payload_bytes(algorithm: str, parameters: int, ranks: int) -> float:
-    """Bytes one rank hands to collectives per step, under ``CommunicationCounter``'s convention.
-
-    Every collective counts its whole input once: an all-reduce of ``P`` bytes counts ``P``, an all-to-all counts
-    all ``n`` rows (the own one too), an all-gather the rank's own part. Flat algorithms, default keywords.
-    """
-    if ranks == 1:
-        return 0.0
-    if algorithm in ("gradient_allreduce", "decentralized"):
-        return 4.0 * parameters
-    if algorithm in ("bytegrad", "qadam"):  # qadam after its warm-up
-        total = 0.0
-        for size in traffic._buckets(parameters, 10 * 1024**2):
-            row = traffic.HEADER_BYTES + math.ceil(size / ranks)
-            total += ranks * row + row  # all-to-all of n rows, all-gather of the reduced row
-        return total
-    if algorithm == "low_precision_decentralized":
-        return (1 if ranks == 2 else 2) * (traffic.HEADER_BYTES + parameters)
-    raise ValueError(f"no payload model for {algorithm!r}")
-
-
 def byte_targets(results: Path) -> list[dict[str, Any]]:
     """Measured payload per step in the network lab against the count the algorithm implies."""
-    data = _load(results, "network_lab_cpu")
+    data = _load(results, "network_lab_cpu") or {"results": []}
     found = []
     for algorithm in (*traffic.ALGORITHMS, "async"):
         name = f"Bytes per step within 10% of the theoretical count: {algorithm}"
-        rows = [] if data is None else [r for r in data["results"] if r["method"] == algorithm]
+        rows = [r for r in data["results"] if r["method"] == algorithm]
         if not rows or rows[0]["bytes_per_step"] is None:
             found.append(_target(name, "network_lab_cpu.json", "within 10%", None, None, "no measurement"))
             continue
@@ -445,7 +395,7 @@ def byte_targets(results: Path) -> list[dict[str, Any]]:
         if algorithm == "async":
             found.append(_async_round_target(data, rows[0], parameters))
             continue
-        expected = payload_bytes(algorithm, parameters, 2)
+        expected = traffic.payload_bytes(algorithm, parameters, 2)
         wire = traffic.wire_bytes(algorithm, parameters, 2)
         ratio = measured / expected
         detail = (f"{measured:.0f} B counted vs {expected:.0f} B implied ({parameters} fp32 parameters, 2 ranks);"
@@ -526,6 +476,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def _figure(t: dict[str, Any]) -> str:
+    """Return a target's figure as the table shows it: points against the baseline, else a ratio."""
     return f"{t['measured']:+.2f}" if "points" in t["bar"] else f"{t['measured']:.3f}x"
 
 
@@ -576,6 +527,7 @@ def write_report(results: Path, out: Path, command: str, runs: list[dict[str, An
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the suite's options (``argv``, else this process's) and add the command that reproduces them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run the CPU benchmarks")
     parser.add_argument("--gpu", action="store_true", help="run the two-GPU benchmarks")
@@ -596,6 +548,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the chosen benchmarks, then check the targets and write the README's figures as asked; return the report."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
     runs: list[dict[str, Any]] = []
@@ -606,9 +559,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.cpu or args.gpu or args.report_only:
         report = write_report(Path(args.results), Path(args.out), args.command, runs)
     if args.readme:
-        from lab.gpu_report import write_readme
-
-        write_readme(Path(args.results))
+        gpu_report.write_readme(Path(args.results))
     return report
 
 

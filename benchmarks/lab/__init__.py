@@ -3,7 +3,7 @@
 - :mod:`lab.methods`: method names (``low_rank_r4``, ``diloco_h20``, ``torchft_diloco_h20``) and what they run.
 - :mod:`lab.models`: the tasks' networks and the language model of the GPU lab.
 - :mod:`lab.harness`: the round order, ports, local process groups, NCCL over sockets, network namespaces and
-  ``tc`` links, worker output.
+  ``tc`` links with their check, worker output.
 - :mod:`lab.results`: one results schema (benchmark, command, date, machine, versions, settings, peers, rows), the
   machine record, the spread of repeated figures.
 - :mod:`lab.tasks`: the convergence tasks' settings and data sets, the methods they train and their baselines.

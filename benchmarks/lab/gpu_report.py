@@ -476,7 +476,7 @@ README_ALGORITHMS = (
 )
 
 
-def _time_to_target(loaded: dict[str, Any], method: str, link: str) -> float | None:
+def time_to_target(loaded: dict[str, Any], method: str, link: str) -> float | None:
     """Seconds to DDP's target loss at ``link``: steps to the target times the median step there."""
     if method not in loaded.get("nvlink", {}).get("methods", {}) or (method in BESIDE_THE_STEPS and link != "nvlink"):
         return None
@@ -485,7 +485,8 @@ def _time_to_target(loaded: dict[str, Any], method: str, link: str) -> float | N
     return None if reached is None or step is None else reached * step["median"]
 
 
-def _final_loss_ratio(loaded: dict[str, Any], method: str) -> float:
+def final_loss_ratio(loaded: dict[str, Any], method: str) -> float:
+    """Return ``method``'s mean final validation loss over DDP's on NVLink; infinite without its curve."""
     _, _, final_ddp = target_of(loaded)
     curve = loaded["nvlink"]["methods"].get(method, {}).get("curve", [])
     return curve[-1]["val_loss"] / final_ddp if curve else math.inf
@@ -495,15 +496,15 @@ def low_rank_method(loaded: dict[str, Any]) -> str | None:
     """The lab's ``low_rank_rK`` with the shortest time to the target at the headline link, of the ranks whose final
     loss is within 1% of DDP's; ``None`` where none is."""
     ranks = [m for m in loaded.get("nvlink", {}).get("methods", {}) if m.startswith("low_rank_r")]
-    timed = {m: t for m in ranks if (t := _time_to_target(loaded, m, HEADLINE_LINK)) is not None}
-    close = [m for m in timed if _final_loss_ratio(loaded, m) <= FINAL_LOSS_BAR]
+    timed = {m: t for m in ranks if (t := time_to_target(loaded, m, HEADLINE_LINK)) is not None}
+    close = [m for m in timed if final_loss_ratio(loaded, m) <= FINAL_LOSS_BAR]
     return min(close, key=timed.__getitem__) if close else None
 
 
 def headline(loaded: dict[str, Any], method: str | None) -> str:
     """A method's figure for the table (see the module docstring)."""
-    ddp = _time_to_target(loaded, "ddp", HEADLINE_LINK)
-    seconds = None if method is None else _time_to_target(loaded, method, HEADLINE_LINK)
+    ddp = time_to_target(loaded, "ddp", HEADLINE_LINK)
+    seconds = None if method is None else time_to_target(loaded, method, HEADLINE_LINK)
     if seconds is not None and ddp is not None:
         return f"{seconds:.0f} s ({seconds / ddp:.2f}x DDP)"
     beside = None if method is None else nvlink_beside(loaded, method)

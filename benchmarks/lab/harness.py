@@ -4,7 +4,8 @@
 - :func:`free_port`, :func:`spawn_ranks`: a process group of ``world_size`` local processes, one result back.
 - :data:`SOCKETS_ENV`: NCCL over TCP sockets on the loopback, as between machines.
 - :func:`lab_hosts`: network namespaces joined by links that ``tc`` shapes to a rate (:func:`shape`), as hosts on
-  a network; it needs root and iproute2.
+  a network; it needs root and iproute2 (:func:`require_lab_tools`).
+- :func:`check_links`: single messages timed over those links (:func:`probe` at each end), :func:`links_table`.
 - :func:`result_lines`, :func:`headline`: what a worker printed, and the line of an error that names the cause.
 """
 
@@ -13,9 +14,13 @@ import os
 import random
 import shutil
 import socket
+import statistics
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -146,9 +151,22 @@ def shape(namespace: str, interface: str, rate: str, burst_us: float = BURST_US)
         "rate", rate, "burst", str(burst), "latency", "100ms")  # fmt: skip
 
 
+LAB_TOOLS = "root, iproute2 and tc (network namespaces and shaping)"
+
+
 def can_shape_links() -> bool:
     """Whether this process may create namespaces and shape links (:func:`lab_hosts`): root, ``ip`` and ``tc``."""
     return os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
+
+
+def require_lab_tools(script: str) -> None:
+    """Stop with a message unless this process may create namespaces and shape links (:func:`can_shape_links`).
+
+    Args:
+        script: the script that needs them, named in the message.
+    """
+    if not can_shape_links():
+        raise SystemExit(f"{script} needs {LAB_TOOLS}.")
 
 
 @contextmanager
@@ -191,3 +209,148 @@ def lab_hosts(rate: str, count: int, burst_us: float = BURST_US) -> Iterator[lis
     finally:
         for namespace in namespaces:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+
+
+# ------------------------------------------------------------------------------------------------ the link check
+
+PROBE_SIZES = (4_000, 16_000, 64_000, 256_000, 1_000_000, 4_000_000)  # bytes of one message
+PROBE_REPEATS = 7
+PROBE_IDLE_S = 0.05  # the pause before each message, as the compute between two steps
+# Each end of the link check runs in its host's namespace: a fresh interpreter that imports this module.
+PROBE_CODE = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r});"
+              " from lab.harness import probe; probe(sys.argv[1], sys.argv[2], int(sys.argv[3]))")  # fmt: skip
+
+
+def probe(role: str, address: str, port: int) -> None:
+    """Run one end of the link check; the client prints ``PROBE`` lines, one per message size.
+
+    The client sends each message of ``PROBE_SIZES`` ``PROBE_REPEATS`` times, each after ``PROBE_IDLE_S`` idle,
+    and times it from its first byte to the server's one-byte reply, which comes once the whole message is in.
+
+    Args:
+        role: ``"server"`` (listens at ``address``) or ``"client"`` (connects to it).
+        address: the server's address.
+        port: the server's port.
+    """
+    if role == "server":
+        with socket.create_server((address, port)) as server:
+            connection, _ = server.accept()
+            with connection:
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for size in PROBE_SIZES:
+                    for _ in range(PROBE_REPEATS):
+                        received = 0
+                        while received < size:
+                            chunk = connection.recv(1 << 20)
+                            if not chunk:  # the client is gone: an empty read would repeat forever
+                                raise ConnectionError(f"the link check's client left after {received} of {size} bytes")
+                            received += len(chunk)
+                        connection.sendall(b"k")
+        return
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            connection = socket.create_connection((address, port), timeout=30)
+            break
+        except OSError:  # the server is not listening yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    with connection:
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for size in PROBE_SIZES:
+            message, times = bytes(size), []
+            for _ in range(PROBE_REPEATS):
+                time.sleep(PROBE_IDLE_S)
+                start = time.perf_counter()
+                connection.sendall(message)
+                connection.recv(1)
+                times.append(time.perf_counter() - start)
+            print("PROBE " + json.dumps({"size": size, "times_s": times}), flush=True)
+
+
+def _probe_times(rate: str, burst_us: float) -> str:
+    """Run both ends of the link check over a fresh link between two hosts; return the client's output."""
+    with lab_hosts(rate, 2, burst_us) as hosts:
+        port = random.randrange(20000, 60000)
+        ends = {role: ["ip", "netns", "exec", namespace, sys.executable, "-c", PROBE_CODE, role, hosts[1][2], str(port)]
+                for role, (namespace, _, _) in zip(("client", "server"), hosts, strict=True)}  # fmt: skip
+        server = subprocess.Popen(ends["server"])
+        try:
+            return subprocess.run(ends["client"], capture_output=True, text=True, check=True, timeout=600).stdout
+        finally:
+            if server.poll() is None:
+                server.kill()  # the client failed: nothing more will come
+            server.wait()
+
+
+def check_links(rates: Sequence[str], bursts_us: Sequence[float], command: str) -> dict[str, Any]:
+    """Time single messages over a link of every rate and token bucket; return the report.
+
+    Args:
+        rates: ``tc`` rates, or ``unshaped`` (which has no bucket).
+        bursts_us: the buckets to try at each shaped rate, in microseconds of the link's time.
+        command: the command that reproduces the report.
+
+    Returns:
+        The report: a row per (rate, bucket, message size), with the median, least and greatest time.
+    """
+    # Imported here: this module is also imported as ``benchmarks.lab.harness``, where ``lab`` is no package.
+    from lab.results import stamp
+
+    require_lab_tools("The link check")
+    rows = []
+    for rate in rates:
+        for burst_us in bursts_us if rate != "unshaped" else [None]:
+            output = _probe_times(rate, burst_us or BURST_US)
+            for line in result_lines(output, "PROBE"):
+                times = line["times_s"]
+                rows.append({
+                    "rate": rate,
+                    "burst_us": burst_us,
+                    "burst_bytes": None if burst_us is None else link_burst_bytes(rate, burst_us),
+                    "size": line["size"],
+                    "median_s": statistics.median(times),
+                    "min_s": min(times),
+                    "max_s": max(times),
+                    "rate_bound_s": None if rate == "unshaped" else line["size"] * 8 / bits_per_second(rate),
+                })  # fmt: skip
+    settings = {"rates": list(rates), "bursts_us": list(bursts_us), "sizes": list(PROBE_SIZES),
+                "repeats": PROBE_REPEATS, "idle_s": PROBE_IDLE_S}  # fmt: skip
+    benchmark = "link check: one message at a time over the lab's shaped link between two hosts"
+    return {"benchmark": benchmark, **stamp(command), "settings": settings, "results": rows}
+
+
+def links_table(report: dict[str, Any]) -> str:
+    """Return the link check as markdown: a column per (rate, bucket), a row per message size.
+
+    Args:
+        report: what :func:`check_links` returned.
+
+    Returns:
+        The table with the sentences that say what it shows and what wrote it.
+    """
+    from lab.render import markdown_table
+
+    columns = list(dict.fromkeys((row["rate"], row["burst_us"]) for row in report["results"]))
+    by_key = {(row["rate"], row["burst_us"], row["size"]): row for row in report["results"]}
+    settings = report["settings"]
+    rows = []
+    for size in settings["sizes"]:
+        cells = [f"{size / 1e3:g} kB"]
+        for rate, burst in columns:
+            row = by_key[(rate, burst, size)]
+            cell = f"{row['median_s'] * 1e3:.2f} [{row['min_s'] * 1e3:.2f}, {row['max_s'] * 1e3:.2f}]"
+            bound = row["rate_bound_s"]
+            cells.append(cell if bound is None else f"{cell} (size / rate {bound * 1e3:.2f})")
+        rows.append(cells)
+    header = ["message", *(rate if burst is None else f"{rate}, bucket {burst:g} us" for rate, burst in columns)]
+    return "\n".join([
+        "Time of one message from its first byte sent to the receiver's one-byte reply, after"
+        f" {settings['idle_s'] * 1e3:g} ms idle: median of {settings['repeats']} [min, max] in ms; `size / rate` is"
+        " the least time the link's rate allows for the message's bytes alone. The bucket is `tbf`'s, in"
+        " microseconds of the link's time (`link_burst_bytes`).",
+        f"Written by `{report['command']}`; the numbers are in `network_lab_links.json`.",
+        "",
+        markdown_table(header, rows),
+    ])  # fmt: skip

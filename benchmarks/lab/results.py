@@ -29,15 +29,22 @@ def new_report(
     command: str | None = None,
 ) -> dict[str, Any]:
     """A report in the lab's schema: what ran (``command``, by default this process's), where, and what it measured."""
-    return {
-        "benchmark": benchmark,
-        "command": command if command is not None else command_line(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(device),
-        "settings": settings,
-        "peers": list(peers),
-        "rows": rows,
-    }
+    record = stamp(command if command is not None else command_line(), device)
+    return {"benchmark": benchmark, **record, "settings": settings, "peers": list(peers), "rows": rows}
+
+
+def stamp(command: str, device: Any = None) -> dict[str, Any]:
+    """Return what every report records of its run: ``command``, the date now and the :func:`machine`.
+
+    Args:
+        command: the command that reproduces the report.
+        device: the device measured, for :func:`machine`.
+
+    Returns:
+        ``command``, ``date`` (UTC, to the second) and ``machine``, in that order.
+    """
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return {"command": command, "date": date, "machine": machine(device)}
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -17,7 +17,7 @@ the network between nodes.
 
 import math
 
-__all__ = ["ALGORITHMS", "HEADER_BYTES", "break_even_gbit", "wire_bytes", "wire_seconds"]
+__all__ = ["ALGORITHMS", "HEADER_BYTES", "break_even_gbit", "payload_bytes", "wire_bytes", "wire_seconds"]
 
 HEADER_BYTES = 32
 """Bytes of the MinMaxUInt8 header of every compressed chunk (``MinMaxUInt8Codec.HEADER_BYTES``)."""
@@ -101,6 +101,40 @@ def wire_bytes(
     # two, the one peer is both and gets it once).
     neighbours = 1 if ranks == 2 else 2
     return neighbours * (HEADER_BYTES + parameters) / communication_interval
+
+
+def payload_bytes(algorithm: str, parameters: int, ranks: int) -> float:
+    """Return the bytes one rank hands to collectives per step, as the engine's ``CommunicationCounter`` counts them.
+
+    Every collective counts its whole input once: an all-reduce of ``P`` bytes counts ``P``, an all-to-all counts
+    all ``n`` rows (the own one too), an all-gather the rank's own part. Flat algorithms, default keywords; ``qadam``
+    after its warm-up. :func:`wire_bytes` counts what leaves the rank instead.
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS`.
+        parameters: number of fp32 parameters communicated.
+        ranks: peers that communicate.
+
+    Returns:
+        Bytes handed to collectives by one rank, per step.
+
+    Raises:
+        ValueError: for an unknown algorithm.
+
+    >>> payload_bytes("gradient_allreduce", parameters=1000, ranks=2)
+    4000.0
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"Unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}.")
+    if ranks == 1:
+        return 0.0
+    if algorithm in ("gradient_allreduce", "decentralized"):
+        return 4.0 * parameters
+    if algorithm in ("bytegrad", "qadam"):
+        rows = (HEADER_BYTES + math.ceil(size / ranks) for size in _buckets(parameters, _DEFAULT_BUCKET_BYTES))
+        return float(sum((ranks + 1) * row for row in rows))  # all-to-all of n rows, all-gather of the reduced row
+    # low_precision_decentralized: the compressed model to each ring neighbour (one on a ring of two).
+    return (1 if ranks == 2 else 2) * (HEADER_BYTES + parameters)
 
 
 def wire_seconds(nbytes: float, gbit_per_s: float) -> float:
