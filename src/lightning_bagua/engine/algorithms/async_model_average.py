@@ -309,10 +309,12 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             return
         if not process_group_exists(self._group):
             # The script's destroy_process_group() took the averaging group with it: no collective can run on it.
-            log.warning(
-                "Async model averaging stopped after the process group was destroyed; the replicas were not averaged"
-                " a last time. Close the module (or let the strategy's teardown run) before destroy_process_group()."
-            )
+            if self.context.groups.rank == 0:
+                log.warning(
+                    "Async model averaging stopped after the process group was destroyed; the replicas were not"
+                    " averaged a last time. Close the module (or let the strategy's teardown run) before"
+                    " destroy_process_group()."
+                )
             return
         # The loop has ended on every rank; only this thread touches the weights and the group now.
         self._snapshot()
