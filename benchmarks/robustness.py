@@ -1,23 +1,17 @@
 """Kill ranks of distributed jobs and check what follows: the robustness lab, one subcommand per question.
 
-``chaos``: kill a random rank at a random moment of an elastic job, and check that the job still ends where it
-should. Each run launches ``robustness.py chaos-job`` (:func:`chaos_job`: a small Trainer fit with a checkpoint every
-5 steps and ``ckpt_path="last"``) under ``torchrun --max-restarts``, watches the ranks' marker files
-(:class:`Markers`) and SIGKILLs one worker at a moment of a kind picked at random (``mid_step``, ``collective``,
-``checkpoint_save``, ``restart``). Then every ``.ckpt`` left must load, and every rank's final weights must match the
-cached undisturbed job's: bit for bit (synchronous algorithms, ``diloco``), within 1e-5 (decentralized ones), or, for
-``async``, a final loss within the spread of several seeds. Results go to ``benchmarks/results/chaos_<device>.json``
-and ``.md`` (``--name`` to change); ``--merge`` pools the reports of runs made side by side.
+``chaos``: kill a random worker at a random moment (``mid_step``, ``collective``, ``checkpoint_save``, ``restart``)
+of an elastic job, ``robustness.py chaos-job`` (:func:`chaos_job`, a small Trainer fit with a checkpoint every 5 steps
+and ``ckpt_path="last"``) under ``torchrun --max-restarts``, found by its marker files (:class:`Markers`). Then every
+``.ckpt`` left must load, and every rank's final weights must match the cached undisturbed job's: bit for bit
+(synchronous algorithms, ``diloco``), within 1e-5 (decentralized ones), or, for ``async``, a final loss within the
+spread of several seeds. Results: ``benchmarks/results/chaos_<device>.json`` and ``.md`` (``--name``); ``--merge``
+pools the reports of runs made side by side.
 
-``dead-rank``: time a job's exit after one of its ranks is killed, per launcher. The job is
-``tests/strategies/scripts/fit_script.py`` (``BaguaStrategy``, Gloo on CPU, 2 processes) under Lightning's own
-launcher, ``python -m lightning_bagua.launch`` and ``torchrun``; rank 1 SIGKILLs itself mid-epoch after writing the
-time of its death, and the figure is the time from then until the launcher has exited and no process of the job is
-left. Results go to ``benchmarks/results/dead_rank_exit.json``.
-
-The fault-tolerance page documents both. For instance
-``.venv/bin/python benchmarks/robustness.py chaos --kills 4 --algorithms gradient_allreduce async --layouts 2`` or
-``.venv/bin/python benchmarks/robustness.py dead-rank --repeats 3``.
+``dead-rank``: time the exit of ``tests/strategies/scripts/fit_script.py`` (2 Gloo processes) under each launcher
+after its rank 1 SIGKILLs itself mid-epoch, until no process of the job is left. Results:
+``benchmarks/results/dead_rank_exit.json``. The fault-tolerance page documents both; for instance
+``.venv/bin/python benchmarks/robustness.py chaos --kills 4 --algorithms gradient_allreduce async --layouts 2``.
 """
 
 import argparse
@@ -58,8 +52,7 @@ KINDS = ("mid_step", "collective", "checkpoint_save", "restart")
 LAYOUTS = ("2", "4", "2x2")
 # The job: 96 samples of 8 features in batches of 4 per rank, 3 epochs, a checkpoint every 5 steps.
 SAMPLES, FEATURES, BATCH, EPOCHS, CHECKPOINT_EVERY = 96, 8, 4, 3, 5
-# The job's `ModelCheckpoint(save_last=...)` (`--save-last`): "true" saves last.ckpt, "link" links it to the newest
-# checkpoint.
+# The job's `ModelCheckpoint(save_last=...)`: "true" saves last.ckpt, "link" links it to the newest checkpoint.
 SAVE_LAST_CHOICES = ("true", "link")
 MAX_RESTARTS = 3
 STEP_SLEEP_S = 0.01
@@ -185,9 +178,8 @@ class Markers:
     writes its own (``rank``), the harness reads them all."""
 
     def __init__(self, directory: Path, rank: int | None = None) -> None:
-        self.directory = directory
+        self.directory, self.rank = directory, rank
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.rank = rank
 
     def write(self, phase: str, step: int) -> None:
         """Append this rank's progress, flushed at once so that the harness sees it as it happens."""
@@ -234,13 +226,15 @@ def partial_files(directory: Path) -> list[Path]:
     return list(directory.glob(".*.partial")) if directory.exists() else []
 
 
-def aim_and_kill(job: Job, kind: str, layout: Layout, out: Path, rng: random.Random, deadline: float) -> list[Kill]:
-    """Wait for the moment of ``kind`` and kill a worker there; return the kills (none if the moment never came)."""
+def aim_and_kill(
+    job: Job, kind: str, layout: Layout, out: Path, rng: random.Random, deadline: float, straggler: int
+) -> list[Kill]:
+    """Wait for the moment of ``kind`` and kill a worker there (for ``collective``, one that waits for the
+    ``straggler``); return the kills (none if the moment never came)."""
     markers = Markers(out / "markers")
     steps = steps_per_job(layout)
     kills: list[Kill] = []
     if kind == "collective":
-        straggler = int((out / "straggle_rank").read_text())
         if job.wait_for(lambda: markers.reached("straggle"), deadline):
             # The straggler sleeps STRAGGLE_S; the others reach the collective it holds up within a step or two.
             time.sleep(min(0.5, STRAGGLE_S / 4))
@@ -378,14 +372,14 @@ def disturbed_run(
     out.mkdir(parents=True)
     # Only the job whose saves are aimed at holds them open: the others need not be slower.
     extra = ["--slow-saves"] if kind == "checkpoint_save" else []
+    straggler = -1
     if kind == "collective":
         straggler = rng.randrange(layout.world_size)
-        (out / "straggle_rank").write_text(str(straggler))
         step = rng.randrange(1, steps_per_job(layout) - 2)
         extra += ["--straggle-rank", str(straggler), "--straggle-step", str(step)]
     job = launch(agent_commands(layout, algorithm, out, device, seed, save_last, extra), out)
     deadline = job.started + timeout_s
-    run.kills = aim_and_kill(job, kind, layout, out, rng, deadline)
+    run.kills = aim_and_kill(job, kind, layout, out, rng, deadline, straggler)
     # Checkpoints as the kill left them, before a restart writes new ones over them.
     count, torn = load_checkpoints(out / "ckpt")
     run.hang = job.finish(deadline)
@@ -709,16 +703,14 @@ class JobResult:
 
 def launcher_command(launcher: str, port: int, max_restarts: int = 0) -> list[str]:
     """Return the command that starts the 2-process job under ``launcher``, up to the script."""
-    if launcher == "lightning" and not max_restarts:
-        return [sys.executable]
     if launcher == "lightning_bagua.launch":
         return [sys.executable, "-m", "lightning_bagua.launch", "--nproc_per_node", "2", "--master_port", str(port),
                 "--max_restarts", str(max_restarts)]  # fmt: skip
     if launcher == "torchrun":
         return torchrun("--nproc-per-node", "2", "--master-port", str(port), "--max-restarts", str(max_restarts))
-    raise ValueError(
-        f"Cannot launch with {launcher!r} and {max_restarts} restarts: Lightning's launcher restarts none."
-    )
+    if launcher != "lightning" or max_restarts:
+        raise ValueError(f"Cannot launch with {launcher!r}, {max_restarts} restarts (Lightning's launcher has none).")
+    return [sys.executable]
 
 
 def run_job(
@@ -768,16 +760,10 @@ def dead_rank(args: argparse.Namespace, command: str) -> int:
                 raise RuntimeError(f"{launcher}: the job did not fail as expected:\n{result.output[-4000:]}")
             seconds.append(round(result.death_to_exit_s, 3))
             print(f"{launcher}: {seconds[-1]:.2f} s from rank {KILLED_RANK}'s death to the job's exit", flush=True)
-        rows.append(
-            {"launcher": launcher, "death_to_exit_s": seconds, "median_s": round(statistics.median(seconds), 3),
-             "max_s": max(seconds)}
-        )  # fmt: skip
-    settings = {
-        "job": f"tests/strategies/scripts/fit_script.py {' '.join(TRAINING_ARGS)}, gradient_allreduce, gloo, CPU",
-        "killed_rank": KILLED_RANK,
-        "kill_at_step": KILL_AT_STEP,
-        "repeats": args.repeats,
-    }
+        median = round(statistics.median(seconds), 3)
+        rows.append({"launcher": launcher, "death_to_exit_s": seconds, "median_s": median, "max_s": max(seconds)})
+    job = f"tests/strategies/scripts/fit_script.py {' '.join(TRAINING_ARGS)}, gradient_allreduce, gloo, CPU"
+    settings = {"job": job, "killed_rank": KILLED_RANK, "kill_at_step": KILL_AT_STEP, "repeats": args.repeats}
     benchmark = "seconds from one rank's SIGKILL (mid-epoch) to the exit of the whole 2-process job"
     report = new_report(benchmark, settings, rows, command=command)
     print(f"wrote {write_report(args.out, 'dead_rank_exit', report)}")
