@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from benchmarks.dead_rank_exit import job_pids
+from benchmarks.lab.jobs import JOB_VARIABLE, job_pids
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
@@ -256,7 +256,7 @@ def _run_bad_fit(tmp_path: Path, case: str, *args: str, env: dict[str, str] | No
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
-        "LIGHTNING_BAGUA_FAULT_JOB": job,
+        JOB_VARIABLE: job,
         **(env or {}),
     }
     command = [sys.executable, str(BAD_INPUT_SCRIPT), case, "--out", str(tmp_path / "out"), *args]

@@ -626,12 +626,12 @@ def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path, algorithm
     # One algorithm on two processes, one kill inside a training step: the undisturbed job, then the killed job,
     # which torchrun restarts and which resumes from last.ckpt to the undisturbed weights, bit for bit (diloco's
     # replicas differ, but its schedule, outer state and merges in flight resume exactly).
-    command = ["--kills", "1", "--algorithms", algorithm, "--layouts", "2", "--kinds", "mid_step"]
+    command = ["chaos", "--kills", "1", "--algorithms", algorithm, "--layouts", "2", "--kinds", "mid_step"]
     out = tmp_path / "results"
-    completed = run(str(BENCHMARKS / "chaos.py"), *command, "--out", str(out), "--cache", str(tmp_path / "cache"))
+    completed = run(str(BENCHMARKS / "robustness.py"), *command, "--out", str(out), "--cache", str(tmp_path / "cache"))
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((out / "chaos_cpu.json").read_text())
-    assert report["command"].startswith("python benchmarks/chaos.py --kills 1")
+    assert report["command"].startswith("python benchmarks/robustness.py chaos --kills 1")
     [row] = report["rows"]
     assert (row["algorithm"], row["layout"], row["runs"], row["kills"]) == (algorithm, "2", 1, 1)
     assert row["kills_by_kind"] == {"mid_step": 1}
@@ -646,50 +646,50 @@ def test_chaos_kills_a_rank_and_counts_an_exact_finish(tmp_path: Path, algorithm
 
 
 def test_chaos_layouts_and_comparisons() -> None:
-    chaos = benchmark_module("chaos")
-    layout = chaos.Layout.parse("2x2")
+    lab = benchmark_module("robustness")
+    layout = lab.Layout.parse("2x2")
     assert (layout.nodes, layout.per_node, layout.world_size) == (2, 2, 4)
-    assert chaos.Layout.parse("4").nodes == 1
+    assert lab.Layout.parse("4").nodes == 1
     import torch
 
     def final(value: float, loss: float = 1.0) -> dict[str, Any]:
         return {"state": {"w": torch.tensor([value])}, "loss": loss, "global_step": 36}
 
     reference = [[final(1.0), final(1.0)]]
-    assert chaos.compare("gradient_allreduce", [final(1.0), final(1.0)], reference) == (True, "bit-identical")
+    assert lab.compare("gradient_allreduce", [final(1.0), final(1.0)], reference) == (True, "bit-identical")
     # One ulp off is off for a synchronous algorithm, within the tolerance of a decentralized one.
     off = float(torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)))
-    assert not chaos.compare("gradient_allreduce", [final(off), final(1.0)], reference)[0]
-    assert chaos.compare("decentralized", [final(off), final(1.0)], reference)[0]
-    assert not chaos.compare("decentralized", [final(1.001), final(1.0)], reference)[0]
+    assert not lab.compare("gradient_allreduce", [final(off), final(1.0)], reference)[0]
+    assert lab.compare("decentralized", [final(off), final(1.0)], reference)[0]
+    assert not lab.compare("decentralized", [final(1.001), final(1.0)], reference)[0]
     # async: within the seeds' spread of the final loss, widened by that spread on either side.
     seeds = [[final(1.0, 1.0)], [final(1.0, 1.2)]]
-    assert chaos.compare("async", [final(0.0, 0.85)], seeds)[0]
-    assert not chaos.compare("async", [final(0.0, 1.5)], seeds)[0]
+    assert lab.compare("async", [final(0.0, 0.85)], seeds)[0]
+    assert not lab.compare("async", [final(0.0, 1.5)], seeds)[0]
 
 
 def test_chaos_counts_a_torn_checkpoint_and_a_last_link_to_nothing(tmp_path: Path) -> None:
     import torch
 
-    chaos = benchmark_module("chaos")
+    lab = benchmark_module("robustness")
     torch.save({"step": 5}, tmp_path / "epoch=0-step=5.ckpt")
     (tmp_path / "epoch=0-step=10.ckpt").write_bytes(b"half a checkpoint")
     (tmp_path / "last.ckpt").symlink_to("epoch=0-step=15.ckpt")  # removed before the link moved
     (tmp_path / "last-v1.ckpt").symlink_to("epoch=0-step=5.ckpt")
-    count, torn = chaos.load_checkpoints(tmp_path)
+    count, torn = lab.load_checkpoints(tmp_path)
     assert count == 4
     assert [entry.split(":")[0] for entry in torn] == ["epoch=0-step=10.ckpt", "last.ckpt"]
     assert "a link to epoch=0-step=15.ckpt, which is gone" in torn[1]
 
 
 def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
-    chaos = benchmark_module("chaos")
+    lab = benchmark_module("robustness")
 
     def report(algorithm: str, exact: bool) -> Path:
-        kill = chaos.Kill(kind="mid_step", rank=1, pid=7, landed=True, detail="step 5")
-        run = chaos.Run(algorithm=algorithm, layout="2", kind="mid_step", index=0, kills=[kill], exact=exact)
+        kill = lab.Kill(kind="mid_step", rank=1, pid=7, landed=True, detail="step 5")
+        run = lab.Run(algorithm=algorithm, layout="2", kind="mid_step", index=0, kills=[kill], exact=exact)
         record = {
-            "command": f"python benchmarks/chaos.py --algorithms {algorithm}",
+            "command": f"python benchmarks/robustness.py chaos --algorithms {algorithm}",
             "device": "cuda",
             "name": algorithm,
             "date": "2026-11-27T00:00:00+00:00",
@@ -702,11 +702,11 @@ def test_chaos_merges_reports_of_jobs_run_side_by_side(tmp_path: Path) -> None:
         return path
 
     parts = [report("bytegrad", True), report("low_rank", False)]
-    assert chaos.main(["--merge", *map(str, parts), "--out", str(tmp_path / "out"), "--name", "chaos_cuda"]) == 1
+    assert lab.main(["chaos", "--merge", *map(str, parts), "--out", str(tmp_path / "out"), "--name", "chaos_cuda"]) == 1
     merged = json.loads((tmp_path / "out" / "chaos_cuda.json").read_text())
     assert [row["algorithm"] for row in merged["rows"]] == ["bytegrad", "low_rank"]
     assert [row["exact"] for row in merged["rows"]] == [1, 0]
-    assert "--algorithms bytegrad ; python benchmarks/chaos.py --algorithms low_rank" in merged["command"]
+    assert "--algorithms bytegrad ; python benchmarks/robustness.py chaos --algorithms low_rank" in merged["command"]
     assert [(part["name"], part["algorithms"]) for part in merged["merged_from"]] == [
         ("bytegrad", ["bytegrad"]),
         ("low_rank", ["low_rank"]),

@@ -2,7 +2,7 @@
 ``--max_restarts=1`` and ``ckpt_path="last"`` the job restarts from its last checkpoint and ends where an
 uninterrupted run ends.
 
-The jobs are the death-to-exit benchmark's (``benchmarks/dead_rank_exit.py``):
+The jobs are the death-to-exit benchmark's (``benchmarks/robustness.py dead-rank``):
 ``tests/strategies/scripts/fit_script.py`` on 2 Gloo processes, rank 1 killing itself at step 8 of 12.
 """
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from benchmarks.dead_rank_exit import EXIT_DEADLINE_S, KILLED_RANK, run_job
+from benchmarks.robustness import EXIT_DEADLINE_S, KILLED_RANK, run_job
 
 # How each launcher's output names the dead rank: Lightning's child-process observer (or, when rank 0's collective
 # fails first, the strategy's note), and torch elastic's failure summary for the other two.

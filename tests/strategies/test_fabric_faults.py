@@ -1,6 +1,6 @@
 """Dead workers under Fabric: a rank killed with SIGKILL ends the job within 60 s, with a message naming it.
 
-Under Fabric's own launcher the job is ``benchmarks/dead_rank_exit.py``'s runner with the Fabric job; without a
+Under Fabric's own launcher the job is ``benchmarks/robustness.py``'s dead-rank runner with the Fabric job; without a
 launcher the two ranks are plain processes, so only the strategy's own failure handling can name the dead one.
 """
 
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from benchmarks.dead_rank_exit import EXIT_DEADLINE_S, KILLED_RANK, run_job
+from benchmarks.robustness import EXIT_DEADLINE_S, KILLED_RANK, run_job
 
 from tests.distributed import free_port
 

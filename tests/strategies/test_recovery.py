@@ -2,7 +2,7 @@
 ends the job.
 
 The jobs are ``tests/strategies/scripts/recover_script.py`` on 2 Gloo processes, started by the framework's own launcher
-through the dead-rank benchmark's runner (``benchmarks/dead_rank_exit.py``), which also finds any process left
+through the dead-rank benchmark's runner (``benchmarks/robustness.py dead-rank``), which also finds any process left
 behind.
 """
 
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from benchmarks.dead_rank_exit import EXIT_DEADLINE_S, run_job
+from benchmarks.robustness import EXIT_DEADLINE_S, run_job
 
 from lightning_bagua.engine import available_algorithms
 

@@ -374,7 +374,7 @@ def _bucket_cap(results: str) -> tuple[list[str], list[list[str]], list[str]]:
 def _chaos(results: str) -> tuple[list[str], list[list[str]], list[str]]:
     # The harness's own table of counts per algorithm and layout (files before the lab's schema call them summary).
     data = _load(results)
-    header, rows = _benchmark_module("chaos").summary_table(data.get("rows") or data["summary"], strong="")
+    header, rows = _benchmark_module("robustness").summary_table(data.get("rows") or data["summary"], strong="")
     return header, rows, data["command"].split(" ; ")
 
 

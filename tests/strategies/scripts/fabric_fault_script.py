@@ -1,6 +1,6 @@
 """A Fabric job of 12 optimizer steps on 2 Gloo processes, for the dead-rank tests (``test_fabric_faults.py``).
 
-Takes ``benchmarks/dead_rank_exit.py``'s job options: ``--out``, ``--devices``, and ``--kill-rank``,
+Takes the job options of ``benchmarks/robustness.py dead-rank``: ``--out``, ``--devices``, and ``--kill-rank``,
 ``--kill-at-step`` and ``--kill-marker`` (that rank writes the time to the marker, then SIGKILLs itself before the
 step, or with ``--raise-instead`` raises an uncaught ``ValueError``). Without a launcher (``--no-launcher``), the
 environment gives the rank and world size, as torchrun would.

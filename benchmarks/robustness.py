@@ -1,35 +1,35 @@
-"""Kill a random rank at a random moment of an elastic job, and check that the job still ends where it should.
+"""Kill ranks of distributed jobs and check what follows: the robustness lab, one subcommand per question.
 
-Each run launches ``chaos.py job`` (:func:`job`: a small Trainer fit with a checkpoint every 5 steps and
-``ckpt_path="last"``) under ``torchrun --max-restarts``, watches the ranks' marker files (:class:`Markers`) and
-SIGKILLs one worker at a moment of a kind picked at random (``mid_step``, ``collective``, ``checkpoint_save``,
-``restart``). Then every ``.ckpt`` left must load, and every rank's final weights must match the cached undisturbed
-job's: bit for bit (synchronous algorithms, ``diloco``), within 1e-5 (decentralized ones), or, for ``async``, a
-final loss within the spread of several seeds. The fault-tolerance page documents the kinds and the checks.
+``chaos``: kill a random worker at a random moment (``mid_step``, ``collective``, ``checkpoint_save``, ``restart``)
+of an elastic job, ``robustness.py chaos-job`` (:func:`chaos_job`, a small Trainer fit with a checkpoint every 5 steps
+and ``ckpt_path="last"``) under ``torchrun --max-restarts``, found by its marker files (:class:`Markers`). Then every
+``.ckpt`` left must load, and every rank's final weights must match the cached undisturbed job's: bit for bit
+(synchronous algorithms, ``diloco``), within 1e-5 (decentralized ones), or, for ``async``, a final loss within the
+spread of several seeds. Results: ``benchmarks/results/chaos_<device>.json`` and ``.md`` (``--name``); ``--merge``
+pools the reports of runs made side by side.
 
-Results go to ``benchmarks/results/chaos_<device>.json`` and ``.md`` (``--name`` to change); ``--merge`` pools the
-reports of runs made side by side. For instance
-``.venv/bin/python benchmarks/chaos.py --kills 4 --algorithms gradient_allreduce async --layouts 2``.
+``dead-rank``: time the exit of ``tests/strategies/scripts/fit_script.py`` (2 Gloo processes) under each launcher
+after its rank 1 SIGKILLs itself mid-epoch, until no process of the job is left. Results:
+``benchmarks/results/dead_rank_exit.json``. The fault-tolerance page documents both; for instance
+``.venv/bin/python benchmarks/robustness.py chaos --kills 4 --algorithms gradient_allreduce async --layouts 2``.
 """
 
 import argparse
 import collections
-import contextlib
 import hashlib
 import json
 import os
 import random
 import shlex
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -38,23 +38,21 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lab.harness import free_port
-from lab.jobs import REPO, job_env, kill_all, live_processes, torchrun
+from lab.jobs import REPO, Job, job_env, kill_all, live_processes, torchrun
 from lab.render import markdown_table
 from lab.results import RESULTS, new_report, write_report
 
 SCRIPT = Path(__file__).resolve()
 ALGORITHMS = ("ddp", "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "low_rank",
               "qadam", "async", "diloco")  # fmt: skip
-SYNCHRONOUS = frozenset({"ddp", "gradient_allreduce", "bytegrad", "low_rank", "qadam"})
 # Compared bit for bit: the synchronous ones, and diloco, whose replicas differ but whose schedule is deterministic.
-BIT_EXACT = SYNCHRONOUS | {"diloco"}
+BIT_EXACT = frozenset({"ddp", "gradient_allreduce", "bytegrad", "low_rank", "qadam", "diloco"})
 NEAR_TOLERANCE = 1e-5
 KINDS = ("mid_step", "collective", "checkpoint_save", "restart")
 LAYOUTS = ("2", "4", "2x2")
 # The job: 96 samples of 8 features in batches of 4 per rank, 3 epochs, a checkpoint every 5 steps.
 SAMPLES, FEATURES, BATCH, EPOCHS, CHECKPOINT_EVERY = 96, 8, 4, 3, 5
-# The job's `ModelCheckpoint(save_last=...)` (`--save-last`): "true" saves last.ckpt, "link" links it to the newest
-# checkpoint.
+# The job's `ModelCheckpoint(save_last=...)`: "true" saves last.ckpt, "link" links it to the newest checkpoint.
 SAVE_LAST_CHOICES = ("true", "link")
 MAX_RESTARTS = 3
 STEP_SLEEP_S = 0.01
@@ -63,9 +61,17 @@ STRAGGLE_S = 2.0
 # async's final loss in this short job follows its averaging rounds' timing: undisturbed jobs of one seed end as far
 # apart as jobs of different seeds, so the reference spread needs more than a few of them.
 ASYNC_SEEDS = 6
-# Often enough to catch a 0.3 s save and a step of ~10 ms, rarely enough to leave the CPUs to the job.
-POLL_S = 0.005
 _RENDEZVOUS_FAILED = "The connection to the C10d store has failed"
+
+# dead-rank: the job, its launchers, and when which rank dies.
+FIT_SCRIPT = REPO / "tests" / "strategies" / "scripts" / "fit_script.py"
+LAUNCHERS = ("lightning", "lightning_bagua.launch", "torchrun")
+KILLED_RANK = 1
+# Epochs of 3 steps and 4 epochs; rank 1 dies at step 8, in the middle of the third epoch.
+TRAINING_ARGS = ("--max-steps", "-1", "--max-epochs", "4", "--limit-train-batches", "3")
+KILL_AT_STEP = 8
+# A job still alive this long after the death counts as hung (the issue's bound).
+EXIT_DEADLINE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,8 @@ def steps_per_job(layout: Layout) -> int:
     return SAMPLES // BATCH // layout.world_size * EPOCHS
 
 
-def algorithm_keywords(algorithm: str, layout: Layout) -> dict[str, Any]:
-    """Return ``BaguaStrategy``'s algorithm keywords for the job."""
+def algorithm_keywords(algorithm: str, nodes: int) -> dict[str, Any]:
+    """Return ``BaguaStrategy``'s algorithm keywords for the job on ``nodes`` nodes."""
     keywords: dict[str, Any] = {}
     if algorithm == "async":
         keywords["sync_interval_ms"] = 5
@@ -137,7 +143,7 @@ def algorithm_keywords(algorithm: str, layout: Layout) -> dict[str, Any]:
         # Periods shorter than the checkpoint interval, with an exchange in flight across step boundaries.
         keywords.update(sync_every=4, fragments=2, fragment_sync_delay=1, error_feedback=True)
     # On one node, hierarchical would reduce the node at full precision: flat, the compressed exchanges run.
-    if algorithm in ("low_rank", "low_precision_decentralized", "diloco") and layout.nodes == 1:
+    if algorithm in ("low_rank", "low_precision_decentralized", "diloco") and nodes == 1:
         keywords["hierarchical"] = False
     return keywords
 
@@ -148,18 +154,22 @@ def agent_commands(
     """Return one torchrun command per node of ``layout``, all meeting at one rendezvous on 127.0.0.1."""
     endpoint = f"127.0.0.1:{free_port()}"
     job_id = f"chaos-{uuid.uuid4().hex[:8]}"
-    keywords = json.dumps(algorithm_keywords(algorithm, layout))
-    script = [str(SCRIPT), "job", "--out", str(out), "--algorithm", algorithm, "--device", device, "--seed", str(seed),
-              "--keywords", keywords, "--epochs", str(EPOCHS), "--checkpoint-every", str(CHECKPOINT_EVERY),
-              "--step-sleep-s", str(STEP_SLEEP_S), "--save-last", save_last, *extra]  # fmt: skip
+    script = [str(SCRIPT), "chaos-job", "--out", str(out), "--algorithm", algorithm, "--device", device,
+              "--seed", str(seed), "--save-last", save_last, *extra]  # fmt: skip
     agent = torchrun("--nnodes", str(layout.nodes), "--nproc-per-node", str(layout.per_node), "--rdzv-backend", "c10d",
                      "--rdzv-endpoint", endpoint, "--rdzv-id", job_id, "--local-addr", "127.0.0.1",
                      "--max-restarts", str(MAX_RESTARTS), "--monitor-interval", "0.1")  # fmt: skip
     return [[*agent, *script] for _ in range(layout.nodes)]
 
 
-def worker_pids(agents: list[int]) -> dict[int, int]:
-    """Return ``{rank: pid}`` for the live worker processes whose parent is one of the torchrun ``agents``."""
+def launch(commands: list[list[str]], out: Path) -> Job:
+    """Start a job's torchrun agents, logging to ``out/log.txt``, with the repository's own sources ahead."""
+    return Job(commands, out / "log.txt", job_env([REPO / "src", REPO]))
+
+
+def worker_pids(job: Job) -> dict[int, int]:
+    """Return ``{rank: pid}`` for the live worker processes whose parent is one of the ``job``'s torchrun agents."""
+    agents = {process.pid for process in job.processes}
     return {int(env["RANK"]): pid for pid, parent, env in live_processes() if parent in agents and "RANK" in env}
 
 
@@ -168,9 +178,8 @@ class Markers:
     writes its own (``rank``), the harness reads them all."""
 
     def __init__(self, directory: Path, rank: int | None = None) -> None:
-        self.directory = directory
+        self.directory, self.rank = directory, rank
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.rank = rank
 
     def write(self, phase: str, step: int) -> None:
         """Append this rank's progress, flushed at once so that the harness sees it as it happens."""
@@ -199,61 +208,9 @@ class Markers:
         return own[-1] if own else "nothing yet"
 
 
-class Job:
-    """One launched job: its torchrun agents, each in a session of its own so that a hang is killed whole."""
-
-    def __init__(self, commands: list[list[str]], log: Path) -> None:
-        self.log = log.open("w")
-        # The repository's own sources first: the harness measures the code of this tree.
-        env = job_env([REPO / "src", REPO])
-        self.processes = [
-            subprocess.Popen(
-                command, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            for command in commands
-        ]
-        self.started = time.monotonic()
-
-    @property
-    def agents(self) -> list[int]:
-        """Return the agents' process ids."""
-        return [process.pid for process in self.processes]
-
-    def running(self) -> bool:
-        """Return whether any agent is still running."""
-        return any(process.poll() is None for process in self.processes)
-
-    def wait_for(self, condition: Callable[[], bool], deadline: float) -> bool:
-        """Poll ``condition`` until it holds (True), or the job ends or ``deadline`` passes (False)."""
-        while time.monotonic() < deadline and self.running():
-            if condition():
-                return True
-            time.sleep(POLL_S)
-        return False
-
-    def kill_tree(self) -> None:
-        """SIGKILL every process of the job: the workers (each in a session of its own), then the agents."""
-        # Workers first: once their agent is gone they are re-parented, and no longer found as its children.
-        kill_all(worker_pids(self.agents).values(), group=True)
-        kill_all(self.agents, group=True)
-
-    def finish(self, deadline: float) -> tuple[list[int | None], bool]:
-        """Wait for the agents until ``deadline``; kill a job still running then. Return exit codes and hang."""
-        hang = not self.wait_for(lambda: not self.running(), deadline) and self.running()
-        if hang:
-            self.kill_tree()
-        for process in self.processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=30)
-        # Workers torchrun left behind (it should leave none) would hold ports and CPUs for the next run.
-        self.kill_tree()
-        self.log.close()
-        return [process.returncode for process in self.processes], hang
-
-
 def kill_rank(job: Job, kind: str, rank: int | None, rng: random.Random, markers: Markers, detail: str) -> Kill | None:
     """SIGKILL one live worker (``rank``, or one at random) and return the record of it."""
-    workers = worker_pids(job.agents)
+    workers = worker_pids(job)
     if rank is None or rank not in workers:
         if not workers:
             return None
@@ -269,13 +226,15 @@ def partial_files(directory: Path) -> list[Path]:
     return list(directory.glob(".*.partial")) if directory.exists() else []
 
 
-def aim_and_kill(job: Job, kind: str, layout: Layout, out: Path, rng: random.Random, deadline: float) -> list[Kill]:
-    """Wait for the moment of ``kind`` and kill a worker there; return the kills (none if the moment never came)."""
+def aim_and_kill(
+    job: Job, kind: str, layout: Layout, out: Path, rng: random.Random, deadline: float, straggler: int
+) -> list[Kill]:
+    """Wait for the moment of ``kind`` and kill a worker there (for ``collective``, one that waits for the
+    ``straggler``); return the kills (none if the moment never came)."""
     markers = Markers(out / "markers")
     steps = steps_per_job(layout)
     kills: list[Kill] = []
     if kind == "collective":
-        straggler = int((out / "straggle_rank").read_text())
         if job.wait_for(lambda: markers.reached("straggle"), deadline):
             # The straggler sleeps STRAGGLE_S; the others reach the collective it holds up within a step or two.
             time.sleep(min(0.5, STRAGGLE_S / 4))
@@ -306,10 +265,10 @@ def aim_and_kill(job: Job, kind: str, layout: Layout, out: Path, rng: random.Ran
     if kind != "restart":
         return kills
     # torchrun stops the other workers and starts new ones: wait for a new set, then kill one as it starts up.
-    old = set(worker_pids(job.agents).values()) | {first.pid}
+    old = set(worker_pids(job).values()) | {first.pid}
 
     def restarted() -> bool:
-        current = worker_pids(job.agents)
+        current = worker_pids(job)
         return len(current) == layout.per_node * layout.nodes and not (set(current.values()) & old)
 
     if job.wait_for(restarted, deadline):
@@ -367,12 +326,12 @@ def undisturbed(
     print(f"{algorithm} {layout.name}: undisturbed job, seed {seed}", flush=True)
     with tempfile.TemporaryDirectory(prefix="chaos-reference-") as directory:
         out = Path(directory)
-        job = Job(agent_commands(layout, algorithm, out, device, seed, save_last, []), out / "log.txt")
-        returncodes, hang = job.finish(time.monotonic() + timeout_s)
+        job = launch(agent_commands(layout, algorithm, out, device, seed, save_last, []), out)
+        hang = job.finish(time.monotonic() + timeout_s)
         finals = read_finals(out, layout.world_size)
-        if hang or finals is None or any(returncodes):
-            tail = (out / "log.txt").read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"the undisturbed {algorithm} job on {layout.name} failed ({returncodes}):\n{tail}")
+        if hang or finals is None or any(job.returncodes):
+            failed = f"the undisturbed {algorithm} job on {layout.name} failed ({job.returncodes})"
+            raise RuntimeError(f"{failed}:\n{job.output()[-4000:]}")
     cache.mkdir(parents=True, exist_ok=True)
     torch.save(finals, path)
     return finals
@@ -412,18 +371,19 @@ def disturbed_run(
     out = work / f"{algorithm}-{layout.name}-{index}-{kind}"
     out.mkdir(parents=True)
     # Only the job whose saves are aimed at holds them open: the others need not be slower.
-    extra = ["--save-delay-s", str(SAVE_DELAY_S)] if kind == "checkpoint_save" else []
+    extra = ["--slow-saves"] if kind == "checkpoint_save" else []
+    straggler = -1
     if kind == "collective":
         straggler = rng.randrange(layout.world_size)
-        (out / "straggle_rank").write_text(str(straggler))
         step = rng.randrange(1, steps_per_job(layout) - 2)
-        extra += ["--straggle-rank", str(straggler), "--straggle-step", str(step), "--straggle-s", str(STRAGGLE_S)]
-    job = Job(agent_commands(layout, algorithm, out, device, seed, save_last, extra), out / "log.txt")
+        extra += ["--straggle-rank", str(straggler), "--straggle-step", str(step)]
+    job = launch(agent_commands(layout, algorithm, out, device, seed, save_last, extra), out)
     deadline = job.started + timeout_s
-    run.kills = aim_and_kill(job, kind, layout, out, rng, deadline)
+    run.kills = aim_and_kill(job, kind, layout, out, rng, deadline, straggler)
     # Checkpoints as the kill left them, before a restart writes new ones over them.
     count, torn = load_checkpoints(out / "ckpt")
-    run.returncodes, run.hang = job.finish(deadline)
+    run.hang = job.finish(deadline)
+    run.returncodes = job.returncodes
     run.seconds = round(time.monotonic() - job.started, 1)
     later_count, later_torn = load_checkpoints(out / "ckpt")
     run.checkpoints = max(count, later_count)
@@ -442,7 +402,7 @@ def disturbed_run(
         # Where each rank got to, with its launch's restart count: agents that disagree on it show here.
         markers = Markers(out / "markers")
         run.last_markers = {rank: markers.last(rank) for rank in range(layout.world_size)}
-        run.log_tail = (out / "log.txt").read_text(errors="replace")[-3000:]
+        run.log_tail = job.output()[-3000:]
     return run
 
 
@@ -540,7 +500,7 @@ def merge_reports(paths: list[Path], out: Path, name: str) -> int:
             {"name": r["name"], "date": r["date"], "algorithms": sorted({run["algorithm"] for run in r["runs"]})}
             for r in reports
         ],
-        "rows": summarize([run_from_record(run) for run in runs]),
+        "rows": summarize([Run(**{**run, "kills": [Kill(**kill) for kill in run["kills"]]}) for run in runs]),
         "runs": runs,
     }
     write_report(out, name, merged, markdown(merged))
@@ -548,30 +508,9 @@ def merge_reports(paths: list[Path], out: Path, name: str) -> int:
     return int(any(r["hang"] or r["torn"] or not r["exact"] for r in runs))
 
 
-def run_from_record(record: dict[str, Any]) -> Run:
-    """Return the :class:`Run` that a report's JSON record holds."""
-    return Run(**{**record, "kills": [Kill(**kill) for kill in record["kills"]]})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the campaign and write its results; return 1 when some run hung, tore a checkpoint or ended off."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kills", type=int, default=4, help="disturbed runs per algorithm and layout")
-    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    parser.add_argument("--seed", type=int, default=0)
-    save_last = "the job's ModelCheckpoint(save_last=...): a checkpoint saved as last.ckpt, or a link to the newest"
-    parser.add_argument("--save-last", choices=SAVE_LAST_CHOICES, default="true", help=save_last)
-    parser.add_argument("--timeout-s", type=float, default=240.0, help="a run still going after this is a hang")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--name", default=None, help="results file stem (default chaos_<device>)")
-    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lightning_bagua_chaos_cache")
-    merge = "write one report (--name, --out) from these reports' runs instead of running jobs (jobs run side by side)"
-    parser.add_argument("--merge", nargs="+", type=Path, default=None, help=merge)
-    args = parser.parse_args(argv)
-    command = "python benchmarks/chaos.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+def chaos(args: argparse.Namespace, command: str) -> int:
+    """Run the campaign (or ``--merge`` reports), record ``command`` with the results; return 1 when some run hung,
+    tore a checkpoint or ended off its undisturbed job."""
     if args.merge:
         return merge_reports(args.merge, args.out, args.name or f"chaos_{args.device}")
     layouts = [Layout.parse(name) for name in args.layouts]
@@ -620,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     return int(any(r.hang or r.torn or not r.exact for r in runs))
 
 
-# ------------------------------------------------------------------------------------------------ the job
+# ------------------------------------------------------------------------------------------------ the chaos job
 
 
 class SlowToPickle:
@@ -648,22 +587,9 @@ def fingerprint(*tensors: torch.Tensor) -> str:
     return digest.hexdigest()[:12]
 
 
-def job(argv: list[str]) -> None:
-    """The job the harness kills (``chaos.py job ...`` under torchrun): fit once, resuming from ``last.ckpt`` when
-    there is one, and write this rank's final state."""
-    parser = argparse.ArgumentParser(prog="chaos.py job")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--algorithm", required=True)
-    parser.add_argument("--keywords", default="{}", help="JSON keywords for BaguaStrategy's algorithm")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--save-last", choices=SAVE_LAST_CHOICES, default="true", help="ModelCheckpoint's save_last")
-    for option, default in (("--seed", 0), ("--epochs", EPOCHS), ("--checkpoint-every", CHECKPOINT_EVERY),
-                            ("--straggle-rank", -1), ("--straggle-step", -1)):  # fmt: skip
-        parser.add_argument(option, type=int, default=default)
-    for option, default in (("--step-sleep-s", STEP_SLEEP_S), ("--save-delay-s", 0.0), ("--straggle-s", STRAGGLE_S)):
-        parser.add_argument(option, type=float, default=default)
-    args = parser.parse_args(argv)
-
+def chaos_job(args: argparse.Namespace) -> int:
+    """Fit once as a rank of the job ``chaos`` kills, resuming from ``last.ckpt`` where there is one; write this
+    rank's final state and return 0 (a fit that fails raises)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -703,7 +629,7 @@ def job(argv: list[str]) -> None:
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             inputs, targets = batch
             # Room for a kill to land inside the step rather than in Lightning's bookkeeping between steps.
-            time.sleep(args.step_sleep_s)
+            time.sleep(STEP_SLEEP_S)
             scale = 1 + 0.1 * random.random()
             return scale * nn.functional.mse_loss(self.net(inputs), targets)
 
@@ -712,12 +638,12 @@ def job(argv: list[str]) -> None:
             if chosen and not straggled.exists():
                 straggled.write_text(str(self.global_step))
                 markers.write("straggle", self.global_step)
-                time.sleep(args.straggle_s)
+                time.sleep(STRAGGLE_S)
             markers.write("backward", self.global_step)
 
         def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-            if args.save_delay_s > 0:
-                checkpoint["chaos_save_delay"] = SlowToPickle(args.save_delay_s, markers, self.global_step)
+            if args.slow_saves:
+                checkpoint["chaos_save_delay"] = SlowToPickle(SAVE_DELAY_S, markers, self.global_step)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if args.algorithm == "qadam":
@@ -730,14 +656,14 @@ def job(argv: list[str]) -> None:
     dataset = TensorDataset(inputs, targets)
 
     pl.seed_everything(args.seed, verbose=False)
-    keywords = json.loads(args.keywords)
-    strategy: Any = "ddp" if args.algorithm == "ddp" else BaguaStrategy(algorithm=args.algorithm, **keywords)
-    save_last: bool | str = True if args.save_last == "true" else "link"
     nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
-    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.checkpoint_every, save_last=save_last)
+    keywords = algorithm_keywords(args.algorithm, nodes)
+    strategy: Any = "ddp" if args.algorithm == "ddp" else BaguaStrategy(algorithm=args.algorithm, **keywords)
+    save_last: bool | Literal["link"] = True if args.save_last == "true" else "link"
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=CHECKPOINT_EVERY, save_last=save_last)
     trainer = pl.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        num_nodes=nodes, strategy=strategy, max_epochs=args.epochs, logger=False, enable_progress_bar=False,
+        num_nodes=nodes, strategy=strategy, max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=True, callbacks=[checkpoint],
     )  # fmt: skip
     model = Regression()
@@ -759,10 +685,130 @@ def job(argv: list[str]) -> None:
     }
     torch.save(result, final / f"rank{rank}.pt")
     markers.write("done", trainer.global_step)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ dead rank
+
+
+@dataclass
+class JobResult:
+    """One job's outcome: its exit status, output, and the seconds from the rank's death to the last exit."""
+
+    returncode: int | None
+    output: str
+    death_to_exit_s: float | None
+    leftover_pids: list[int]
+
+
+def launcher_command(launcher: str, port: int, max_restarts: int = 0) -> list[str]:
+    """Return the command that starts the 2-process job under ``launcher``, up to the script."""
+    if launcher == "lightning_bagua.launch":
+        return [sys.executable, "-m", "lightning_bagua.launch", "--nproc_per_node", "2", "--master_port", str(port),
+                "--max_restarts", str(max_restarts)]  # fmt: skip
+    if launcher == "torchrun":
+        return torchrun("--nproc-per-node", "2", "--master-port", str(port), "--max-restarts", str(max_restarts))
+    if launcher != "lightning" or max_restarts:
+        raise ValueError(f"Cannot launch with {launcher!r}, {max_restarts} restarts (Lightning's launcher has none).")
+    return [sys.executable]
+
+
+def run_job(
+    launcher: str,
+    workdir: Path,
+    kill: bool = True,
+    max_restarts: int = 0,
+    extra_args: tuple[str, ...] = (),
+    timeout_s: float = 240.0,
+    script: Path = FIT_SCRIPT,
+    training_args: tuple[str, ...] = TRAINING_ARGS,
+) -> JobResult:
+    """Run the job under ``launcher`` in ``workdir``; rank 1 kills itself once at step 8 when ``kill``.
+
+    The marker file rank 1 writes before dying keeps a restarted rank 1 alive, so ``max_restarts=1`` finishes.
+    ``script`` may be another job taking the same ``--out``, ``--devices`` and ``--kill-*`` options (the Fabric
+    job of the tests), with its own ``training_args``.
+    """
+    port = free_port()
+    marker = workdir / "death.json"
+    command = [*launcher_command(launcher, port, max_restarts), str(script), "--out", str(workdir / "out"),
+               "--devices", "2", *training_args, *extra_args]  # fmt: skip
+    if kill:
+        command += ["--kill-rank", str(KILLED_RANK), "--kill-at-step", str(KILL_AT_STEP), "--kill-marker", str(marker)]
+    job = Job([command], workdir / "output.log", job_env(MASTER_PORT=str(port)))
+    # What the launcher started gets a moment to exit after it; what is still there then was left behind.
+    job.finish(time.monotonic() + timeout_s, grace_s=5)
+    death = json.loads(marker.read_text())["time"] if marker.exists() else None
+    return JobResult(
+        returncode=job.returncodes[0],
+        output=job.output(),
+        death_to_exit_s=None if death is None or max_restarts else job.exited - death,
+        leftover_pids=job.leftovers,
+    )
+
+
+def dead_rank(args: argparse.Namespace, command: str) -> int:
+    """Run every launcher ``--repeats`` times, write the death-to-exit figures with ``command``; return 0 (a job
+    that does not fail as expected raises)."""
+    rows = []
+    for launcher in LAUNCHERS:
+        seconds = []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as directory:
+                result = run_job(launcher, Path(directory), timeout_s=EXIT_DEADLINE_S + 120)
+            if result.death_to_exit_s is None or result.returncode == 0 or result.leftover_pids:
+                raise RuntimeError(f"{launcher}: the job did not fail as expected:\n{result.output[-4000:]}")
+            seconds.append(round(result.death_to_exit_s, 3))
+            print(f"{launcher}: {seconds[-1]:.2f} s from rank {KILLED_RANK}'s death to the job's exit", flush=True)
+        median = round(statistics.median(seconds), 3)
+        rows.append({"launcher": launcher, "death_to_exit_s": seconds, "median_s": median, "max_s": max(seconds)})
+    job = f"tests/strategies/scripts/fit_script.py {' '.join(TRAINING_ARGS)}, gradient_allreduce, gloo, CPU"
+    settings = {"job": job, "killed_rank": KILLED_RANK, "kill_at_step": KILL_AT_STEP, "repeats": args.repeats}
+    benchmark = "seconds from one rank's SIGKILL (mid-epoch) to the exit of the whole 2-process job"
+    report = new_report(benchmark, settings, rows, command=command)
+    print(f"wrote {write_report(args.out, 'dead_rank_exit', report)}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ the command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand that ``argv`` (by default this process's arguments) names; return its exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="subcommand", required=True)
+    # What the campaign and its job (the job that `chaos` launches under torchrun, one process per rank) share.
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--seed", type=int, default=0)
+    save_last = "the job's ModelCheckpoint(save_last=...): a checkpoint saved as last.ckpt, or a link to the newest"
+    shared.add_argument("--save-last", choices=SAVE_LAST_CHOICES, default="true", help=save_last)
+    shared.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    campaign = commands.add_parser("chaos", parents=[shared], help="kill ranks at random moments; count exact ends")
+    campaign.add_argument("--kills", type=int, default=4, help="disturbed runs per algorithm and layout")
+    campaign.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    campaign.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    campaign.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    campaign.add_argument("--timeout-s", type=float, default=240.0, help="a run still going after this is a hang")
+    campaign.add_argument("--name", default=None, help="results file stem (default chaos_<device>)")
+    campaign.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lightning_bagua_chaos_cache")
+    merge = "write one report (--name, --out) from these reports' runs instead of running jobs (jobs run side by side)"
+    campaign.add_argument("--merge", nargs="+", type=Path, default=None, help=merge)
+    exits = commands.add_parser("dead-rank", help="time a job's exit after a rank's SIGKILL, per launcher")
+    exits.add_argument("--repeats", type=int, default=3)
+    job = commands.add_parser("chaos-job", parents=[shared], help="(internal) the job chaos kills, under torchrun")
+    job.add_argument("--algorithm", required=True)
+    job.add_argument("--straggle-rank", type=int, default=-1)
+    job.add_argument("--straggle-step", type=int, default=-1)
+    job.add_argument("--slow-saves", action="store_true", help=f"hold each checkpoint save open {SAVE_DELAY_S} s")
+    for subcommand, out in ((campaign, RESULTS), (exits, RESULTS), (job, None)):
+        subcommand.add_argument("--out", type=Path, default=out, required=out is None)
+    args = parser.parse_args(argv)
+    if args.subcommand == "chaos-job":
+        return chaos_job(args)
+    run = chaos if args.subcommand == "chaos" else dead_rank
+    return run(args, shlex.join(["python", "benchmarks/robustness.py", *argv]))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["job"]:
-        job(sys.argv[2:])
-    else:
-        sys.exit(main())
+    sys.exit(main())
