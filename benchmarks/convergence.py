@@ -6,20 +6,18 @@ method trains the same model from the same weights on the same data with the sam
 name it also runs DDP with torch's hooks (``ddp_fp16``, ``ddp_powersgd_r<k>``, registered on CPU by
 :class:`CPUCommHookDDPStrategy`), ``low_rank_r<k>``, ``auto``, ``diloco_h<H>`` and ``torchft_diloco_h<H>``. On one
 node ``hierarchical`` would only average inside the node, so the algorithms run flat. ``--eval-every k`` keeps
-every run's learning curve.
+every run's learning curve. ``--timed`` gives the time to DDP's loss: the steps to it, from the learning curves (the
+target is the DDP baseline's held-out loss at ``--target-at`` of its run, two thirds by default; DDP with Adam for
+``qadam``), x the step time of ``network_lab.py`` on the same networks at the same global batch on layouts 2x1 and
+2x2 (``:flat`` and ``:hierarchical`` in 2x2). A run's first steps count as timed, the rest at the median step. The
+overhead of a method is its step less the no-communication step (``single``), for ``low_rank_r<k>`` also against
+``ddp_powersgd_r<k>``'s. Run the lab as root, on a quiet machine::
 
-``--timed`` gives the time to DDP's loss: steps to target x step time, each measured by its own lab. The learning
-curves give the steps (the target is the DDP baseline's held-out loss at ``--target-at`` of its run, two thirds by
-default; DDP with Adam for ``qadam``), and ``network_lab.py`` times the same networks at the same global batch on
-layouts 2x1 and 2x2 (``:flat`` and ``:hierarchical`` in 2x2). A run's first steps count as timed, the rest at the
-median step. The overhead of a method is its step less the no-communication step (``single``), for
-``low_rank_r<k>`` also against ``ddp_powersgd_r<k>``'s. Run the lab as root, on a quiet machine::
-
-    python benchmarks/convergence.py                 # both tasks, every method, 3 seeds (about 20 min on 2 cores)
-    python benchmarks/convergence.py --quick         # fewer steps, one seed: a look in a few minutes
-    python benchmarks/convergence.py --timed         # every task, method, rate and layout (40-45 min, 2 quiet cores)
-    python benchmarks/convergence.py --timed --quick    # short runs, one seed, 100mbit only, 3 rounds (about 10 min)
-    python benchmarks/convergence.py --timed --no-lab   # the learning curves only (no root needed)
+    python benchmarks/convergence.py                  # both tasks, every method, 3 seeds (about 20 min, 2 cores)
+    python benchmarks/convergence.py --quick          # fewer steps, one seed: a look in a few minutes
+    python benchmarks/convergence.py --timed          # every task, method, rate and layout (40-45 min, 2 cores)
+    python benchmarks/convergence.py --timed --quick  # short runs, one seed, 100mbit only, 3 rounds (about 10 min)
+    python benchmarks/convergence.py --timed --no-lab # the learning curves only (no root needed)
     python benchmarks/convergence.py --render benchmarks/results/time_to_accuracy_cpu.json   # rescore, tables
 
 It writes ``benchmarks/results/convergence_cpu.{json,md,png}``; with ``--timed``, ``time_to_accuracy_cpu.*``.
@@ -96,12 +94,12 @@ LAB_COLLECTIVE_TIMEOUT_S = 120
 # The target is DDP's held-out loss two thirds into its run, as in the GPU lab (its step 200 of 300): late enough
 # that every method has left the steep start, early enough that DDP is still improving.
 TARGET_AT = 2 / 3
-# One seed keeps the full timed run near 40 minutes on two cores; --seeds 2 adds about a quarter of an hour.
-FULL: dict[str, Any] = {"seeds": 1, "rounds": 5, "lab_steps": 3, "lab_warmup": 3, "rates": RATES}
-QUICK: dict[str, Any] = {"seeds": 1, "rounds": 3, "lab_steps": 2, "lab_warmup": 3, "rates": ("100mbit",)}
+# What --timed leaves open, full and quick.
+FULL: dict[str, Any] = {"rounds": 5, "lab_steps": 3, "lab_warmup": 3, "rates": RATES}
+QUICK: dict[str, Any] = {"rounds": 3, "lab_steps": 2, "lab_warmup": 3, "rates": ("100mbit",)}
 
 
-# ------------------------------------------------------------------------------------------------ the methods
+# ------------------------------------------------------------------------------------------------ one job
 
 
 def bagua_algorithm(method: str, steps: int) -> tuple[str, dict[str, Any]]:
@@ -112,9 +110,6 @@ def bagua_algorithm(method: str, steps: int) -> tuple[str, dict[str, Any]]:
     if name in FLAT or ("rank" in keywords and "hierarchical" in algorithm_class(name).keywords()):
         keywords["hierarchical"] = False
     return name, keywords
-
-
-# ------------------------------------------------------------------------------------------------ the tasks
 
 
 def make_optimizer(method: str, parameters: Any, settings: dict[str, Any], steps: int) -> torch.optim.Optimizer:
@@ -166,9 +161,6 @@ def build_task(task: str, method: str, settings: dict[str, Any], steps: int) -> 
 
     train_set, held_out = task_data(task)
     return Scored(task_model(task)), train_set, held_out
-
-
-# ------------------------------------------------------------------------------------------------ one job
 
 
 class CPUCommHookDDPStrategy(DDPStrategy):
@@ -352,8 +344,7 @@ def run_job(task: str, method: str, seed: int, steps: int, timeout: int, eval_ev
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per task and method: accuracy and loss over the seeds, and the accuracy difference to the baseline's mean."""
     summary = []
-    tasks = list(dict.fromkeys(r["task"] for r in runs))
-    for task in tasks:
+    for task in dict.fromkeys(r["task"] for r in runs):
         methods = list(dict.fromkeys(r["method"] for r in runs if r["task"] == task))
         stats: dict[str, dict[str, Any]] = {}
         for method in methods:
@@ -476,15 +467,9 @@ def mean_curve(runs: list[dict[str, Any]]) -> list[dict[str, float]]:
     for run in runs:
         for point in run["curve"]:
             by_step.setdefault(int(point["step"]), []).append(point)
-    return [
-        {
-            "step": step,
-            "acc_pct": 100 * statistics.fmean(p["acc"] for p in points),
-            "loss": statistics.fmean(p["loss"] for p in points),
-            "seeds": len(points),
-        }
-        for step, points in sorted(by_step.items())
-    ]
+    return [{"step": step, "acc_pct": 100 * statistics.fmean(p["acc"] for p in points),
+             "loss": statistics.fmean(p["loss"] for p in points), "seeds": len(points)}
+            for step, points in sorted(by_step.items())]  # fmt: skip
 
 
 def first_reaching(curve: list[dict[str, float]], target_loss: float) -> float | None:
@@ -621,14 +606,12 @@ def combine(
             of_layout = [r for r in combined if r["task"] == task and r["layout"] == layout]
             for row in of_layout:
                 _, rank = split_rank(row["curve_method"])
-                reference = next(
-                    (r for r in of_layout if r["rate"] == row["rate"] and r["method"] == f"ddp_powersgd_r{rank}"), None
-                )
+                name = f"ddp_powersgd_r{rank}"
+                reference = next((r for r in of_layout if r["rate"] == row["rate"] and r["method"] == name), None)
                 if rank is not None and reference is not None and "overhead_s" in row and "overhead_s" in reference:
                     row["powersgd_reference"] = reference["method"]
-                    row["overhead_vs_powersgd"] = (
-                        row["overhead_s"] / reference["overhead_s"] if reference["overhead_s"] > 0 else None
-                    )
+                    base = reference["overhead_s"]
+                    row["overhead_vs_powersgd"] = row["overhead_s"] / base if base > 0 else None
     return combined
 
 
@@ -705,10 +688,8 @@ def timed_markdown(report: dict[str, Any]) -> str:
         rule = "its first steps as the lab timed them (auto's measuring steps too) plus the rest x median step time"
         first_steps = " Every method's first steps (warm-up, auto's trials) count at the time they took."
     else:  # a run older than the lab's record of first steps
-        rule, first_steps = (
-            "steps to target x median step time",
-            " Warm-up steps are counted at the compressed step's time.",
-        )
+        rule = "steps to target x median step time"
+        first_steps = " Warm-up steps are counted at the compressed step's time."
     lines = [
         f"Time to target = {rule}. Target: the baseline's held-out loss (DDP with SGD; DDP with Adam for qadam),"
         f" mean over {settings['seeds']} seed(s), at the evaluation nearest {settings['target_at']:.2f} of its run."
@@ -860,10 +841,9 @@ def timed_figure(report: dict[str, Any], plt: Any) -> Any:
     figure, axes = plt.subplots(1 + len(layouts), len(tasks), figsize=(6 * len(tasks), 4 * (1 + len(layouts))),
                                 squeeze=False)  # fmt: skip
     colour_map = plt.get_cmap("tab20")
-    methods = settings["methods"]
     for column, task in enumerate(tasks):
         axis = axes[0][column]
-        for index, method in enumerate(methods):
+        for index, method in enumerate(settings["methods"]):
             entry = report["curves"].get(f"{task}/{method}")
             if entry is None:
                 continue
@@ -933,11 +913,9 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append(run)
                 log.info("%s %-28s seed %d: accuracy %.2f %% loss %.4f (%.0f s)", task, method, seed,
                          100 * run["test_acc"], run["test_loss"], run["wall_s"])  # fmt: skip
-    shared = {
-        "per_task": {task: SETTINGS[task] for task in args.tasks},
-        "compression_warmup_steps": {task: compression_warmup(s) for task, s in steps.items()},
-        "qadam_warmup_steps": {task: max(1, s // 5) for task, s in steps.items()},
-    }
+    shared = {"per_task": {task: SETTINGS[task] for task in args.tasks},
+              "compression_warmup_steps": {task: compression_warmup(s) for task, s in steps.items()},
+              "qadam_warmup_steps": {task: max(1, s // 5) for task, s in steps.items()}}  # fmt: skip
     if args.timed:
         curves = steps_to_target(runs, args.target_at)
         lab_rows, lab_failures, lab_commands = run_lab(args, steps) if args.lab else ([], [], [])
@@ -951,11 +929,11 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         results = {"curves": curves, "combined": combine(curves, lab_rows, lab_failures, failures, settings),
                    "lab": lab_rows, "runs": runs, "curve_failures": failures, "lab_failures": lab_failures}  # fmt: skip
     else:
-        charlm_text = standard_library_text()[1] if "charlm" in args.tasks else None
         settings = {"tasks": args.tasks, "methods": args.methods, "seeds": list(range(args.seeds)),
                     "quick": args.quick, "steps": steps, "eval_every": args.eval_every or 0, **shared, "processes": 2,
                     "backend": "gloo", "torch_threads_per_process": 1,
-                    "charlm": {"context_bytes": CONTEXT, "text": charlm_text},
+                    "charlm": {"context_bytes": CONTEXT,
+                               "text": standard_library_text()[1] if "charlm" in args.tasks else None},
                     "flat_algorithms": sorted(FLAT & set(args.methods))}  # fmt: skip
         stem = "convergence_cpu"
         benchmark = "convergence of every algorithm against Lightning DDP, two Gloo processes on CPU"
@@ -969,25 +947,12 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "total_wall_s": time.perf_counter() - started,
         **results,
     }
-    print(markdown(report) if args.no_save else publish(report, Path(args.out), stem))
-    return report
-
-
-def publish(report: dict[str, Any], out: Path, stem: str) -> str:
-    """Write ``report`` and its tables and chart to ``out/<stem>.*``.
-
-    Args:
-        report: a convergence or a ``--timed`` report.
-        out: the results folder.
-        stem: the file names' stem.
-
-    Returns:
-        The tables, as written.
-    """
     text = markdown(report)
-    write_report(out, stem, report, text)
-    chart(report, out / f"{stem}.png")
-    return text
+    if not args.no_save:
+        write_report(Path(args.out), stem, report, text)
+        chart(report, Path(args.out) / f"{stem}.png")
+    print(text)
+    return report
 
 
 def render(path: Path) -> None:
@@ -1004,7 +969,8 @@ def render(path: Path) -> None:
         report["curves"] = steps_to_target(report["runs"], report["settings"]["target_at"])
         failures = report["lab_failures"], report["curve_failures"]
         report["combined"] = combine(report["curves"], report["lab"], *failures, report["settings"])
-    publish(report, path.parent, path.stem)
+    write_report(path.parent, path.stem, report, markdown(report))
+    chart(report, path.with_suffix(".png"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1018,26 +984,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timed", action="store_true", help="steps to DDP's loss x the lab's step time, per link")
-    parser.add_argument("--render", default=None, help="rescore this results file and write its tables; run nothing")
-    parser.add_argument(
-        "--tasks", nargs="+", default=None, choices=ALL_TASKS, help="default: digits charlm; timed: all"
-    )
-    parser.add_argument("--methods", nargs="+", default=None, help="diloco_h<H>, torchft_diloco_h<H> at any H too")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds 0 .. n-1 (default: 3; quick or timed: 1)")
+    parser.add_argument("--render", help="rescore this results file and write its tables; run nothing")
+    parser.add_argument("--tasks", nargs="+", choices=ALL_TASKS, help="default: digits charlm; timed: all")
+    parser.add_argument("--methods", nargs="+", help="diloco_h<H>, torchft_diloco_h<H> at any H too")
+    parser.add_argument("--seeds", type=int, help="seeds 0 .. n-1 (default: 3; quick or timed: 1)")
     parser.add_argument("--quick", action="store_true", help="short runs, one seed; timed: 100mbit, 3 rounds")
-    parser.add_argument("--steps", type=int, default=None, help="training steps of every task (default: per task)")
-    parser.add_argument("--eval-every", type=int, default=None, help="score the held-out set every k steps: curves")
+    parser.add_argument("--steps", type=int, help="training steps of every task (default: per task)")
+    parser.add_argument("--eval-every", type=int, help="score the held-out set every k steps: curves")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one training run may take")
     parser.add_argument("--out", default=str(RESULTS), help="results folder (default: benchmarks/results)")
     parser.add_argument("--no-save", action="store_true", help="print the tables, write nothing")
     timed = parser.add_argument_group("--timed")
     timed.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="hosts x ranks per host")
-    timed.add_argument("--rates", nargs="+", default=None, help=f"tc rates or unshaped (default: {' '.join(RATES)})")
-    timed.add_argument("--rounds", type=int, default=None, help=f"interleaved lab rounds (default: {FULL['rounds']})")
+    timed.add_argument("--rates", nargs="+", help=f"tc rates or unshaped (default: {' '.join(RATES)})")
+    timed.add_argument("--rounds", type=int, help=f"interleaved lab rounds (default: {FULL['rounds']})")
     target_help = f"target: DDP's held-out loss at this share of the run (default {TARGET_AT:.2f})"
     timed.add_argument("--target-at", type=float, default=TARGET_AT, help=target_help)
-    timed.add_argument("--lab-steps", type=int, default=None, help="timed lab steps per method and round")
-    timed.add_argument("--lab-warmup", type=int, default=None, help="untimed lab steps before them (more than 2)")
+    timed.add_argument("--lab-steps", type=int, help="timed lab steps per method and round")
+    timed.add_argument("--lab-warmup", type=int, help="untimed lab steps before them (more than 2)")
     timed.add_argument("--no-lab", dest="lab", action="store_false", help="learning curves only (no root needed)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--task", default="digits", help=argparse.SUPPRESS)
@@ -1054,8 +1018,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in (QUICK if args.quick else FULL).items():  # what the command line leaves open
         if getattr(args, key) is None:
             setattr(args, key, list(value) if key == "rates" else value)
-    if not args.timed and "--seeds" not in arguments:
-        args.seeds = 1 if args.quick else 3
+    if args.seeds is None:  # one seed keeps a full timed run near 40 minutes on two cores; a second adds 15
+        args.seeds = 1 if args.quick or args.timed else 3
     args.tasks = args.tasks or list(ALL_TASKS if args.timed else TASKS)
     args.methods = args.methods or (available_methods() if args.timed else list(METHODS))
     unknown = [m for m in args.methods if not is_accepted(m)]
