@@ -384,7 +384,7 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The tables of a report, with the command that wrote it: the summary, or a ``--timed`` report's times."""
+    """Return the tables of a report with the command that wrote it: the summary, or a ``--timed`` run's times."""
     if "curves" in report:
         return timed_markdown(report)
     lines = [
