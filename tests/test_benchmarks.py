@@ -137,7 +137,9 @@ def test_time_to_accuracy_tiny_curves_with_cpu_hooks(tmp_path: Path) -> None:
     # DDP and DDP + torch's PowerSGD hook on digits, six steps scored every three: two Lightning jobs, no lab.
     out = tmp_path / "results"
     command = ["--tasks", "digits", "--methods", "ddp", "ddp_powersgd_r1", "--steps", "6", "--eval-every", "3"]
-    completed = run(str(BENCHMARKS / "time_to_accuracy.py"), *command, "--seeds", "1", "--no-lab", "--out", str(out))
+    completed = run(
+        str(BENCHMARKS / "convergence.py"), "--timed", *command, "--seeds", "1", "--no-lab", "--out", str(out)
+    )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((out / "time_to_accuracy_cpu.json").read_text())
     assert {"command", "settings", "machine", "date", "curves", "combined", "runs"} <= set(report)
@@ -157,7 +159,7 @@ def test_time_to_accuracy_tiny_curves_with_cpu_hooks(tmp_path: Path) -> None:
     rows = {r["method"]: r for r in report["combined"]}
     assert set(rows) == {"ddp", "ddp_powersgd_r1"}
     assert rows["ddp_powersgd_r1"]["status"] in {"reached", "not reached"}
-    assert "python benchmarks/time_to_accuracy.py" in (out / "time_to_accuracy_cpu.md").read_text()
+    assert "python benchmarks/convergence.py --timed" in (out / "time_to_accuracy_cpu.md").read_text()
 
 
 def benchmark_module(name: str) -> Any:
@@ -231,7 +233,7 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
 
 
 def test_time_to_accuracy_counts_every_methods_first_steps_alike() -> None:
-    time_to_target = benchmark_module("time_to_accuracy").time_to_target
+    time_to_target = benchmark_module("convergence").time_to_target
     lab = {"median_step_s": 0.01, "start_steps_s": [[0.05, 0.02, 0.01], [0.07, 0.03, 0.01]]}
     # Per round: the first steps as timed, then the median step; the median over the rounds.
     assert math.isclose(time_to_target(lab, 10), statistics.median([0.08 + 7 * 0.01, 0.11 + 7 * 0.01]))
@@ -242,14 +244,12 @@ def test_time_to_accuracy_counts_every_methods_first_steps_alike() -> None:
     # auto's first steps are its trials and its pick's warm-up: the same rule.
     auto = {"median_step_s": 0.01, "start_steps_s": [[0.2] * 12], "auto_trial_s": [2.0], "auto_trial_steps": [10]}
     assert math.isclose(time_to_target(auto, 100), 12 * 0.2 + 88 * 0.01)
-    # A file of an older run: auto's trials at their time, every other method's steps at the median.
-    older = {"median_step_s": 0.01, "auto_trial_s": [0.3, 0.5], "auto_trial_steps": [10, 10]}
-    assert math.isclose(time_to_target(older, 100), 0.4 + 90 * 0.01)
+    # A file of a run older than the lab's record of first steps: every step at the median.
     assert math.isclose(time_to_target({"median_step_s": 0.01}, 100), 1.0)
 
 
 def test_time_to_accuracy_targets_ddps_loss_two_thirds_in_and_interpolates() -> None:
-    tta = benchmark_module("time_to_accuracy")
+    tta = benchmark_module("convergence")
     curve = [{"step": 10, "loss": 1.0}, {"step": 20, "loss": 0.6}, {"step": 30, "loss": 0.5}]
     assert tta.target_loss(curve, 2 / 3) == 0.6  # step 20 is nearest 2/3 of 30
     assert tta.first_reaching(curve, 0.6) == 20.0
@@ -516,7 +516,7 @@ def test_gpu_network_lab_learning_rate_warms_up_linearly_then_decays_to_its_floo
 
 def test_time_to_accuracy_bars_count_auto_against_its_run_and_diloco_against_its_floor() -> None:
     benchmark_module("gpu_network_lab")  # puts benchmarks/ on the path
-    tta = benchmark_module("time_to_accuracy")
+    tta = benchmark_module("convergence")
     where = {"task": "charlm", "layout": "2x1", "rate": "100mbit"}
 
     def row(method: str, step_s: float, steps: int, **extra: Any) -> dict[str, Any]:

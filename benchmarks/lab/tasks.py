@@ -1,7 +1,7 @@
 """The convergence tasks and methods: their settings, data sets, method lists and baselines.
 
-``benchmarks/convergence.py`` trains them, ``benchmarks/time_to_accuracy.py`` combines its learning curves with the
-CPU network lab's step times, ``benchmarks/diloco_quantization.py`` simulates diloco on their data. The networks
+``benchmarks/convergence.py`` trains them and, with ``--timed``, combines their learning curves with the CPU
+network lab's step times; ``benchmarks/diloco_quantization.py`` simulates diloco on their data. The networks
 are in :mod:`lab.models`.
 
 - :data:`SETTINGS`: per task, the optimizers' settings, the batch per process and the training steps.

@@ -26,8 +26,8 @@ Directives:
 
 The charts ``_generated/codec_break_even.png``, ``_generated/convergence_cpu.png``, ``_generated/targets.png`` and
 ``_generated/time_to_accuracy_cpu.png`` are drawn from the same results when the build starts (the last three by
-``benchmarks/convergence.py``'s, ``benchmarks/suite.py``'s and ``benchmarks/time_to_accuracy.py``'s own chart
-functions).
+the scripts' own chart functions: ``targets.png`` by ``benchmarks/suite.py``'s, the others by
+``benchmarks/convergence.py``'s).
 """
 
 import json
@@ -500,7 +500,7 @@ BENCHMARKS: dict[str, Callable[..., tuple[list[str], list[list[str]], list[str]]
     "bucket_cap": _bucket_cap,
 }
 # Kinds whose results the project has not measured yet: a missing file shows the command that writes it.
-NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/time_to_accuracy.py")}
+NOT_YET_MEASURED = {"time_to_accuracy": ("time_to_accuracy_cpu", "sudo python benchmarks/convergence.py --timed")}
 # Kinds whose results files are named after another kind's.
 RESULT_STEMS = {"gpu_time_to_target": "gpu_network_lab"}
 # Kinds whose function reads the results file named by the ``:results:`` option (a stem in benchmarks/results/).
@@ -582,7 +582,7 @@ def draw_codec_chart(app: Sphinx) -> None:
 
 def draw_benchmark_charts(app: Sphinx) -> None:
     """Draw the convergence, targets, time-to-accuracy and GPU lab charts from their JSON with the scripts' charts."""
-    charts = (("convergence", "convergence_cpu"), ("suite", "targets"), ("time_to_accuracy", "time_to_accuracy_cpu"))
+    charts = (("convergence", "convergence_cpu"), ("suite", "targets"), ("convergence", "time_to_accuracy_cpu"))
     for script, name in charts:
         path = RESULTS / f"{name}.json"
         if not path.is_file():

@@ -6,7 +6,7 @@ converging faster than it did on the task where it did worst. The tables, and th
 
 - ``benchmarks/results/time_to_accuracy_cpu.json`` (tasks ``digits`` and ``charlm``, layouts 2x1 and 2x2; the
   target is DDP's held-out loss two thirds into its run, reached where the method's loss curve first crosses it),
-  written by ``python benchmarks/time_to_accuracy.py --tasks digits charlm --methods ddp ddp_fp16 ddp_powersgd_r1
+  written by ``python benchmarks/convergence.py --timed --tasks digits charlm --methods ddp ddp_fp16 ddp_powersgd_r1
   ddp_powersgd_r4 ddp_powersgd_r8 ddp_powersgd_r16 bytegrad low_rank_r8 low_rank_r16 low_rank_alt_r8 --layouts 2x1
   2x2 --rates 100mbit 1gbit unshaped --rounds 5 --lab-steps 10`` and rescored with ``--render``;
 - ``benchmarks/results/gpu_network_lab.md`` (a GPT-2-small language model on two GPUs; the target is DDP's
