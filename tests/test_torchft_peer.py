@@ -200,6 +200,11 @@ def test_lab_method_names_take_diloco_defaults_and_any_period():
     peer = harness.torchft_settings("torchft_diloco_h20_lr1_m0")
     assert (peer["outer_lr"], peer["outer_momentum"]) == (1.0, 0.0)
     assert "outer_optimizer_kwargs" not in peer
+    # The outer gradients' precision by name; the peer sends full precision only.
+    assert harness.diloco_keywords("diloco_h20_lr1_m0_fp32")["quantization"] is None
+    assert harness.diloco_keywords("diloco_h20_u4")["quantization"] == "uint4"
+    assert "quantization" not in harness.torchft_settings("torchft_diloco_h20_fp32")
+    assert harness.torchft_settings("torchft_diloco_h20_u4") is None
     for bad in (
         "diloco_h20_f0",
         "diloco_h20_d",

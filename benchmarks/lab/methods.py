@@ -79,8 +79,11 @@ def diloco_keywords(stem: str) -> dict[str, Any] | None:
     """``"diloco_h20"`` -> ``{"sync_every": 20}``; ``_f<F>`` and ``_d<τ>`` add ``fragments`` and
     ``fragment_sync_delay`` (``"diloco_h20_f2_d5"``: streaming); ``_lr<x>`` and ``_m<μ>`` set the outer SGD's
     learning rate and momentum, the default's 0.7 and 0.9 where left out, Nesterov where the momentum is not 0
-    (``"diloco_h20_lr1_m0"``: plain averaging of the replicas); any other stem -> ``None``."""
-    match = re.fullmatch(r"diloco_h(\d+)(?:_f(\d+))?(?:_d(\d+))?(?:_lr(\d+(?:\.\d+)?))?(?:_m(\d+(?:\.\d+)?))?", stem)
+    (``"diloco_h20_lr1_m0"``: plain averaging of the replicas); ``_fp32`` and ``_u4`` send the outer gradients at
+    full precision or in 4 bits instead of 8; any other stem -> ``None``."""
+    match = re.fullmatch(
+        r"diloco_h(\d+)(?:_f(\d+))?(?:_d(\d+))?(?:_lr(\d+(?:\.\d+)?))?(?:_m(\d+(?:\.\d+)?))?(_fp32|_u4)?", stem
+    )
     if match is None or int(match[1]) == 0 or match[2] == "0" or (match[4] and float(match[4]) == 0):
         return None
     keywords: dict[str, Any] = {"sync_every": int(match[1])}
@@ -92,6 +95,8 @@ def diloco_keywords(stem: str) -> dict[str, Any] | None:
         momentum = float(match[5]) if match[5] else 0.9
         lr = float(match[4]) if match[4] else 0.7
         keywords["outer_optimizer_kwargs"] = {"lr": lr, "momentum": momentum, "nesterov": momentum > 0}
+    if match[6]:
+        keywords["quantization"] = None if match[6] == "_fp32" else "uint4"
     return keywords
 
 
@@ -111,7 +116,7 @@ TORCHFT_FLAT_NOTE = "flat: one torchft replica per rank (torchft's peer has no h
 
 def torchft_settings(method: str) -> dict[str, Any] | None:
     """``"torchft_diloco_h20"`` -> the peer's keywords at our ``diloco``'s defaults, H=20 (``_f<F>``, ``_d<τ>``,
-    ``_lr<x>`` and ``_m<μ>`` as :func:`diloco_keywords`); other names -> ``None``.
+    ``_lr<x>``, ``_m<μ>`` and ``_fp32`` as :func:`diloco_keywords`); other names, ``_u4`` too -> ``None``.
 
     ``sync_every``, ``fragments``, ``fragment_sync_delay`` and ``fragment_update_alpha`` are the ones the labs'
     ``diloco_h<H>`` runs with (the algorithm's defaults; ``torchft_diloco`` alone takes its default H too).
@@ -125,6 +130,8 @@ def torchft_settings(method: str) -> dict[str, Any] | None:
 
     shared = ("sync_every", "fragments", "fragment_sync_delay", "fragment_update_alpha")
     parameters = inspect.signature(DiLoCoAlgorithm.__init__).parameters
+    if ours.pop("quantization", None) is not None:  # the peer sends full precision only (TORCHFT_NOTE)
+        return None
     outer = ours.pop("outer_optimizer_kwargs", None)
     if outer is not None:
         ours |= {"outer_lr": outer["lr"], "outer_momentum": outer["momentum"]}
