@@ -5,24 +5,29 @@ import torch
 
 from tests.strategies.test_bagua import load_ranks, run_script
 
-STEPS = 6
-KWARGS = '{"sync_every": 2, "hierarchical": false, "quantization": "uint8"}'
+SYNC_EVERY = 2
+KWARGS = f'{{"sync_every": {SYNC_EVERY}, "hierarchical": false, "quantization": "uint8"}}'
 
 
 @pytest.mark.parametrize(
-    "extra",
+    ("extra", "steps"),
     [
-        ("--accumulate", "2", "--precision", "bf16-mixed", "--val-check-interval", "3"),
-        ("--manual",),
+        (("--accumulate", "2", "--precision", "bf16-mixed", "--val-check-interval", "3"), 6),
+        (("--manual",), 7),
     ],
-    ids=["accumulate-bf16-validation", "manual"],
+    ids=["accumulate-bf16-validation-ends-on-sync", "manual-ends-past-sync"],
 )
-def test_diloco_fits_and_trains_local_replicas(tmp_path, extra):
-    run_script(tmp_path, "--algorithm", "diloco", "--kwargs", KWARGS, "--max-steps", str(STEPS), *extra)
+def test_diloco_fits_and_trains_local_replicas(tmp_path, extra, steps):
+    run_script(tmp_path, "--algorithm", "diloco", "--kwargs", KWARGS, "--max-steps", str(steps), *extra)
     results = load_ranks(tmp_path, 2)
-    # The replicas differ between syncs (the last step's sync has not run when fitting ends): they trained locally.
     states = [result["state"] for result in results]
-    assert any(not torch.equal(states[0][key], states[1][key]) for key in states[0])
+    if steps % SYNC_EVERY:
+        # The replicas differ between syncs: they trained locally.
+        assert any(not torch.equal(states[0][key], states[1][key]) for key in states[0])
+    else:
+        # The last step is a sync step, and its sync ran with its optimizer step: the replicas are θ_outer.
+        for key in states[0]:
+            torch.testing.assert_close(states[0][key], states[1][key], rtol=0, atol=0, msg=key)
     for result in results:
         assert result["seen"]["fit_model"] == "BaguaDistributedDataParallel"
         assert result["model_after_fit"] == "Regression"
@@ -30,7 +35,7 @@ def test_diloco_fits_and_trains_local_replicas(tmp_path, extra):
         assert set(result["bytes_by_op"]) == {"all_gather"}
         assert result["calls"]["all_gather"] >= 2
         validated = result["seen"].get("validated_in_fit", [])
-        assert len(validated) == (STEPS * 2 // 3 if "--val-check-interval" in extra else 0)  # every 3rd of 12 batches
+        assert len(validated) == (steps * 2 // 3 if "--val-check-interval" in extra else 0)  # every 3rd of 12 batches
     # Validation inside fit saw θ_outer, the same on every rank, while the ranks' training replicas differed (at a
     # validation right after a sync they are θ_outer too, so not at every one).
     first, second = (result["seen"].get("validated_in_fit", []) for result in results)
@@ -39,3 +44,8 @@ def test_diloco_fits_and_trains_local_replicas(tmp_path, extra):
     if first:
         assert any(not torch.equal(shown["local"], other["local"]) for shown, other in zip(first, second, strict=True))
         assert any(not torch.equal(shown["shown"], shown["local"]) for shown in first)
+    if first and not steps % SYNC_EVERY:
+        # The last validation came right after the last step, a sync step: it saw that sync's θ_outer, which the
+        # replicas then held too.
+        for last in (first[-1], second[-1]):
+            torch.testing.assert_close(last["shown"], last["local"], rtol=0, atol=0)

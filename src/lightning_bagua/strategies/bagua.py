@@ -265,6 +265,9 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        impl = self._algorithm_impl()
+        if impl is not None:
+            impl.on_optimizer_step(optimizer)
         if not self._auto_logged and (decision := self.auto_decision) is not None:
             self._auto_logged = True
             self._log_to_loggers(decision.metrics())

@@ -247,7 +247,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """Step the optimizer, then close the telemetry step and advance the autotuner of each module it updates.
+        """Step the optimizer, then tell each module it updates, close its telemetry step and advance its autotuner.
 
         Args:
             optimizer: the optimizer to step.
@@ -259,8 +259,10 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         output = super().optimizer_step(optimizer, **kwargs)
         for wrapped in self._bagua_modules:
             bound = wrapped.bagua_optimizers
-            if not any(optimizer is known for known in bound):
+            stepped = next((known for known in bound if known is optimizer), None)
+            if stepped is None:
                 continue
+            wrapped.bagua_algorithm_impl.on_optimizer_step(stepped)
             if wrapped.telemetry is not None:
                 # The step is complete here, the algorithm's post-step communication included (as under the Trainer).
                 wrapped.telemetry.end_step()

@@ -106,7 +106,9 @@ def train(
     steps: int,
     ranks_per_node: int | None = None,
     resume_at: int | None = None,
+    eager: bool = False,
 ) -> dict:
+    """Train ``steps`` steps; ``eager`` tells the algorithm of each optimizer step, as the strategies do."""
     model = make_model()
     optimizer = inner_optimizer(model)
     ddp = BaguaDistributedDataParallel(
@@ -119,8 +121,9 @@ def train(
             saved = copy.deepcopy(
                 {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "bagua": ddp.bagua_state_dict()}
             )
-        _one_step(ddp, optimizer, rank, step)
-    ddp(batch_for(rank, 10_000)[0])  # the next step's forward closes the last step: its boundary runs
+        _one_step(ddp, optimizer, rank, step, eager)
+    if not eager:
+        ddp(batch_for(rank, 10_000)[0])  # the next step's forward closes the last step: its boundary runs
     impl = ddp.bagua_algorithm_impl
     assert isinstance(impl, DiLoCoImpl)
     result = {
@@ -142,8 +145,9 @@ def train(
         ddp.load_bagua_state_dict(saved["bagua"])
         assert resume_at is not None
         for step in range(resume_at, steps):
-            _one_step(ddp, optimizer, rank, step)
-        ddp(batch_for(rank, 10_000)[0])
+            _one_step(ddp, optimizer, rank, step, eager)
+        if not eager:
+            ddp(batch_for(rank, 10_000)[0])
         result["resumed_weights"] = flat(list(model.parameters()))
         impl = ddp.bagua_algorithm_impl
         assert isinstance(impl, DiLoCoImpl)
@@ -152,11 +156,15 @@ def train(
     return result
 
 
-def _one_step(ddp: BaguaDistributedDataParallel, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
+def _one_step(
+    ddp: BaguaDistributedDataParallel, optimizer: torch.optim.Optimizer, rank: int, step: int, eager: bool
+) -> None:
     optimizer.zero_grad()
     inputs, targets = batch_for(rank, step)
     nn.functional.mse_loss(ddp(inputs), targets).backward()
     optimizer.step()
+    if eager:
+        ddp.bagua_algorithm_impl.on_optimizer_step(optimizer)
 
 
 def assert_matches_reference(results: list[dict], expected: dict, ranks_per_node: int = 1, **tolerance: float) -> None:
@@ -228,7 +236,8 @@ def test_one_rank_with_outer_sgd_lr_one_is_local_training():
     torch.testing.assert_close(result["weights"], flat(list(model.parameters())), **TOLERANCE)
 
 
-def test_streamed_fragments_with_delay_and_alpha_match_the_reference():
+@pytest.mark.parametrize("eager", [False, True], ids=["boundary-at-next-forward", "boundary-after-optimizer-step"])
+def test_streamed_fragments_with_delay_and_alpha_match_the_reference(eager):
     kwargs = {
         "sync_every": 4,
         "fragments": 2,
@@ -237,7 +246,7 @@ def test_streamed_fragments_with_delay_and_alpha_match_the_reference():
         "quantization": None,
         **FLAT,
     }
-    results = run_processes(train, 2, kwargs, 9)
+    results = run_processes(train, 2, kwargs, 9, None, None, eager)
     assert_matches_reference(results, reference(2, 9, **kwargs))
     # Not the unstreamed algorithm: the schedule matters.
     with pytest.raises(AssertionError):
@@ -268,10 +277,11 @@ def test_hierarchical_two_nodes_of_two_trains_one_replica_per_node():
         assert "broadcast" in ops
 
 
-def test_resume_mid_period_with_an_exchange_in_flight_is_exact():
+@pytest.mark.parametrize("eager", [False, True], ids=["boundary-at-next-forward", "boundary-after-optimizer-step"])
+def test_resume_mid_period_with_an_exchange_in_flight_is_exact(eager):
     kwargs = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "error_feedback": True, **FLAT}
     # Step 5 (the 6th) is mid-period, one step after fragment 1 started its exchange at step 4: it is in flight.
-    results = run_processes(train, 2, kwargs, 9, None, 5)
+    results = run_processes(train, 2, kwargs, 9, None, 5, eager)
     for result in results:
         torch.testing.assert_close(result["resumed_weights"], result["weights"], rtol=0, atol=0)
         for got, want in zip(result["resumed_outer"], result["outer"], strict=True):

@@ -47,8 +47,9 @@ KEYWORDS: dict[str, dict] = {
     "async": {"sync_interval_ms": 5},
     "low_precision_decentralized": {"hierarchical": False},
     "low_rank": {"hierarchical": False, "warmup_steps": 1},
-    # A sync every other step, with an exchange in flight across a step boundary (and so across epoch ends).
-    "diloco": {"hierarchical": False, "sync_every": 2, "fragments": 2, "fragment_sync_delay": 1},
+    # Two fragments syncing at steps 1, 4, 7 and 3, 6, each merged a step later: an exchange is in flight across
+    # the epoch ends at steps 4 and 6 (and the checkpoints there), and no run ends with both fragments just merged.
+    "diloco": {"hierarchical": False, "sync_every": 3, "fragments": 2, "fragment_sync_delay": 1},
 }
 
 

@@ -370,6 +370,10 @@ class AutoImpl(AlgorithmImpl):
         self._optimizers = list(optimizers)
         self.current.bind_optimizers(self._optimizers)
 
+    def on_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Hand the step to the current implementation."""
+        self.current.on_optimizer_step(optimizer)
+
     def start(self) -> None:
         """Start the current implementation's work (none for the gradient-bucket candidates)."""
         self._started = True

@@ -152,6 +152,17 @@ class AlgorithmImpl(ABC):
             optimizers: the optimizers, in the order the user gave them.
         """
 
+    def on_optimizer_step(self, optimizer: Optimizer) -> None:  # noqa: B027 - optional hook
+        """Act right after a strategy stepped one of the bound optimizers.
+
+        The strategies call it on every rank after each optimizer step they run, a step the gradient scaler skipped
+        included, so it may be collective. A plain PyTorch loop need not call it: an algorithm that acts between
+        steps must also act at the next :meth:`on_forward_start`.
+
+        Args:
+            optimizer: the optimizer that stepped.
+        """
+
     def start(self) -> None:  # noqa: B027 - optional hook
         """Start (or restart) the work the algorithm does between steps, such as a background thread; idempotent.
 

@@ -237,12 +237,21 @@ class DiLoCoImpl(AlgorithmImpl):
         """
         self._restore_local()
         self._initialize()
-        if self.step_open:
-            self.step_open = False
-            self.steps += 1
-            self._at_boundary(self.steps)
+        self._close_step()
         if synchronizing:
             self.step_open = True
+
+    def on_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Close the open step once the last bound optimizer stepped, so that its sync belongs to it.
+
+        Checkpoints, validation and the end of training then see that step's sync. With no optimizer bound, or
+        after another one, the step stays open for :meth:`on_forward_start`.
+
+        Args:
+            optimizer: the optimizer that stepped.
+        """
+        if self._optimizers and optimizer is self._optimizers[-1] and self._stashed is None:
+            self._close_step()
 
     @property
     def started(self) -> bool:
@@ -271,6 +280,9 @@ class DiLoCoImpl(AlgorithmImpl):
         For evaluation: the Trainer strategy calls it before validation inside fit. The next training forward
         pass (or :meth:`start`) brings the local weights back; a checkpoint taken meanwhile keeps them too.
         """
+        if self._stashed is None:
+            # Evaluation comes after the batch's optimizer steps: a step still open is over, and its sync is due.
+            self._close_step()
         self.settle()
         if self._stashed is not None or not self.fragments or not self.initialized:
             return
@@ -416,6 +428,14 @@ class DiLoCoImpl(AlgorithmImpl):
         self._owned.clear()
 
     # ------------------------------------------------------------------------------------------- step boundaries
+
+    def _close_step(self) -> None:
+        # A step opens at its synchronizing forward pass and closes after its optimizer step; only then are its
+        # weights final, and the fragments due at its number sync.
+        if self.step_open:
+            self.step_open = False
+            self.steps += 1
+            self._at_boundary(self.steps)
 
     def _at_boundary(self, step: int) -> None:
         config = self.config
