@@ -2,10 +2,11 @@
 
 Design:
 
-* Steps are counted at step boundaries, found at the start of a training forward pass: the pass after one whose
-  backward synchronized (not under ``no_sync()``) begins a new step, so the one before it has ended, whatever
-  drives the optimizers (plain PyTorch, Lightning's closures, manual optimization, several optimizers,
-  gradient accumulation). Everything the algorithm does to the weights happens there, before the forward.
+* Steps are counted at step boundaries. A step opens at a forward pass whose backward synchronizes (not under
+  ``no_sync()``) and closes once the last bound optimizer has stepped, where the strategies report it
+  (``on_optimizer_step``), or else at the start of the next training forward pass, whatever drives the
+  optimizers (plain PyTorch, manual optimization, gradient accumulation). Everything the algorithm does to the
+  weights happens at a boundary.
 * The parameters are cut into ``fragments`` contiguous groups of about equal size. Each keeps ``θ_outer`` as one
   flat float32 tensor (on the model's device, or in host memory with ``offload``) and its own outer optimizer.
 * An exchange of one fragment: on the training thread, ``Δ = θ_outer - x`` (float32); on the exchange thread,
