@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_bagua.engine import BaguaDistributedDataParallel
@@ -135,9 +136,11 @@ def assert_matches(results: list[dict], reference: list[list[dict[str, torch.Ten
 
 def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | None = None) -> dict:
     """Train on this rank; ``options``: ranks_per_node, accumulate, steps, skipped (rank, step) pairs,
-    split_optimizers (one optimizer per linear layer, stepped last-first), cuda."""
+    split_optimizers (one optimizer per linear layer, stepped last-first), cuda, report_steps (report each step,
+    skipped ones too, as the strategies do, then all-reduce a metric before the next pass)."""
     options = options or {}
     accumulate, steps, skipped = options.get("accumulate", 1), options.get("steps", STEPS), options.get("skipped", ())
+    report_steps = options.get("report_steps", False)
     cuda = options.get("cuda", False)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     model = make_model().to(device)
@@ -166,12 +169,20 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
             inputs, targets = (t.to(device) for t in batch_for(rank, step * accumulate + micro))
             with ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
                 outputs = ddp(inputs)
-                if micro == 0 and (rank, step - 1) in skipped:
+                if micro == 0 and (rank, step - 1) in skipped and not report_steps:
                     states[-1] = snapshot(model)  # the round the skipped step owed ran as this pass started
                 (nn.functional.mse_loss(outputs, targets) / accumulate).backward()
         if (rank, step) not in skipped:  # e.g. a GradScaler that found infinities skips the step
             for optimizer in reversed(optimizers):
                 optimizer.fuse_step() if fuse else optimizer.step()  # type: ignore[attr-defined]
+        if report_steps:
+            for optimizer in reversed(optimizers):
+                ddp.bagua_algorithm_impl.on_optimizer_step(optimizer)
+            # A collective right after the step, as a logged metric synced over ranks is: it must not meet a rank
+            # still owing its ring round.
+            metric = torch.tensor([float(step)], device=device)
+            dist.all_reduce(metric)
+            assert metric.item() == step * world_size
         states.append(snapshot(model))
         if step == options.get("new_storage_after"):  # as module.to() or load_state_dict(assign=True) would do
             for parameter in model.parameters():
@@ -188,7 +199,7 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
         saved = ddp.bagua_algorithm_impl.state_dict()["copies"]
         saved = None if saved is None else {key: tensor.cpu() for key, tensor in saved[0].items()}
     ddp.close()  # runs the round a skipped last step still owes
-    if (rank, steps - 1) in skipped:
+    if (rank, steps - 1) in skipped and not report_steps:
         states[-1] = snapshot(model)
     return {
         "states": states,
@@ -360,6 +371,23 @@ def test_a_skipped_step_still_runs_its_round_so_the_ring_does_not_hang():
     assert results[1]["calls_before_close"] == {"send": 2}  # the last round waits for close()
     assert results[1]["bytes_by_op"] == {"send": 3 * ring_bytes(2)}
     assert_ring_consistent(results)
+
+
+@pytest.mark.parametrize(("world_size", "algorithm_kwargs", "options"), [
+    (2, {"hierarchical": False}, {"skipped": ((1, 1), (0, 2), (1, 3))}),
+    (4, {"hierarchical": True}, {"ranks_per_node": 2, "skipped": ((1, 1), (2, 2))}),
+    (2, {"hierarchical": False}, {"skipped": ((1, 1), (0, 2)), "split_optimizers": True}),
+])  # fmt: skip
+def test_a_reported_step_skipped_on_one_rank_runs_its_round_before_the_next_collective(
+    world_size: int, algorithm_kwargs: dict, options: dict
+) -> None:
+    # Each snapshot is taken after the report and a metric all-reduce: the round is already in it on every rank.
+    options = {**options, "steps": 4, "report_steps": True}
+    results = run_processes(train, world_size, algorithm_kwargs, options)
+    reference = simulate(world_size, options.get("ranks_per_node", 1), steps=4, skipped=options["skipped"])
+    assert_matches(results, reference)
+    if not algorithm_kwargs["hierarchical"]:  # on two levels only the node leaders hold ring copies
+        assert_ring_consistent(results)
 
 
 def test_parameters_no_optimizer_drives_are_named_with_the_hint():

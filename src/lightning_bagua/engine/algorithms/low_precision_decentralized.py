@@ -156,12 +156,14 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
     """:class:`LowPrecisionDecentralizedAlgorithm` bound to one wrapped model.
 
     When the ring round runs: a step communicates if any of its forward passes (accumulating ones included) has
-    ``t % communication_interval == 0``. The round runs in the post-step hook that completes the step: once every
-    bound optimizer has stepped since the last round, so with several optimizers it follows the last of them,
-    whatever their order. If that never happens before the next training forward pass (a step skipped by a
-    ``GradScaler`` that found infinities, or an optimizer that steps less often), the round runs at the start of
-    that pass instead, or in :meth:`close`: each rank runs exactly one round per communicating step, whatever its
-    optimizers did, so the ring's point-to-point messages always match.
+    ``t % communication_interval == 0``. The round runs once every bound optimizer has stepped since the last
+    round, so with several optimizers it follows the last of them, whatever their order. Under a strategy, which
+    reports every step on every rank (:meth:`on_optimizer_step`), a step the ``GradScaler`` skipped on one rank
+    included, the reports alone count, so every rank runs the round at the same point, before any collective of
+    the strategy or the user's code that follows the step. In a plain PyTorch loop the optimizers' post-step hooks
+    count instead; if they never complete a step before the next training forward pass (a skipped step, or an
+    optimizer that steps less often), the round runs at the start of that pass, or in :meth:`close`: either way
+    each rank runs exactly one round per communicating step, so the ring's point-to-point messages always match.
     """
 
     def __init__(self, algorithm: "LowPrecisionDecentralizedAlgorithm", context: AlgorithmContext) -> None:
@@ -230,6 +232,20 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self._hook_handles = [
             optimizer.register_step_post_hook(weakly_bound(self._after_step)) for optimizer in optimizers
         ]
+
+    def on_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Count a step the strategy reports, and run the round once every bound optimizer has one.
+
+        The first report removes the optimizers' post-step hooks: a skipped step fires no hook on the rank that
+        skipped it, so from then on the reports, which every rank gets alike, decide where a step ends.
+
+        Args:
+            optimizer: the optimizer that stepped (or whose step the gradient scaler skipped).
+        """
+        if self._hook_handles:
+            self._remove_hooks()
+            self._stepped.discard(id(optimizer))  # its hook has counted this very step already
+        self._after_step(optimizer, None, None)
 
     def settle(self) -> None:
         """Finish the last round's exchange, if still in flight, and add the neighbours' codes to ``L`` and ``R``.
