@@ -753,6 +753,14 @@ def _fastest(rows: list[dict[str, Any]], keep: Any) -> dict[str, Any] | None:
                default=None)  # fmt: skip
 
 
+def _same_schedule_peer(method: str) -> Any:
+    """A test of lab method names: torchft's DiLoCo at the same H, fragments, delay and outer step as ``method``
+    (``diloco_h20_f2_d5:flat``: ``torchft_diloco_h20_f2_d5``), whatever precision ``method`` sends in."""
+    stem = re.sub(r"_(fp32|u4)$", "", method.split(":")[0])
+    settings = torchft_settings(f"torchft_{stem}")
+    return lambda other: other.startswith("torchft_") and torchft_settings(other.split(":")[0]) == settings
+
+
 def _fixed_names(pick: str) -> set[str]:
     """The lab's names of the fixed method auto's pick is: ``bytegrad(hierarchical=True)``: ``bytegrad:hierarchical``
     (two ranks per host) or ``bytegrad`` (one); ``gradient_allreduce``: ``gradient_allreduce[:flat]``."""
@@ -765,8 +773,8 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
 
     auto: its time to target (measuring included) over the best fixed method's and over DDP's, and its measuring
     cost beyond the pick's own steps as a share of the task's run (the length it is told). diloco: its time over
-    the fastest ``low_rank``'s, DDP's and torchft's DiLoCo's; its step (averaged over whole sync periods) over the
-    no-communication step; its final held-out loss over DDP's.
+    the fastest ``low_rank``'s, DDP's, and torchft's DiLoCo's at the same schedule; its step (averaged over whole
+    sync periods) over the no-communication step; its final held-out loss over DDP's.
     """
     rows = report["combined"]
     singles = {
@@ -798,7 +806,7 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
             )
         else:
             low_rank = _fastest(cell, lambda method: method.startswith("low_rank_"))
-            torchft = _fastest(cell, lambda method: method.startswith("torchft_"))
+            torchft = _fastest(cell, _same_schedule_peer(row["method"]))
             low_rank_text = ratio(time_s, low_rank and low_rank["time_to_target_s"])
             if low_rank:
                 low_rank_text += f" ({low_rank['method']})"
@@ -833,7 +841,8 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
     if diloco_rows:
         lines += [
             "", "### diloco against low_rank, DDP and torchft's DiLoCo", "",
-            "Time to target over the fastest low_rank's (named), DDP's and torchft's DiLoCo's at the same H; step:"
+            "Time to target over the fastest low_rank's (named), DDP's, and torchft's DiLoCo's at the same H,"
+            " fragments and delay (full precision: the peer sends nothing else); step:"
             " the median step over whole sync periods over the no-communication step; loss: the final held-out loss"
             " over DDP's at the same steps; accuracy: the final held-out accuracy less DDP's, in points. Floor: the"
             " no-communication step times diloco's steps to target, over the fastest low_rank's and DDP's times:"
