@@ -535,6 +535,9 @@ def test_time_to_accuracy_bars_count_auto_against_its_run_and_diloco_against_its
             row("bytegrad", 0.025, 100),
             auto,
             row("diloco_h20", 0.022, 80, final_acc_pct=52.0),
+            row("diloco_h20_f2_d5", 0.021, 90, final_acc_pct=52.0),
+            row("torchft_diloco_h20", 0.011, 80),
+            row("torchft_diloco_h20_f2_d5", 0.030, 90),
         ],
     }
     lines = tta.bars_markdown(report)
@@ -545,6 +548,10 @@ def test_time_to_accuracy_bars_count_auto_against_its_run_and_diloco_against_its
     (diloco_line,) = [line for line in lines if "| diloco_h20 |" in line]
     # Free communication would still take 80 steps of 20 ms: 0.53x low_rank's 3 s and 0.27x DDP's 6 s.
     assert "| 1.10x | 0.53x, 0.27x |" in diloco_line, diloco_line
+    # Each form is judged against torchft's at its own schedule, though the plain one is the faster peer here.
+    assert "| 0.29x | 2.00x | 1.10x |" in diloco_line, diloco_line
+    (streaming_line,) = [line for line in lines if "| diloco_h20_f2_d5 |" in line]
+    assert "| 0.32x | 0.70x | 1.05x |" in streaming_line, streaming_line
 
 
 def test_suite_times_only_low_rank_ranks_that_keep_ddps_final_loss() -> None:
