@@ -36,6 +36,10 @@ def test_methods_the_lab_has_not_run_say_so():
     loaded = gpu_report.load_results(gpu_report.RESULTS)
     assert gpu_report.headline(loaded, "diloco") == "not measured yet"
     assert gpu_report.headline(loaded, None) == "not measured yet"
+    # and the reader is sent to the CPU labs that did measure them
+    pointer = next(line for line in gpu_report.readme_markdown(loaded).splitlines() if "no two-GPU run" in line)
+    assert "`diloco`" in pointer
+    assert gpu_report.CPU_LABS_POINTER in pointer
 
 
 def test_rewriting_replaces_only_the_block(tmp_path):

@@ -453,6 +453,12 @@ README_END = "<!-- figures:end -->"
 HEADLINE_LINK = "10gbit"
 # Methods that average beside the steps at the link's pace: their NVLink curve says nothing of a shaped link's.
 BESIDE_THE_STEPS = ("async",)
+NOT_MEASURED = "not measured yet"
+# Where the README sends a reader for the methods the two-GPU lab has not run: the CPU labs' pages.
+CPU_LABS_POINTER = (
+    "the CPU network lab times them beside DDP, its fp16 and PowerSGD hooks and torchft's DiLoCo, down to"
+    " 10 Mbit/s ([Which algorithm when](docs/source/choosing.md), [diloco](docs/source/algorithms/diloco.md))."
+)
 FINAL_LOSS_BAR = 1.01  # low_rank's row shows the fastest rank whose final loss is within 1% of DDP's
 # The links of the chart, slowest first, as the lab labels them.
 CHART_LINKS = (("1gbit", "1 Gbit/s"), ("10gbit", "10 Gbit/s"), ("25gbit", "25 Gbit/s"), ("unshaped", "TCP, unshaped"),
@@ -510,7 +516,7 @@ def headline(loaded: dict[str, Any], method: str | None) -> str:
     beside = None if method is None else nvlink_beside(loaded, method)
     if beside is not None:
         return f"no time to loss at a shaped link; NVLink step {beside[0]['median'] / beside[1]['median']:.2f}x DDP"
-    return "not measured yet"
+    return NOT_MEASURED
 
 
 def readme_markdown(loaded: dict[str, Any]) -> str:
@@ -529,12 +535,20 @@ def readme_markdown(loaded: dict[str, Any]) -> str:
         "| algorithm | when to use | time to DDP's loss, 10 Gbit/s |",
         "| --- | --- | --- |",
     ]
+    pending = []
     for name, method, when in README_ALGORITHMS:
         chosen = low_rank if method is None else method
         label = f"`{name}`" + (f" (rank {chosen.removeprefix('low_rank_r')})" if method is None and chosen else "")
-        lines.append(f"| {label} | {when} | {headline(loaded, chosen)} |")
+        figure = headline(loaded, chosen)
+        pending += [f"`{name}`"] if figure == NOT_MEASURED else []
+        lines.append(f"| {label} | {when} | {figure} |")
     for method, label in README_PEERS:
         lines.append(f"| {label} | for comparison | {headline(loaded, method)} |")
+    if pending:
+        lines += [
+            "",
+            f"{' and '.join(pending)} {'have' if len(pending) > 1 else 'has'} no two-GPU run yet; {CPU_LABS_POINTER}",
+        ]
     lines += [
         "",
         f"![Median step time per method against the link rate, log scale]({README_CHART})",
