@@ -141,6 +141,7 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
     options = options or {}
     accumulate, steps, skipped = options.get("accumulate", 1), options.get("steps", STEPS), options.get("skipped", ())
     report_steps = options.get("report_steps", False)
+    stray_optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=LR)
     cuda = options.get("cuda", False)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     model = make_model().to(device)
@@ -172,6 +173,8 @@ def train(rank: int, world_size: int, algorithm_kwargs: dict, options: dict | No
                 if micro == 0 and (rank, step - 1) in skipped and not report_steps:
                     states[-1] = snapshot(model)  # the round the skipped step owed ran as this pass started
                 (nn.functional.mse_loss(outputs, targets) / accumulate).backward()
+        if report_steps:  # a step of an optimizer the model is not bound to ends no step of the model
+            ddp.bagua_algorithm_impl.on_optimizer_step(stray_optimizer)
         if (rank, step) not in skipped:  # e.g. a GradScaler that found infinities skips the step
             for optimizer in reversed(optimizers):
                 optimizer.fuse_step() if fuse else optimizer.step()  # type: ignore[attr-defined]

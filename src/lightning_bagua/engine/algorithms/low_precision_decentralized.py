@@ -240,8 +240,11 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         skipped it, so from then on the reports, which every rank gets alike, decide where a step ends.
 
         Args:
-            optimizer: the optimizer that stepped (or whose step the gradient scaler skipped).
+            optimizer: the optimizer that stepped (or whose step the gradient scaler skipped); one not bound to the
+                model is ignored.
         """
+        if not any(optimizer is bound for bound in self._optimizers):
+            return
         if self._hook_handles:
             self._remove_hooks()
             self._stepped.discard(id(optimizer))  # its hook has counted this very step already
