@@ -53,7 +53,7 @@ from typing_extensions import override
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.harness import bits_per_second, can_shape_links, headline
 from lab.jobs import job_env
-from lab.methods import TORCHFT_NOTE, engine_algorithm, layout_variants, split_rank, torchft_settings
+from lab.methods import TORCHFT_NOTE, diloco_keywords, engine_algorithm, layout_variants, split_rank, torchft_settings
 from lab.models import CONTEXT, task_loss, task_model
 from lab.render import markdown_table, pyplot, ratio
 from lab.results import machine, spread, write_report
@@ -753,12 +753,17 @@ def _fastest(rows: list[dict[str, Any]], keep: Any) -> dict[str, Any] | None:
                default=None)  # fmt: skip
 
 
+def _schedule(method: str) -> dict[str, Any]:
+    """A diloco or torchft lab method's keywords less the precision it sends in: its H, fragments, delay, outer step."""
+    keywords = diloco_keywords(method.split(":")[0].removeprefix("torchft_")) or {}
+    return {name: value for name, value in keywords.items() if name != "quantization"}
+
+
 def _same_schedule_peer(method: str) -> Any:
-    """A test of lab method names: torchft's DiLoCo at the same H, fragments, delay and outer step as ``method``
-    (``diloco_h20_f2_d5:flat``: ``torchft_diloco_h20_f2_d5``), whatever precision ``method`` sends in."""
-    stem = re.sub(r"_(fp32|u4)$", "", method.split(":")[0])
-    settings = torchft_settings(f"torchft_{stem}")
-    return lambda other: other.startswith("torchft_") and torchft_settings(other.split(":")[0]) == settings
+    """A test of lab method names: torchft's DiLoCo at ``method``'s schedule (``diloco_h20_f2_d5:flat``:
+    ``torchft_diloco_h20_f2_d5``), whatever precision ``method`` sends in."""
+    schedule = _schedule(method)
+    return lambda other: other.startswith("torchft_") and _schedule(other) == schedule
 
 
 def _fixed_names(pick: str) -> set[str]:

@@ -540,7 +540,8 @@ def readme_markdown(loaded: dict[str, Any]) -> str:
         chosen = low_rank if method is None else method
         label = f"`{name}`" + (f" (rank {chosen.removeprefix('low_rank_r')})" if method is None and chosen else "")
         figure = headline(loaded, chosen)
-        pending += [f"`{name}`"] if figure == NOT_MEASURED else []
+        if figure == NOT_MEASURED:
+            pending.append(f"`{name}`")
         lines.append(f"| {label} | {when} | {figure} |")
     for method, label in README_PEERS:
         lines.append(f"| {label} | for comparison | {headline(loaded, method)} |")
