@@ -238,6 +238,8 @@ def test_every_rank_gets_the_same_pick_and_weights(world_size, ranks_per_node, f
     assert decision["layout"] == ([2, 2] if ranks_per_node else [1, 2])
     assert "gradient_allreduce" in decision["figures"]["step_s"]
     assert decision["trial_steps"] <= 12
+    # What measuring cost beyond the pick's pace: the link timing at least, and never more than it took.
+    assert 0 < decision["excess_s"] <= decision["measure_s"]
     if figures is None:
         assert set(decision["figures"]["links"]) == {"all"}
     # Every candidate was timed or skipped with a reason; those timed really ran (their collectives are counted).
@@ -335,10 +337,12 @@ def _trial_plan(
     step_ms: dict[str, float],
     bandwidth: float,
     run_steps: int | None = None,
+    start_up_ms: float = 0.0,
 ) -> dict[str, Any]:
     """The plan rank 0 makes, each candidate it runs taking ``step_ms[label]`` a step: what it times, and skips.
 
-    Each rank works it out from the same figures, as rank 0 does alone in training.
+    Each rank works it out from the same figures, as rank 0 does alone in training; the link timing took
+    ``start_up_ms``.
     """
     module = wide_model()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
@@ -350,13 +354,17 @@ def _trial_plan(
         gradient_bytes={"float32": sum(p.numel() * 4 for p in model.module.parameters())},
         compress_s=dict.fromkeys(impl.labels, 0.0),
     )
-    impl._queue, impl._times, impl._trial_steps, impl._sized = None, {}, 0, False
+    impl._queue, impl._close, impl._times, impl._trial_steps = None, None, {}, 0
+    impl._start_up_s, impl._spent, impl._trying = start_up_ms / 1e3, {}, -1
     plan = []
     index, steps = impl._next_trial()
     while index >= 0:
         label = impl.labels[index]
         done = len(impl._times.get(index, []))
-        impl._trial_steps += steps - done + (0 if done else 1)  # a new candidate's first step is not timed
+        ran = steps - done + (index != impl._trying)  # the first step after a switch is not timed
+        impl._trial_steps += ran
+        before, seconds = impl._spent.get(index, (0, 0.0))
+        impl._spent[index] = (before + ran, seconds + ran * step_ms[label] / 1e3)
         impl._trying, impl._timed_steps = index, steps
         impl._times[index] = [step_ms[label] / 1e3] * steps
         impl._figures.step_s[label] = step_ms[label] / 1e3
@@ -369,6 +377,7 @@ def _trial_plan(
         "skipped": dict(impl._figures.skipped),
         "pick": impl.labels[chosen],
         "reason": reason,
+        "excess_ms": impl._excess_s() * 1e3,
     }
     model.close()
     return result
@@ -377,37 +386,80 @@ def _trial_plan(
 EVERY_STEP_2_MS = dict.fromkeys(["gradient_allreduce", BYTEGRAD_LABEL, LOW_RANK_LABEL], 2.0)
 
 
-def test_short_steps_are_timed_more_times_within_the_budget():
-    # A fast link: the fewest bytes first. 2 ms steps: 0.25 s would take 125 of them; an even share of 48 steps
-    # over 3 candidates leaves 15 timed each, so the first one times 12 more of its own. Until gradient_allreduce
-    # has run nothing bounds the compute, so bytegrad runs too.
+def test_short_steps_are_timed_longer_where_the_candidates_are_close():
+    # A fast link: the fewest bytes first, each candidate for its 3 timed steps. 2 ms steps: 0.25 s would take 125
+    # of them; all three are within 1.5x of the best, so they share the 36 steps left of 48: gradient_allreduce, on
+    # trial, goes on for 12 more; the others pay an untimed step after their switch.
     (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12)
     assert result["plan"] == [
         (LOW_RANK_LABEL, 3),
-        (LOW_RANK_LABEL, 15),
-        (BYTEGRAD_LABEL, 15),
+        (BYTEGRAD_LABEL, 3),
+        ("gradient_allreduce", 3),
         ("gradient_allreduce", 15),
+        (BYTEGRAD_LABEL, 14),
+        (LOW_RANK_LABEL, 14),
     ]
     assert result["steps"] == 48
     assert result["pick"] == "gradient_allreduce"  # a tie in step time: the others need more steps
     (result,) = run_processes(_trial_plan, 1, dict.fromkeys(EVERY_STEP_2_MS, 100.0), 1e12)
     assert [steps for _, steps in result["plan"]] == [3, 3, 3]  # 3 steps of 100 ms fill min_trial_s already
+    # gradient_allreduce's 6.9 ms is more than 1.5x bytegrad's 4.1 ms x 1.065: no noise of a few steps brings it
+    # level, so only the two close ones are timed longer, the best first.
+    step_ms = {"gradient_allreduce": 6.9, BYTEGRAD_LABEL: 4.1, LOW_RANK_LABEL: 5.0}
+    (result,) = run_processes(_trial_plan, 1, step_ms, 1e12)
+    assert result["plan"][3:] == [(BYTEGRAD_LABEL, 20), (LOW_RANK_LABEL, 20)]
+    assert result["pick"] == BYTEGRAD_LABEL
 
 
-def test_a_short_run_measures_within_its_share_and_keeps_room_for_gradient_allreduce():
-    # 230 steps: 5% is 11 measuring steps, so every candidate gets its 3 timed steps and no more.
+def _excess_ms(steps: dict[str, int], step_ms: dict[str, float], best: str, start_up_ms: float = 0.0) -> float:
+    """What trial steps cost beyond the best candidate's pace: each step's time less the best one's for its progress."""
+    pace = step_ms[best] * FACTORS[best]
+    return start_up_ms + sum(count * max(step_ms[label] - pace / FACTORS[label], 0.0) for label, count in steps.items())
+
+
+FACTORS = {"gradient_allreduce": 1.0, BYTEGRAD_LABEL: BYTEGRAD_STEPS, LOW_RANK_LABEL: LOW_RANK_STEPS}
+
+
+def test_a_known_run_length_bounds_what_measuring_costs_beyond_the_best_pace():
+    # 230 steps of 2 ms: 5% is 23 ms. Candidates this close cost little to time: the same 48 steps as an unknown
+    # length, and what they cost beyond gradient_allreduce's pace, low_rank's and bytegrad's 16 steps each making
+    # less progress, is 5.5 ms.
     (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 230)
-    assert result["plan"] == [(LOW_RANK_LABEL, 3), ("gradient_allreduce", 3)]
-    assert result["steps"] == 8
-    # 100 steps: 5 measuring steps hold one candidate's 4; they are kept for gradient_allreduce, the fallback,
-    # which then times one more of its short steps.
+    assert result["steps"] == 48
+    expected = _excess_ms({LOW_RANK_LABEL: 16, BYTEGRAD_LABEL: 16}, EVERY_STEP_2_MS, "gradient_allreduce")
+    assert result["excess_ms"] == pytest.approx(expected, rel=1e-9)
+    assert expected == pytest.approx(5.51, abs=0.01)
+    # The link timing took 15 ms: low_rank's longer steps fit the 8 ms left (12 more at 0.22 ms each), and
+    # bytegrad's 0.92 ms of excess per step leaves no room for one more after them.
+    step_ms = {**EVERY_STEP_2_MS, BYTEGRAD_LABEL: 2.8}
+    (result,) = run_processes(_trial_plan, 1, step_ms, 1e12, 230, 15.0)
+    assert result["plan"] == [
+        (LOW_RANK_LABEL, 3),
+        (BYTEGRAD_LABEL, 3),
+        ("gradient_allreduce", 3),
+        ("gradient_allreduce", 15),
+        (LOW_RANK_LABEL, 14),
+    ]
+    expected = _excess_ms({LOW_RANK_LABEL: 16, BYTEGRAD_LABEL: 4}, step_ms, "gradient_allreduce", 15.0)
+    assert result["excess_ms"] == pytest.approx(expected, rel=1e-9)
+    assert expected <= 0.05 * 230 * 2.0
+    # A link timing of 30 ms has spent the allowance: gradient_allreduce, the fallback, still runs and is timed
+    # longer at no cost (it is the best), and bytegrad is skipped, with why.
+    (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 230, 30.0)
+    assert result["plan"] == [(LOW_RANK_LABEL, 3), ("gradient_allreduce", 3), ("gradient_allreduce", 23)]
+    assert result["skipped"] == {
+        BYTEGRAD_LABEL: "past the allowance of 23.0 ms beyond the best candidate's steps (5% of 230 steps of 2.0 ms):"
+        " measuring had cost 30.0 ms"
+    }
+    assert result["pick"] == "gradient_allreduce"
+    # 100 steps: measuring takes at most 25 of them, however cheap.
     (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 100)
-    assert result["plan"] == [("gradient_allreduce", 3), ("gradient_allreduce", 4)]
-    assert result["steps"] == 5
-    assert result["skipped"] == dict.fromkeys([LOW_RANK_LABEL, BYTEGRAD_LABEL], "past the budget of 5 measuring steps")
-    # A run too short for 5% to hold gradient_allreduce's steps still times it: the budget never goes below them.
+    assert result["steps"] == 25
+    assert [steps for _, steps in result["plan"]] == [3, 3, 3, 7, 6, 7]
+    # 20 steps: never fewer than the first candidate's and gradient_allreduce's 4 steps each.
     (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 20)
-    assert result["plan"] == [("gradient_allreduce", 3)]
+    assert result["plan"] == [(LOW_RANK_LABEL, 3), ("gradient_allreduce", 3)]
+    assert result["skipped"] == {BYTEGRAD_LABEL: "past the budget of 8 measuring steps"}
     assert result["pick"] == "gradient_allreduce"
 
 
@@ -433,7 +485,7 @@ def test_a_slow_link_times_the_fewest_bytes_first_and_skips_what_its_link_bound_
     assert "gradient_allreduce's gradients alone take longer over the link" in result["reason"]
     # A link fast enough that gradient_allreduce could win: it runs, and wins on its measured step.
     (result,) = run_processes(_trial_plan, 1, {**step_ms, "gradient_allreduce": 21.0}, bandwidth * 10)
-    assert ("gradient_allreduce", 13) in result["plan"]
+    assert ("gradient_allreduce", 12) in result["plan"]  # 12 steps of 21 ms fill min_trial_s
     assert result["pick"] == "gradient_allreduce"
 
 
@@ -555,9 +607,14 @@ def test_the_decision_reads_as_log_line_metrics_and_checkpoint():
     from lightning_bagua.engine import AutoDecision
 
     decision = AutoDecision(candidates[index], describe_algorithm(candidates[index]), reason, INJECTED, predicted,
-                            factors, world_size=2, layout=(1, 2))  # fmt: skip
+                            factors, world_size=2, layout=(1, 2), trial_steps=9, measure_s=0.5,
+                            excess_s=0.02)  # fmt: skip
     assert decision.summary().startswith("Bagua auto picked low_rank(rank=16, hierarchical=False): it reaches")
+    assert decision.summary().endswith(
+        "Measuring took 9 steps and 0.50 s on rank 0, 0.02 s more than the pick would have taken."
+    )
     metrics = decision.metrics()
+    assert metrics["bagua/auto/excess_s"] == pytest.approx(0.02)
     assert metrics["bagua/auto/picked/low_rank(rank=16, hierarchical=False)"] == 1.0
     assert metrics["bagua/auto/predicted_s/gradient_allreduce"] == pytest.approx(10e-3)
     restored = AutoDecision.from_dict(decision.to_dict())

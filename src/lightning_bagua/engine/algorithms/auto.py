@@ -12,14 +12,18 @@
    compute is taken as 0, so the order is the link's; ``gradient_allreduce``'s bound is always its link bound.
 3. The first candidate runs ``trial_steps`` timed steps (after one untimed step that settles the switch). Where
    those took under ``min_trial_s``, it and every later candidate are timed for more steps, ``k = ceil(min_trial_s
-   / T)``, within an even share of the budget: ``max_trial_steps``, and at most 5% of ``run_steps`` where the run's
-   length is known. Each candidate's step ``T_c`` is the maximum over ranks of each rank's median (a step is as
-   slow as its slowest rank), in the phase it would run in (``low_rank`` exchanges factors from its first trial
-   step). The compute is then at most ``gradient_allreduce``'s step less its bytes over the link, once it has run.
+   / T)``, within an even share of ``max_trial_steps`` and within the allowance below. Each candidate's step
+   ``T_c`` is the maximum over ranks of each rank's median (a step is as slow as its slowest rank), in the phase it
+   would run in (``low_rank`` exchanges factors from its first trial step). The compute is then at most
+   ``gradient_allreduce``'s step less its bytes over the link, once it has run.
 4. Before each further candidate, rank 0 skips it if its bound already loses to the best ``T_c * f_c`` measured
    so far, or if it would overrun the budget (room for ``gradient_allreduce`` is kept until it has run or lost).
    On a slow link ``gradient_allreduce`` is not timed at all once a compressing candidate beats its bytes at the
-   bandwidth.
+   bandwidth. Where the run's length ``N`` is known the budget is also one of time: measuring may cost at most 5%
+   of the run, ``0.05 * N * T_best``, beyond what the best candidate so far would have taken. Every trial step
+   trains the model, so what it costs is its excess: a step of ``c`` makes ``1 / f_c`` of a DDP step's progress,
+   which the best candidate makes in ``T_best * f_best / f_c``; the link timing counts whole. A candidate whose
+   steps are about as fast as the best's is cheap to time however many steps it takes, and a slow one is not.
 5. Rank 0 picks the smallest predicted time (the earlier candidate on a tie; ``gradient_allreduce`` unless another
    beats it, measured or by its link bound) and broadcasts it; every rank builds that algorithm, with the keywords
    it was timed with, and runs exactly it from then on.
@@ -75,8 +79,13 @@ _REPEATS = 3
 _BANDWIDTH_BOUND = 8
 # The most timed steps per candidate, as a multiple of trial_steps, however short the steps.
 _MAX_STEPS_PER_TRIAL = 8
-# Where the run's length is known, measuring takes at most this share of its steps.
+# Where steps are short, the candidates predicted within this factor of the best one are timed for longer: a few
+# steps' noise could put any of them first, where one further off would need a larger error to win.
+_CLOSE = 1.5
+# Where the run's length is known, measuring costs at most this share of its time beyond the best candidate's steps,
 _RUN_SHARE = 0.05
+# and takes at most this share of its steps, so that most of a short run is the pick's, whatever the candidates cost.
+_RUN_STEP_SHARE = 0.25
 _CHECKPOINT_VERSION = 1
 
 
@@ -154,6 +163,8 @@ class AutoDecision:
         layout: ``(nodes, ranks per node)`` it was decided for.
         trial_steps: the training steps spent measuring (0 when the figures were given or resumed).
         measure_s: the seconds rank 0 spent measuring: link figures, compression costs and trial steps.
+        excess_s: what measuring cost beyond the same progress at the pick's pace: the link timing and each trial
+            step's time over the pick's for the progress it made (rank 0's clock; 0 when nothing was timed).
     """
 
     algorithm: Algorithm
@@ -166,6 +177,7 @@ class AutoDecision:
     layout: tuple[int, int]
     trial_steps: int = 0
     measure_s: float = 0.0
+    excess_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Return the decision as plain Python objects: what checkpoints and results files store."""
@@ -182,6 +194,7 @@ class AutoDecision:
             "layout": list(self.layout),
             "trial_steps": self.trial_steps,
             "measure_s": self.measure_s,
+            "excess_s": self.excess_s,
         }
 
     @classmethod
@@ -198,6 +211,7 @@ class AutoDecision:
             layout=(int(values["layout"][0]), int(values["layout"][1])),
             trial_steps=int(values.get("trial_steps", 0)),
             measure_s=float(values.get("measure_s", 0.0)),
+            excess_s=float(values.get("excess_s", 0.0)),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -205,6 +219,7 @@ class AutoDecision:
         metrics: dict[str, float] = {
             "bagua/auto/trial_steps": float(self.trial_steps),
             "bagua/auto/measure_s": self.measure_s,
+            "bagua/auto/excess_s": self.excess_s,
         }
         for label, value in self.predicted_s.items():
             metrics[f"bagua/auto/predicted_s/{label}"] = value
@@ -234,7 +249,8 @@ class AutoDecision:
             f" Gradients: {gradients or 'given'}."
             f" Time to DDP's loss, per DDP step: {candidates}."
             + (f" Not timed: {skipped}." if skipped else "")
-            + f" Measuring took {self.trial_steps} steps and {self.measure_s:.2f} s on rank 0."
+            + f" Measuring took {self.trial_steps} steps and {self.measure_s:.2f} s on rank 0, {self.excess_s:.2f} s"
+            " more than the pick would have taken."
         )
 
 
@@ -310,13 +326,15 @@ class AutoImpl(AlgorithmImpl):
         self.run_steps = algorithm.run_steps
         self._trying = 0  # the candidate on trial
         self._steps_here = 0  # steps it has run (the first after a switch is not timed)
-        self._timed_steps = algorithm.trial_steps  # timed steps per candidate, set after the first candidate's
-        self._sized = False  # whether the first candidate's steps have set them
+        self._timed_steps = algorithm.trial_steps  # the timed steps the candidate on trial reaches
         self._queue: list[int] | None = None  # rank 0: the candidates still to try, the most promising first
+        self._close: list[int] | None = None  # rank 0, once all were tried: the close ones still to time for longer
         self._times: dict[int, list[float]] = {}
         self._last_boundary: float | None = None
         self._trial_steps = 0
         self._measure_s = 0.0
+        self._start_up_s = 0.0  # the link and compression timing, which trains nothing
+        self._spent: dict[int, tuple[int, float]] = {}  # each candidate's trial steps and their seconds, untimed too
         self._current = self._reify(0, trial=True)
         self._dispatch = _DispatchState(*self.current.communication_hook())
         if groups.world_size == 1:
@@ -334,7 +352,7 @@ class AutoImpl(AlgorithmImpl):
         return self._dispatch, _dispatch_hook
 
     def use_run_length(self, steps: float) -> None:
-        """Bound the measuring by the run's length, unless ``run_steps`` was given: at most 5% of ``steps``.
+        """Bound the measuring by the run's length, unless ``run_steps`` was given: at most 5% of its time.
 
         Args:
             steps: the run's training steps (``float("inf")`` when unknown, which leaves the budget as it is).
@@ -506,8 +524,9 @@ class AutoImpl(AlgorithmImpl):
 
     def _restart_trials(self) -> None:
         self._trying, self._steps_here, self._timed_steps, self._queue = 0, 0, self.auto.trial_steps, None
-        self._sized = False
+        self._close = None
         self._times, self._last_boundary, self._trial_steps, self._measure_s = {}, None, 0, 0.0
+        self._start_up_s, self._spent = 0.0, {}
         self._figures = self._given_figures()
         self._switch(0, trial=True)
 
@@ -526,15 +545,17 @@ class AutoImpl(AlgorithmImpl):
         self._trial_steps += 1
         self._measure_s += elapsed
         index = self._trying
+        steps, seconds = self._spent.get(index, (0, 0.0))
+        self._spent[index] = (steps + 1, seconds + elapsed)
         if self._steps_here > 0:  # the first step after a switch settles it (buffers, factors) and is not timed
             self._times.setdefault(index, []).append(elapsed)
         self._steps_here += 1
-        if self._steps_here > self._timed_steps:
+        if len(self._times.get(index, [])) >= self._timed_steps:
             self._record(index)
             following = self._next_everywhere()
             if following is None:
                 self._decide_and_adopt()
-            elif following != index:  # the same one again: the first candidate times more of its short steps
+            elif following != index:  # the same one again times more of its steps, with no switch to settle
                 self._go_to(following)
         self._last_boundary = time.perf_counter()
 
@@ -557,7 +578,8 @@ class AutoImpl(AlgorithmImpl):
             for index, candidate in enumerate(self.candidates[1:], start=1):
                 if self.labels[index] not in self._figures.compress_s:
                     self._figures.compress_s[self.labels[index]] = _compression_cost(candidate, self.context)
-        self._measure_s += time.perf_counter() - started
+        self._start_up_s = time.perf_counter() - started
+        self._measure_s += self._start_up_s
 
     def _time_links(self, large: int) -> dict[str, dict[str, float]]:
         groups, device = self.context.groups, self.context.device
@@ -588,56 +610,143 @@ class AutoImpl(AlgorithmImpl):
         return None if order[0] < 0 else int(order[0])
 
     def _next_trial(self) -> tuple[int, int]:
-        """Rank 0: the next candidate to time (-1: none) and the timed steps per candidate.
+        """Rank 0: the next candidate to time (-1: none) and the timed steps it is to reach.
 
-        At start-up, the order of all candidates by their lower bound. After the first candidate's steps, the steps
-        per candidate, enough to fill ``min_trial_s`` where steps are short. Then the next candidate that could
-        still beat the best time to DDP's loss measured so far, and that fits the budget; the others are skipped,
-        with why.
+        First every candidate, the most promising by its lower bound first, for ``trial_steps``: one whose bound
+        already loses to the best time to DDP's loss measured so far is skipped, and so is one past the budget,
+        with why. Then, where steps are short, the candidates within :data:`_CLOSE` of the best are timed for
+        longer, as the budget allows.
         """
         if self._queue is None:
             self._queue = sorted(range(len(self.candidates)), key=lambda index: (self._bound(index)[0], index))
-        elif not self._sized:
-            self._sized = True
-            first = self._figures.step_s[self.labels[self._trying]]
-            self._timed_steps = self._steps_per_candidate(first, 1 + len(self._queue))
-            if self._timed_steps > len(self._times[self._trying]):
-                return self._trying, self._timed_steps
-        predicted = {label: step * self._factor_of(label) for label, step in self._figures.step_s.items()}
-        best = min(predicted, key=lambda label: (predicted[label], self.labels.index(label)), default=None)
+        predicted = self._predicted()
+        best = self._best()
+        trial = self.auto.trial_steps
         while self._queue:
             index = self._queue.pop(0)
             label, (bound, binding) = self.labels[index], self._bound(index)
             factor = _factor(self.candidates[index])
             # Room for gradient_allreduce, the fallback, stays until it has run or lost by its bound.
-            needed = (self._timed_steps + 1) * (2 if index != 0 and 0 in self._queue else 1)
+            keep_fallback = index != 0 and 0 in self._queue and self._could_win(0)
+            needed = (trial + 1) * (2 if keep_fallback else 1)
+            cost = (trial + 1) * (self._step_excess_s(index) + (self._step_excess_s(0) if keep_fallback else 0.0))
+            allowance = self._allowance_s()
             if best is not None and bound >= predicted[best]:
                 self._figures.skipped[label] = (
                     f"even at its {binding} bound, {factor:.4g}x steps of {bound * 1e3 / factor:.1f} ms each lose to"
                     f" {best}'s {predicted[best] * 1e3:.1f} ms per DDP step"
                 )
-            elif self._budget() - self._trial_steps < needed:
-                self._figures.skipped[label] = f"past the budget of {self._budget()} measuring steps"
+            elif self._step_budget() - self._trial_steps < needed:
+                self._figures.skipped[label] = f"past the budget of {self._step_budget()} measuring steps"
+            elif index != 0 and self._excess_s() + cost > allowance:
+                assert best is not None  # the allowance is finite: a step was timed
+                assert self.run_steps is not None
+                self._figures.skipped[label] = (
+                    f"past the allowance of {allowance * 1e3:.1f} ms beyond the best candidate's steps (5% of"
+                    f" {self.run_steps} steps of {self._figures.step_s[best] * 1e3:.1f} ms): measuring had cost"
+                    f" {self._excess_s() * 1e3:.1f} ms"
+                    + (f", and its {trial + 1} steps would cost at least {cost * 1e3:.1f} ms more" if cost > 0 else "")
+                )
             else:
-                return index, self._timed_steps
-        return -1, self._timed_steps
+                return index, trial
+        if self._close is None:
+            assert best is not None  # the first candidate always runs
+            close = [
+                index
+                for index, label in enumerate(self.labels)
+                if predicted.get(label, math.inf) <= _CLOSE * predicted[best]
+            ]
+            # The one on trial first: it goes on with no switch to settle.
+            self._close = sorted(close, key=lambda index: (index != self._trying, predicted[self.labels[index]], index))
+        while self._close:
+            index = self._close.pop(0)
+            steps = self._longer_steps(index)
+            if steps > len(self._times[index]):
+                return index, steps
+        return -1, trial
 
-    def _budget(self) -> int:
-        """The most training steps measuring may take: ``max_trial_steps``, and 5% of ``run_steps`` where known."""
+    def _longer_steps(self, index: int) -> int:
+        """The timed steps a close candidate is to reach: as many as fill ``min_trial_s``, within the budget.
+
+        At most :data:`_MAX_STEPS_PER_TRIAL` times ``trial_steps``; at most an even share of the steps
+        ``max_trial_steps`` leaves among the close candidates still to go (a switch's untimed step counted); and,
+        where the run's length is known, at most what the time allowance leaves at its measured excess per step.
+        A candidate no longer within :data:`_CLOSE` of the best keeps the steps it has.
+        """
+        label, done = self.labels[index], len(self._times[index])
+        predicted, best = self._predicted(), self._best()
+        assert best is not None
+        assert self._close is not None
+        if predicted[label] > _CLOSE * predicted[best]:
+            return done
+        step = self._figures.step_s[label]
+        settle = 0 if index == self._trying else 1
+        steps = math.ceil(self.auto.min_trial_s / step) if step > 0 else done
+        steps = min(steps, _MAX_STEPS_PER_TRIAL * self.auto.trial_steps)
+        share = (self._step_budget() - self._trial_steps) // (1 + len(self._close))
+        steps = min(steps, done - settle + share)
+        per_step = max(step - predicted[best] / self._factor_of(label), 0.0)
+        room = self._allowance_s() - self._excess_s()
+        if per_step > 0 and math.isfinite(room):
+            steps = min(steps, done - settle + math.floor(room / per_step))
+        return steps
+
+    def _step_budget(self) -> int:
+        """The most training steps measuring may take: ``max_trial_steps``, and a quarter of ``run_steps`` if known.
+
+        Never fewer than the first candidate's and gradient_allreduce's ``trial_steps + 1`` each.
+        """
         budget = self.auto.max_trial_steps
         if self.run_steps is not None:
-            budget = min(budget, max(self.auto.trial_steps + 1, int(self.run_steps * _RUN_SHARE)))
+            budget = min(budget, max(2 * (self.auto.trial_steps + 1), int(self.run_steps * _RUN_STEP_SHARE)))
         return budget
 
-    def _steps_per_candidate(self, first_step: float, candidates: int) -> int:
-        """Timed steps per candidate: ``trial_steps``, or more where that many take under ``min_trial_s``.
+    def _predicted(self) -> dict[str, float]:
+        """Each timed candidate's predicted time to DDP's loss per DDP step, ``T_c * f_c``."""
+        return {label: step * self._factor_of(label) for label, step in self._figures.step_s.items()}
 
-        At most what an even share of the budget leaves (each candidate's untimed first step counted), and at most
-        :data:`_MAX_STEPS_PER_TRIAL` times ``trial_steps``.
+    def _best(self) -> str | None:
+        """The timed candidate that reaches DDP's loss first (the earlier one on a tie), if any was timed."""
+        predicted = self._predicted()
+        return min(predicted, key=lambda label: (predicted[label], self.labels.index(label)), default=None)
+
+    def _could_win(self, index: int) -> bool:
+        best = self._best()
+        return best is None or self._bound(index)[0] < self._predicted()[best]
+
+    def _allowance_s(self) -> float:
+        """What measuring may cost beyond the best candidate's pace: 5% of the run at its step.
+
+        Unbounded until a step is timed, and where the run's length is unknown.
         """
-        wanted = math.ceil(self.auto.min_trial_s / first_step) if first_step > 0 else self.auto.trial_steps
-        share = self._budget() // candidates - 1
-        return max(self.auto.trial_steps, min(wanted, share, _MAX_STEPS_PER_TRIAL * self.auto.trial_steps))
+        best = self._best()
+        if self.run_steps is None or best is None:
+            return math.inf
+        return _RUN_SHARE * self.run_steps * self._figures.step_s[best]
+
+    def _excess_s(self) -> float:
+        """What measuring has cost so far beyond the best candidate's pace.
+
+        The link timing trains nothing and counts whole. A trial step of ``c`` made ``1 / f_c`` of a DDP step's
+        progress, which the best candidate makes in ``T_best * f_best / f_c``: the step costs what it took beyond
+        that, its untimed first step included.
+        """
+        best = self._best()
+        if best is None:
+            return self._start_up_s
+        pace = self._predicted()[best]
+        spent = 0.0
+        for index, (steps, seconds) in self._spent.items():
+            spent += max(seconds - steps * pace / _factor(self.candidates[index]), 0.0)
+        return self._start_up_s + spent
+
+    def _step_excess_s(self, index: int) -> float:
+        """At least what one trial step of a candidate not yet timed would cost beyond the best one's pace."""
+        best = self._best()
+        if best is None:
+            return 0.0
+        factor = _factor(self.candidates[index])
+        return max((self._bound(index)[0] - self._predicted()[best]) / factor, 0.0)
 
     def _factor_of(self, label: str) -> float:
         return _factor(self.candidates[self.labels.index(label)])
@@ -696,6 +805,7 @@ class AutoImpl(AlgorithmImpl):
             layout=self.layout,
             trial_steps=self._trial_steps,
             measure_s=self._measure_s,
+            excess_s=self._excess_s() if self._spent else 0.0,
         )
         if self.context.groups.rank == 0:
             log.info("%s", self.decision.summary())
@@ -731,9 +841,10 @@ class AutoAlgorithm(Algorithm):
             trial_steps`` or more (83 ms by default) are timed ``trial_steps`` times.
         figures: figures to decide from instead of measuring (for tests and reproductions); with a step time for
             every candidate no step is timed and the pick is made when the model is wrapped.
-        run_steps: the run's training steps, where known: measuring then takes at most 5% of them (and never fewer
-            than ``trial_steps + 1``, gradient_allreduce's). The Trainer strategy passes the Trainer's estimated
-            steps when this is ``None``; without either, only ``max_trial_steps`` bounds it.
+        run_steps: the run's training steps, where known: measuring then costs at most 5% of the run's time beyond
+            what the best candidate timed so far would have taken for the same progress (the link timing counted
+            whole; the first candidate's ``trial_steps + 1`` steps always run). The Trainer strategy passes the
+            Trainer's estimated steps when this is ``None``; without either, only ``max_trial_steps`` bounds it.
     """
 
     impl_class = AutoImpl
