@@ -338,11 +338,12 @@ def _trial_plan(
     bandwidth: float,
     run_steps: int | None = None,
     start_up_ms: float = 0.0,
+    codec_load_ms: float = 0.0,
 ) -> dict[str, Any]:
     """The plan rank 0 makes, each candidate it runs taking ``step_ms[label]`` a step: what it times, and skips.
 
     Each rank works it out from the same figures, as rank 0 does alone in training; the link timing took
-    ``start_up_ms``.
+    ``start_up_ms``, and loading the codec ``codec_load_ms``.
     """
     module = wide_model()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
@@ -355,7 +356,7 @@ def _trial_plan(
         compress_s=dict.fromkeys(impl.labels, 0.0),
     )
     impl._queue, impl._close, impl._times, impl._trial_steps = None, None, {}, 0
-    impl._start_up_s, impl._spent, impl._trying = start_up_ms / 1e3, {}, -1
+    impl._start_up_s, impl._codec_load_s, impl._spent, impl._trying = start_up_ms / 1e3, codec_load_ms / 1e3, {}, -1
     plan = []
     index, steps = impl._next_trial()
     while index >= 0:
@@ -452,6 +453,25 @@ def test_a_known_run_length_bounds_what_measuring_costs_beyond_the_best_pace():
         " measuring had cost 30.0 ms"
     }
     assert result["pick"] == "gradient_allreduce"
+    # Loading the codec took 300 ms: no cost of timing the compressing candidates, which would pay it anyway if
+    # picked; once gradient_allreduce is the best it is measuring's, and leaves no room to time them longer.
+    (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 230, 0.0, 300.0)
+    assert result["plan"] == [
+        (LOW_RANK_LABEL, 3),
+        (BYTEGRAD_LABEL, 3),
+        ("gradient_allreduce", 3),
+        ("gradient_allreduce", 15),
+    ]
+    expected = _excess_ms({LOW_RANK_LABEL: 4, BYTEGRAD_LABEL: 4}, EVERY_STEP_2_MS, "gradient_allreduce", 300.0)
+    assert result["excess_ms"] == pytest.approx(expected, rel=1e-9)
+    # Where bytegrad is the best, the loading is its own cost: the close ones are timed longer within 5%.
+    step_ms = {"gradient_allreduce": 3.0, BYTEGRAD_LABEL: 2.0, LOW_RANK_LABEL: 3.0}
+    (result,) = run_processes(_trial_plan, 1, step_ms, 1e12, 230, 0.0, 300.0)
+    assert result["plan"][3:] == [("gradient_allreduce", 20), (BYTEGRAD_LABEL, 21)]  # low_rank is 1.59x off
+    assert result["pick"] == BYTEGRAD_LABEL
+    expected = _excess_ms({LOW_RANK_LABEL: 4, "gradient_allreduce": 21}, step_ms, BYTEGRAD_LABEL)
+    assert result["excess_ms"] == pytest.approx(expected, rel=1e-9)
+    assert expected <= 0.05 * 230 * 2.0
     # 100 steps: measuring takes at most 25 of them, however cheap.
     (result,) = run_processes(_trial_plan, 1, EVERY_STEP_2_MS, 1e12, 100)
     assert result["steps"] == 25

@@ -334,6 +334,7 @@ class AutoImpl(AlgorithmImpl):
         self._trial_steps = 0
         self._measure_s = 0.0
         self._start_up_s = 0.0  # the link and compression timing, which trains nothing
+        self._codec_load_s = 0.0  # the codec's first use: a cost of any compressing method, auto's pick or not
         self._spent: dict[int, tuple[int, float]] = {}  # each candidate's trial steps and their seconds, untimed too
         self._current = self._reify(0, trial=True)
         self._dispatch = _DispatchState(*self.current.communication_hook())
@@ -526,7 +527,7 @@ class AutoImpl(AlgorithmImpl):
         self._trying, self._steps_here, self._timed_steps, self._queue = 0, 0, self.auto.trial_steps, None
         self._close = None
         self._times, self._last_boundary, self._trial_steps, self._measure_s = {}, None, 0, 0.0
-        self._start_up_s, self._spent = 0.0, {}
+        self._start_up_s, self._codec_load_s, self._spent = 0.0, 0.0, {}
         self._figures = self._given_figures()
         self._switch(0, trial=True)
 
@@ -565,8 +566,16 @@ class AutoImpl(AlgorithmImpl):
         self._trying, self._steps_here = index, 0
 
     def _measure_start_up(self) -> None:
-        started = time.perf_counter()
         groups = self.context.groups
+        if any(_compresses(candidate) for candidate in self.candidates):
+            # Every rank loads the codec's backend here, before any step is timed, and the barrier waits for the
+            # slowest: a compressing method pays this once, at its first step, whether auto or the user picked it.
+            loading = time.perf_counter()
+            MinMaxUInt8Codec().compress(torch.zeros(64, device=self.context.device))
+            dist.barrier(group=groups.flat)
+            self._codec_load_s = time.perf_counter() - loading
+            self._measure_s += self._codec_load_s
+        started = time.perf_counter()
         self._figures = self._given_figures()  # what was given is not measured
         self._figures.step_s = {}
         self._figures.gradient_bytes = self._figures.gradient_bytes or _gradient_bytes(self.context)
@@ -631,6 +640,8 @@ class AutoImpl(AlgorithmImpl):
             needed = (trial + 1) * (2 if keep_fallback else 1)
             cost = (trial + 1) * (self._step_excess_s(index) + (self._step_excess_s(0) if keep_fallback else 0.0))
             allowance = self._allowance_s()
+            # The codec's loading is no cost of timing a compressing candidate: if it wins, it would have paid it.
+            spent = self._excess_s(compressing_wins=_compresses(self.candidates[index]))
             if best is not None and bound >= predicted[best]:
                 self._figures.skipped[label] = (
                     f"even at its {binding} bound, {factor:.4g}x steps of {bound * 1e3 / factor:.1f} ms each lose to"
@@ -638,13 +649,13 @@ class AutoImpl(AlgorithmImpl):
                 )
             elif self._step_budget() - self._trial_steps < needed:
                 self._figures.skipped[label] = f"past the budget of {self._step_budget()} measuring steps"
-            elif index != 0 and self._excess_s() + cost > allowance:
+            elif index != 0 and spent + cost > allowance:
                 assert best is not None  # the allowance is finite: a step was timed
                 assert self.run_steps is not None
                 self._figures.skipped[label] = (
                     f"past the allowance of {allowance * 1e3:.1f} ms beyond the best candidate's steps (5% of"
                     f" {self.run_steps} steps of {self._figures.step_s[best] * 1e3:.1f} ms): measuring had cost"
-                    f" {self._excess_s() * 1e3:.1f} ms"
+                    f" {spent * 1e3:.1f} ms"
                     + (f", and its {trial + 1} steps would cost at least {cost * 1e3:.1f} ms more" if cost > 0 else "")
                 )
             else:
@@ -724,21 +735,25 @@ class AutoImpl(AlgorithmImpl):
             return math.inf
         return _RUN_SHARE * self.run_steps * self._figures.step_s[best]
 
-    def _excess_s(self) -> float:
+    def _excess_s(self, compressing_wins: bool = False) -> float:
         """What measuring has cost so far beyond the best candidate's pace.
 
-        The link timing trains nothing and counts whole. A trial step of ``c`` made ``1 / f_c`` of a DDP step's
-        progress, which the best candidate makes in ``T_best * f_best / f_c``: the step costs what it took beyond
-        that, its untimed first step included.
+        The link timing trains nothing and counts whole; so does the codec's loading, unless the best candidate
+        compresses (or ``compressing_wins``: one about to be timed might): that one would have paid it anyway. A
+        trial step of ``c`` made ``1 / f_c`` of a DDP step's progress, which the best candidate makes in
+        ``T_best * f_best / f_c``: the step costs what it took beyond that, its untimed first step included.
         """
         best = self._best()
+        sunk = self._start_up_s
+        if not (compressing_wins or (best is not None and _compresses(self.candidates[self.labels.index(best)]))):
+            sunk += self._codec_load_s
         if best is None:
-            return self._start_up_s
+            return sunk
         pace = self._predicted()[best]
         spent = 0.0
         for index, (steps, seconds) in self._spent.items():
             spent += max(seconds - steps * pace / _factor(self.candidates[index]), 0.0)
-        return self._start_up_s + spent
+        return sunk + spent
 
     def _step_excess_s(self, index: int) -> float:
         """At least what one trial step of a candidate not yet timed would cost beyond the best one's pace."""
@@ -1003,6 +1018,11 @@ def _exchanged_bytes(candidate: Algorithm, context: AlgorithmContext, gradient_b
                 sent += parameter.numel() * parameter.element_size()
         return float(sent)
     return float(sum(gradient_bytes.values()))
+
+
+def _compresses(candidate: Algorithm) -> bool:
+    """Whether the candidate runs the 8-bit codec (``bytegrad``'s gradients, ``low_rank``'s factors)."""
+    return isinstance(candidate, (ByteGradAlgorithm, LowRankAlgorithm))
 
 
 def _compression_cost(candidate: Algorithm, context: AlgorithmContext) -> float:
