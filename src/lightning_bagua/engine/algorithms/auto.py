@@ -10,11 +10,9 @@
    (:mod:`._auto_factors`): a step takes at least its compute and at least the bytes it sends (low_rank's 8-bit
    factors as its plan sends them) at the bandwidth of the tier its exchange crosses. Before any step is timed the
    compute is taken as 0, so the order is the link's; ``gradient_allreduce``'s bound is always its link bound.
-3. The first candidate runs ``trial_steps`` timed steps (after one untimed step that settles the switch). Where
-   those took under ``min_trial_s``, it and every later candidate are timed for more steps, ``k = ceil(min_trial_s
-   / T)``, within an even share of ``max_trial_steps`` and within the allowance below. Each candidate's step
-   ``T_c`` is the maximum over ranks of each rank's median (a step is as slow as its slowest rank), in the phase it
-   would run in (``low_rank`` exchanges factors from its first trial step). The compute is then at most
+3. Each candidate in that order runs ``trial_steps`` timed steps (after one untimed step that settles the switch).
+   Its step ``T_c`` is the maximum over ranks of each rank's median (a step is as slow as its slowest rank), in the
+   phase it would run in (``low_rank`` exchanges factors from its first trial step). The compute is then at most
    ``gradient_allreduce``'s step less its bytes over the link, once it has run.
 4. Before each further candidate, rank 0 skips it if its bound already loses to the best ``T_c * f_c`` measured
    so far, or if it would overrun the budget (room for ``gradient_allreduce`` is kept until it has run or lost).
@@ -24,7 +22,11 @@
    trains the model, so what it costs is its excess: a step of ``c`` makes ``1 / f_c`` of a DDP step's progress,
    which the best candidate makes in ``T_best * f_best / f_c``; the link timing counts whole. A candidate whose
    steps are about as fast as the best's is cheap to time however many steps it takes, and a slow one is not.
-5. Rank 0 picks the smallest predicted time (the earlier candidate on a tie; ``gradient_allreduce`` unless another
+   Loading the codec counts only where the best candidate does not compress: one that does would pay it anyway.
+5. Where steps are short, the candidates within 1.5x of the best ``T_c * f_c`` are then timed for longer, the best
+   first: up to ``k = ceil(min_trial_s / T_c)`` steps, within an even share of the steps left and of the allowance.
+   A few steps' noise cannot then decide between close candidates.
+6. Rank 0 picks the smallest predicted time (the earlier candidate on a tie; ``gradient_allreduce`` unless another
    beats it, measured or by its link bound) and broadcasts it; every rank builds that algorithm, with the keywords
    it was timed with, and runs exactly it from then on.
 """
@@ -850,10 +852,11 @@ class AutoAlgorithm(Algorithm):
             switch).
         max_trial_steps: the most training steps the measurement may take, all candidates together; candidates
             past it are not timed, the least promising first. 48 by default: 4.8% of a 1,000-step run at most.
-        min_trial_s: where ``trial_steps`` of gradient_allreduce's steps take less, every candidate is timed for
-            as many steps as fill about this many seconds (within an even share of ``max_trial_steps``), so that
-            a millisecond of noise on millisecond steps cannot flip the pick. Steps of ``min_trial_s /
-            trial_steps`` or more (83 ms by default) are timed ``trial_steps`` times.
+        min_trial_s: where a candidate within 1.5x of the best one's time to DDP's loss took less for its
+            ``trial_steps``, it is timed for as many steps as fill about this many seconds (within an even share
+            of the steps left and of the time allowance), so that a millisecond of noise on millisecond steps
+            cannot flip the pick. Steps of ``min_trial_s / trial_steps`` or more (83 ms by default) are timed
+            ``trial_steps`` times.
         figures: figures to decide from instead of measuring (for tests and reproductions); with a step time for
             every candidate no step is timed and the pick is made when the model is wrapped.
         run_steps: the run's training steps, where known: measuring then costs at most 5% of the run's time beyond
