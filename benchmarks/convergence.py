@@ -786,6 +786,7 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
         (r["task"], r["layout"], r["rate"]): r["median_step_s"] for r in report["lab"] if r["method"] == "single"
     }
     auto_rows, diloco_rows = [], []
+    auto_cells: list[dict[str, Any]] = []
     for row in rows:
         if "median_step_s" not in row or not row["method"].startswith(("auto", "diloco_")):
             continue
@@ -809,6 +810,12 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
                 f" {ratio(time_s, best and best['time_to_target_s'])} | {ratio(time_s, ddp_s)} |"
                 f" {ratio(time_s, pick and pick['time_to_target_s'])} | {share:.1%} |"
             )
+            if time_s is not None and best and ddp_s and pick:
+                auto_cells.append({
+                    "where": where, "vs_best": time_s / best["time_to_target_s"], "vs_ddp": time_s / ddp_s,
+                    "vs_pick": time_s / pick["time_to_target_s"], "share": share, "best": best["method"],
+                    "pick_is_best": best["method"] in pick_names,
+                })  # fmt: skip
         else:
             low_rank = _fastest(cell, lambda method: method.startswith("low_rank_"))
             torchft = _fastest(cell, _same_schedule_peer(row["method"]))
@@ -843,6 +850,8 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|---|",
             *auto_rows,
         ]  # fmt: skip
+        if auto_cells:
+            lines += ["", "<!-- auto-summary -->", _auto_summary(auto_cells, len(auto_rows)), "<!-- /auto-summary -->"]
     if diloco_rows:
         lines += [
             "", "### diloco against low_rank, DDP and torchft's DiLoCo", "",
@@ -860,6 +869,49 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
             *diloco_rows,
         ]  # fmt: skip
     return lines
+
+
+# The candidates auto considers by default, as the lab names them as fixed methods.
+_AUTO_CANDIDATES = ("gradient_allreduce", "bytegrad", "low_rank_r16")
+
+
+def _auto_summary(cells: list[dict[str, Any]], rows: int) -> str:
+    """The auto table in one paragraph, for the docs to include: how often auto was under DDP and near the fastest
+    fixed method, whether it picked that method, and what its measuring cost."""
+    fast = [cell for cell in cells if cell["where"][2] == "unshaped" or bits_per_second(cell["where"][2]) >= 10**8]
+    worst = max(cells, key=lambda cell: cell["vs_best"])
+    missed: dict[str, int] = {}
+    for cell in cells:
+        if not cell["pick_is_best"] and cell["best"].split(":")[0] not in _AUTO_CANDIDATES:
+            missed[cell["best"].split(":")[0]] = missed.get(cell["best"].split(":")[0], 0) + 1
+    picked = sum(cell["pick_is_best"] for cell in cells)
+
+    def spread(key: str, form: str) -> str:
+        values = [cell[key] for cell in cells]
+        return f"{min(values):{form}} to {max(values):{form}}"
+
+    under = sum(cell["vs_ddp"] < 1 for cell in cells)
+    text = (
+        f"In this run auto reached the target in {len(cells)} of {rows} cells. Its time to the target, its measuring"
+        f" counted, was under DDP's in {under} ({spread('vs_ddp', '.2f')}x); within 1.10x of the fastest fixed"
+        f" method's in {sum(cell['vs_best'] <= 1.10 for cell in cells)}"
+        f" ({sum(cell['vs_best'] <= 1.10 for cell in fast)} of the {len(fast)} at 100 Mbit/s and faster) and within"
+        f" 1.25x in {sum(cell['vs_best'] <= 1.25 for cell in cells)}, at worst {worst['vs_best']:.2f}x"
+        f" ({', '.join(worst['where'])}). Its pick was the cell's fastest fixed method in {picked}"
+    )
+    if missed:
+        text += (
+            ", and in "
+            + " and ".join(
+                f"{count} the fastest was {method}"
+                for method, count in sorted(missed.items(), key=lambda item: -item[1])
+            )
+            + ", which auto does not consider"
+        )
+    return text + (
+        f". Measuring cost {spread('share', '.1%')} of the run; beyond it, auto's time came to"
+        f" {spread('vs_pick', '.2f')}x its pick's run as a fixed method in the same cell."
+    )
 
 
 def timed_figure(report: dict[str, Any], plt: Any) -> Any:
