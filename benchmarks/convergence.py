@@ -886,15 +886,15 @@ def _auto_summary(cells: list[dict[str, Any]], rows: int) -> str:
             missed[cell["best"].split(":")[0]] = missed.get(cell["best"].split(":")[0], 0) + 1
     picked = sum(cell["pick_is_best"] for cell in cells)
 
-    def spread(key: str, form: str) -> str:
+    def spread(key: str, form: str, unit: str = "") -> str:
         values = [cell[key] for cell in cells]
-        return f"{min(values):{form}} to {max(values):{form}}"
+        return f"{min(values):{form}}{unit} to {max(values):{form}}{unit}"
 
     under = sum(cell["vs_ddp"] < 1 for cell in cells)
     text = (
         f"In this run auto reached the target in {len(cells)} of {rows} cells. Its time to the target, its measuring"
-        f" counted, was under DDP's in {under} ({spread('vs_ddp', '.2f')}x); within 1.10x of the fastest fixed"
-        f" method's in {sum(cell['vs_best'] <= 1.10 for cell in cells)}"
+        f" counted, was under DDP's in {under} (from {spread('vs_ddp', '.2f', 'x')} of it); within 1.10x of the"
+        f" fastest fixed method's in {sum(cell['vs_best'] <= 1.10 for cell in cells)}"
         f" ({sum(cell['vs_best'] <= 1.10 for cell in fast)} of the {len(fast)} at 100 Mbit/s and faster) and within"
         f" 1.25x in {sum(cell['vs_best'] <= 1.25 for cell in cells)}, at worst {worst['vs_best']:.2f}x"
         f" ({', '.join(worst['where'])}). Its pick was the cell's fastest fixed method in {picked}"
@@ -910,7 +910,7 @@ def _auto_summary(cells: list[dict[str, Any]], rows: int) -> str:
         )
     return text + (
         f". Measuring cost {spread('share', '.1%')} of the run; beyond it, auto's time came to"
-        f" {spread('vs_pick', '.2f')}x its pick's run as a fixed method in the same cell."
+        f" {spread('vs_pick', '.2f', 'x')} its pick's run as a fixed method in the same cell."
     )
 
 

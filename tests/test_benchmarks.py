@@ -557,10 +557,10 @@ def test_time_to_accuracy_bars_count_auto_against_its_run_and_diloco_against_its
     assert lines[lines.index("<!-- auto-summary -->") + 2] == "<!-- /auto-summary -->"
     assert summary == (
         "In this run auto reached the target in 1 of 1 cells. Its time to the target, its measuring counted, was"
-        " under DDP's in 1 (0.57 to 0.57x); within 1.10x of the fastest fixed method's in 0 (0 of the 1 at 100"
-        " Mbit/s and faster) and within 1.25x in 0, at worst 1.36x (charlm, 2x1, 100mbit). Its pick was the cell's"
-        " fastest fixed method in 0. Measuring cost 3.3% to 3.3% of the run; beyond it, auto's time came to 1.13 to"
-        " 1.13x its pick's run as a fixed method in the same cell."
+        " under DDP's in 1 (from 0.57x to 0.57x of it); within 1.10x of the fastest fixed method's in 0 (0 of the 1"
+        " at 100 Mbit/s and faster) and within 1.25x in 0, at worst 1.36x (charlm, 2x1, 100mbit). Its pick was the"
+        " cell's fastest fixed method in 0. Measuring cost 3.3% to 3.3% of the run; beyond it, auto's time came to"
+        " 1.13x to 1.13x its pick's run as a fixed method in the same cell."
     )
     # A fastest method outside auto's candidates is named as such.
     report["combined"].append(row("low_rank_r8", 0.020, 100))
