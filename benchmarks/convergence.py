@@ -871,19 +871,20 @@ def bars_markdown(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-# The candidates auto considers by default, as the lab names them as fixed methods.
-_AUTO_CANDIDATES = ("gradient_allreduce", "bytegrad", "low_rank_r16")
-
-
 def _auto_summary(cells: list[dict[str, Any]], rows: int) -> str:
     """The auto table in one paragraph, for the docs to include: how often auto was under DDP and near the fastest
     fixed method, whether it picked that method, and what its measuring cost."""
+    from lightning_bagua.engine.algorithms.auto import AutoAlgorithm, describe_algorithm
+
+    # The candidates auto considers by default, by the lab's names for them as fixed methods.
+    considered = {auto_curve_method(describe_algorithm(c)) for c in AutoAlgorithm().candidates_for(1, 2)}
     fast = [cell for cell in cells if cell["where"][2] == "unshaped" or bits_per_second(cell["where"][2]) >= 10**8]
     worst = max(cells, key=lambda cell: cell["vs_best"])
     missed: dict[str, int] = {}
     for cell in cells:
-        if not cell["pick_is_best"] and cell["best"].split(":")[0] not in _AUTO_CANDIDATES:
-            missed[cell["best"].split(":")[0]] = missed.get(cell["best"].split(":")[0], 0) + 1
+        method = cell["best"].split(":")[0]
+        if not cell["pick_is_best"] and method not in considered:
+            missed[method] = missed.get(method, 0) + 1
     picked = sum(cell["pick_is_best"] for cell in cells)
 
     def spread(key: str, form: str, unit: str = "") -> str:

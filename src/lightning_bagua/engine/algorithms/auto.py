@@ -664,11 +664,7 @@ class AutoImpl(AlgorithmImpl):
                 return index, trial
         if self._close is None:
             assert best is not None  # the first candidate always runs
-            close = [
-                index
-                for index, label in enumerate(self.labels)
-                if predicted.get(label, math.inf) <= _CLOSE * predicted[best]
-            ]
+            close = [index for index, label in enumerate(self.labels) if label in predicted and self._is_close(label)]
             # The one on trial first: it goes on with no switch to settle.
             self._close = sorted(close, key=lambda index: (index != self._trying, predicted[self.labels[index]], index))
         while self._close:
@@ -687,10 +683,8 @@ class AutoImpl(AlgorithmImpl):
         A candidate no longer within :data:`_CLOSE` of the best keeps the steps it has.
         """
         label, done = self.labels[index], len(self._times[index])
-        predicted, best = self._predicted(), self._best()
-        assert best is not None
         assert self._close is not None
-        if predicted[label] > _CLOSE * predicted[best]:
+        if not self._is_close(label):
             return done
         step = self._figures.step_s[label]
         settle = 0 if index == self._trying else 1
@@ -698,7 +692,7 @@ class AutoImpl(AlgorithmImpl):
         steps = min(steps, _MAX_STEPS_PER_TRIAL * self.auto.trial_steps)
         share = (self._step_budget() - self._trial_steps) // (1 + len(self._close))
         steps = min(steps, done - settle + share)
-        per_step = max(step - predicted[best] / self._factor_of(label), 0.0)
+        per_step = self._beyond_pace_s(index, step)
         room = self._allowance_s() - self._excess_s()
         if per_step > 0 and math.isfinite(room):
             steps = min(steps, done - settle + math.floor(room / per_step))
@@ -723,6 +717,11 @@ class AutoImpl(AlgorithmImpl):
         predicted = self._predicted()
         return min(predicted, key=lambda label: (predicted[label], self.labels.index(label)), default=None)
 
+    def _is_close(self, label: str) -> bool:
+        """Whether a timed candidate is within :data:`_CLOSE` of the best one's time to DDP's loss."""
+        predicted = self._predicted()
+        return predicted[label] <= _CLOSE * min(predicted.values())
+
     def _could_win(self, index: int) -> bool:
         best = self._best()
         return best is None or self._bound(index)[0] < self._predicted()[best]
@@ -741,29 +740,32 @@ class AutoImpl(AlgorithmImpl):
         """What measuring has cost so far beyond the best candidate's pace.
 
         The link timing trains nothing and counts whole; so does the codec's loading, unless the best candidate
-        compresses (or ``compressing_wins``: one about to be timed might): that one would have paid it anyway. A
-        trial step of ``c`` made ``1 / f_c`` of a DDP step's progress, which the best candidate makes in
-        ``T_best * f_best / f_c``: the step costs what it took beyond that, its untimed first step included.
+        compresses (or ``compressing_wins``: one about to be timed might): that one would have paid it anyway. Each
+        trial step, its candidate's untimed first one included, costs what it took beyond the best one's pace.
         """
         best = self._best()
         sunk = self._start_up_s
         if not (compressing_wins or (best is not None and _compresses(self.candidates[self.labels.index(best)]))):
             sunk += self._codec_load_s
-        if best is None:
-            return sunk
-        pace = self._predicted()[best]
-        spent = 0.0
-        for index, (steps, seconds) in self._spent.items():
-            spent += max(seconds - steps * pace / _factor(self.candidates[index]), 0.0)
+        spent = sum(
+            steps * self._beyond_pace_s(index, seconds / steps) for index, (steps, seconds) in self._spent.items()
+        )
         return sunk + spent
 
     def _step_excess_s(self, index: int) -> float:
         """At least what one trial step of a candidate not yet timed would cost beyond the best one's pace."""
+        return self._beyond_pace_s(index, self._bound(index)[0] / _factor(self.candidates[index]))
+
+    def _beyond_pace_s(self, index: int, step: float) -> float:
+        """What a step of the candidate taking ``step`` costs beyond the best one's pace for the progress it makes.
+
+        The step makes ``1 / f_c`` of a DDP step's progress, which the best candidate makes in ``T_best * f_best /
+        f_c``. 0 before any step is timed.
+        """
         best = self._best()
         if best is None:
             return 0.0
-        factor = _factor(self.candidates[index])
-        return max((self._bound(index)[0] - self._predicted()[best]) / factor, 0.0)
+        return max(step - self._predicted()[best] / _factor(self.candidates[index]), 0.0)
 
     def _factor_of(self, label: str) -> float:
         return _factor(self.candidates[self.labels.index(label)])
