@@ -226,8 +226,12 @@ def _measure_and_train(
     return result
 
 
+# Given links alone: the compression work is timed.
+SLOW_LINK_ONLY = AutoFigures(links=SLOW_LINK.links)
+
+
 @pytest.mark.parametrize(
-    ("world_size", "ranks_per_node", "figures"), [(2, None, None), (2, None, SLOW_LINK), (4, 2, SLOW_LINK)]
+    ("world_size", "ranks_per_node", "figures"), [(2, None, None), (2, None, SLOW_LINK), (4, 2, SLOW_LINK_ONLY)]
 )
 def test_every_rank_gets_the_same_pick_and_weights(world_size, ranks_per_node, figures):
     results = run_processes(_measure_and_train, world_size, ranks_per_node, 16, figures)
@@ -242,6 +246,12 @@ def test_every_rank_gets_the_same_pick_and_weights(world_size, ranks_per_node, f
     assert 0 < decision["excess_s"] <= decision["measure_s"]
     if figures is None:
         assert set(decision["figures"]["links"]) == {"all"}
+    if figures is SLOW_LINK_ONLY:
+        # A method's flat and hierarchical forms do the same compression work, timed once for both.
+        compress_s = decision["figures"]["compress_s"]
+        for method in ("bytegrad", "low_rank(rank=16"):
+            flat, hierarchical = (compress_s[label] for label in sorted(compress_s) if label.startswith(method))
+            assert flat == hierarchical > 0, compress_s
     # Every candidate was timed or skipped with a reason; those timed really ran (their collectives are counted).
     step_s, skipped = decision["figures"]["step_s"], decision["figures"]["skipped"]
     expected = AutoAlgorithm().candidates_for(*decision["layout"])

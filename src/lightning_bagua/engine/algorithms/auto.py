@@ -586,9 +586,14 @@ class AutoImpl(AlgorithmImpl):
         if not self._figures.links:
             self._figures.links = self._time_links(large)
         if groups.rank == 0:
+            # The flat and hierarchical forms of a method compress the same gradients: their work is timed once.
+            timed: dict[tuple[str, int], float] = {}
             for index, candidate in enumerate(self.candidates[1:], start=1):
                 if self.labels[index] not in self._figures.compress_s:
-                    self._figures.compress_s[self.labels[index]] = _compression_cost(candidate, self.context)
+                    work = _compression_work(candidate)
+                    if work not in timed:
+                        timed[work] = _compression_cost(candidate, self.context)
+                    self._figures.compress_s[self.labels[index]] = timed[work]
         self._start_up_s = time.perf_counter() - started
         self._measure_s += self._start_up_s
 
@@ -1028,6 +1033,11 @@ def _exchanged_bytes(candidate: Algorithm, context: AlgorithmContext, gradient_b
 def _compresses(candidate: Algorithm) -> bool:
     """Whether the candidate runs the 8-bit codec (``bytegrad``'s gradients, ``low_rank``'s factors)."""
     return isinstance(candidate, (ByteGradAlgorithm, LowRankAlgorithm))
+
+
+def _compression_work(candidate: Algorithm) -> tuple[str, int]:
+    """What a candidate's compression work depends on: its method and, for ``low_rank``, its rank."""
+    return type(candidate).__name__, candidate.rank if isinstance(candidate, LowRankAlgorithm) else 0
 
 
 def _compression_cost(candidate: Algorithm, context: AlgorithmContext) -> float:
