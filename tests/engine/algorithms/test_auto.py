@@ -264,6 +264,52 @@ def test_every_rank_gets_the_same_pick_and_weights(world_size, ranks_per_node, f
             torch.testing.assert_close(tensor, results[0]["state"][name], **TOLERANCE)
 
 
+# Each candidate's step from its forward to its optimizer step's end, in ms.
+ACTIVE_MS = dict(zip([describe_algorithm(c) for c in FLAT], [5.0, 4.0, 3.0], strict=True))
+
+
+def _measured_around_validation(rank: int, world_size: int) -> dict[str, Any]:
+    """Measure on a clock the loop drives: each step takes its candidate's ``ACTIVE_MS``, the time to the next
+    forward 1 ms, and after every fifth step a validation loop of 2 s runs."""
+    _time_every_candidate()
+    now = [0.0]
+    auto_module._clock = lambda: now[0]  # type: ignore[attr-defined]
+    given = AutoFigures(links=SLOW_LINK.links, compress_s=dict.fromkeys(ACTIVE_MS, 0.0))
+    model = wrap(AutoAlgorithm(trial_steps=2, min_trial_s=0, run_steps=1000, figures=given))
+    impl = model.bagua_algorithm_impl
+    assert isinstance(impl, AutoImpl)
+    optimizer = model.bagua_optimizers[0]
+    step = 0
+    while impl.decision is None:
+        inputs, targets = batch_for(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        now[0] += ACTIVE_MS[impl.labels[impl._trying]] / 1e3
+        optimizer.step()  # a plain loop: the optimizer's step hook marks the end
+        now[0] += 2.0 if step % 5 == 4 else 1e-3
+        step += 1
+    decision = impl.decision.to_dict()
+    model.close()
+    return decision
+
+
+def test_time_between_trial_steps_is_their_usual_gap_not_a_validation_loop():
+    # Three steps each (one settles the switch), in bound order: gradient_allreduce, bytegrad, low_rank. The 2 s
+    # after step 4 falls in bytegrad's second timed step: counted, it would make bytegrad's step 1 s and spend
+    # the allowance of 5% of 1,000 steps before low_rank could run.
+    results = run_processes(_measured_around_validation, 2)
+    assert results[0] == results[1]
+    decision = results[0]
+    step_ms = {label: active + 1.0 for label, active in ACTIVE_MS.items()}
+    assert decision["figures"]["step_s"] == pytest.approx({k: v / 1e3 for k, v in step_ms.items()}, rel=1e-9)
+    assert decision["figures"]["skipped"] == {}
+    assert decision["label"] == LOW_RANK_LABEL
+    assert decision["trial_steps"] == 9
+    assert decision["measure_s"] == pytest.approx(3 * sum(step_ms.values()) / 1e3, rel=1e-9)
+    expected = _excess_ms({"gradient_allreduce": 3, BYTEGRAD_LABEL: 3}, step_ms, LOW_RANK_LABEL)
+    assert decision["excess_s"] == pytest.approx(expected / 1e3, rel=1e-9)
+
+
 INJECTED = figures_for(
     {"gradient_allreduce": 10.0, "bytegrad(hierarchical=False)": 9.0, "low_rank(rank=16, hierarchical=False)": 5.0}
 )

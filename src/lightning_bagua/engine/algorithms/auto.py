@@ -12,7 +12,10 @@
    compute is taken as 0, so the order is the link's; ``gradient_allreduce``'s bound is always its link bound.
 3. Each candidate in that order runs ``trial_steps`` timed steps (after one untimed step that settles the switch).
    Its step ``T_c`` is the maximum over ranks of each rank's median (a step is as slow as its slowest rank), in the
-   phase it would run in (``low_rank`` exchanges factors from its first trial step). The compute is then at most
+   phase it would run in (``low_rank`` exchanges factors from its first trial step). A step is timed from its
+   forward to the end of its optimizer step (the bound optimizers' step hook, or the strategy's report of a step the
+   gradient scaler skipped), and the median time from there to the next forward is added: a validation loop or a
+   checkpoint between two trial steps counts neither in ``T_c`` nor in what measuring cost. The compute is then at most
    ``gradient_allreduce``'s step less its bytes over the link, once it has run.
 4. Before each further candidate, rank 0 skips it if its bound already loses to the best ``T_c * f_c`` measured
    so far, or if it would overrun the budget (room for ``gradient_allreduce`` is kept until it has run or lost).
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_bagua.engine.algorithms._auto_factors import LOW_RANK_MIN_RANK, steps_to_target
 from lightning_bagua.engine.algorithms.base import (
@@ -164,7 +168,9 @@ class AutoDecision:
         world_size: the ranks it was decided for.
         layout: ``(nodes, ranks per node)`` it was decided for.
         trial_steps: the training steps spent measuring (0 when the figures were given or resumed).
-        measure_s: the seconds rank 0 spent measuring: link figures, compression costs and trial steps.
+        measure_s: the seconds rank 0 spent measuring: link figures, compression costs and trial steps (each from its
+            forward to its optimizer step's end, plus its candidate's usual time to the next forward, so that a
+            validation loop or a checkpoint between trial steps is left out).
         excess_s: what measuring cost beyond the same progress at the pick's pace: the link timing and each trial
             step's time over the pick's for the progress it made (rank 0's clock; 0 when nothing was timed).
     """
@@ -315,6 +321,7 @@ class AutoImpl(AlgorithmImpl):
 
     def __init__(self, algorithm: "AutoAlgorithm", context: AlgorithmContext) -> None:
         self._current: AlgorithmImpl | None = None
+        self._step_hooks: list[RemovableHandle] = []
         super().__init__(algorithm, context)
         self.auto = algorithm
         groups = context.groups
@@ -331,13 +338,15 @@ class AutoImpl(AlgorithmImpl):
         self._timed_steps = algorithm.trial_steps  # the timed steps the candidate on trial reaches
         self._queue: list[int] | None = None  # rank 0: the candidates still to try, the most promising first
         self._close: list[int] | None = None  # rank 0, once all were tried: the close ones still to time for longer
-        self._times: dict[int, list[float]] = {}
+        self._times: dict[int, list[float]] = {}  # each candidate's timed steps, forward to optimizer step
+        self._gaps: dict[int, list[float]] = {}  # each candidate's times from an optimizer step to the next forward
         self._last_boundary: float | None = None
+        self._step_end: float | None = None  # when the last optimizer step ended, while measuring
         self._trial_steps = 0
-        self._measure_s = 0.0
         self._start_up_s = 0.0  # the link and compression timing, which trains nothing
         self._codec_load_s = 0.0  # the codec's first use: a cost of any compressing method, auto's pick or not
-        self._spent: dict[int, tuple[int, float]] = {}  # each candidate's trial steps and their seconds, untimed too
+        # Each candidate's trial steps and their seconds, untimed too, forward to optimizer step (its usual gap apart).
+        self._spent: dict[int, tuple[int, float]] = {}
         self._current = self._reify(0, trial=True)
         self._dispatch = _DispatchState(*self.current.communication_hook())
         if groups.world_size == 1:
@@ -387,13 +396,20 @@ class AutoImpl(AlgorithmImpl):
         self.current.on_forward_start(synchronizing)
 
     def bind_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Remember the optimizers and hand them to the current implementation."""
+        """Remember the optimizers, hand them to the current implementation, and note when each of their steps ends."""
         self._optimizers = list(optimizers)
         self.current.bind_optimizers(self._optimizers)
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = [optimizer.register_step_post_hook(self._note_step_end) for optimizer in self._optimizers]
 
     def on_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Hand the step to the current implementation."""
+        """Hand the step to the current implementation; while measuring, note when the step's work ended.
+
+        A strategy calls it for a step the gradient scaler skipped too, which ran no optimizer hook.
+        """
         self.current.on_optimizer_step(optimizer)
+        self._note_step_end()
 
     def start(self) -> None:
         """Start the current implementation's work (none for the gradient-bucket candidates)."""
@@ -486,10 +502,17 @@ class AutoImpl(AlgorithmImpl):
         return dict(saved[rank] if len(saved) == self.context.groups.world_size else saved[0])
 
     def close(self) -> None:
-        """Close the current implementation."""
+        """Close the current implementation and remove the optimizer hooks."""
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
         self.current.close()
 
     # -- measuring and deciding -----------------------------------------------------------------------------------
+
+    def _note_step_end(self, *_: Any) -> None:
+        if self.decision is None:
+            self._step_end = _clock()
 
     def _reify(self, index: int, trial: bool) -> AlgorithmImpl:
         candidate = self.candidates[index]
@@ -528,13 +551,13 @@ class AutoImpl(AlgorithmImpl):
     def _restart_trials(self) -> None:
         self._trying, self._steps_here, self._timed_steps, self._queue = 0, 0, self.auto.trial_steps, None
         self._close = None
-        self._times, self._last_boundary, self._trial_steps, self._measure_s = {}, None, 0, 0.0
+        self._times, self._gaps, self._last_boundary, self._step_end, self._trial_steps = {}, {}, None, None, 0
         self._start_up_s, self._codec_load_s, self._spent = 0.0, 0.0, {}
         self._figures = self._given_figures()
         self._switch(0, trial=True)
 
     def _trial_boundary(self) -> None:
-        now = time.perf_counter()
+        now, ended, self._step_end = _clock(), self._step_end, None
         if self._last_boundary is None:
             self._measure_start_up()
             first = self._next_everywhere()
@@ -542,12 +565,15 @@ class AutoImpl(AlgorithmImpl):
                 self._decide_and_adopt()
             else:
                 self._go_to(first)
-            self._last_boundary = time.perf_counter()
+            self._last_boundary = _clock()
             return
-        elapsed = now - self._last_boundary
+        # What ran after the optimizer step (data loading, and at times a validation loop or a checkpoint) is apart
+        # from the step: each candidate's usual gap stands for it. A step whose end went unseen counts whole.
+        index, elapsed = self._trying, now - self._last_boundary
+        if ended is not None and ended >= self._last_boundary:
+            elapsed = ended - self._last_boundary
+            self._gaps.setdefault(index, []).append(now - ended)
         self._trial_steps += 1
-        self._measure_s += elapsed
-        index = self._trying
         steps, seconds = self._spent.get(index, (0, 0.0))
         self._spent[index] = (steps + 1, seconds + elapsed)
         if self._steps_here > 0:  # the first step after a switch settles it (buffers, factors) and is not timed
@@ -560,7 +586,7 @@ class AutoImpl(AlgorithmImpl):
                 self._decide_and_adopt()
             elif following != index:  # the same one again times more of its steps, with no switch to settle
                 self._go_to(following)
-        self._last_boundary = time.perf_counter()
+        self._last_boundary = _clock()
 
     def _go_to(self, index: int) -> None:
         if index != self._trying:
@@ -572,12 +598,11 @@ class AutoImpl(AlgorithmImpl):
         if any(_compresses(candidate) for candidate in self.candidates):
             # Every rank loads the codec's backend here, before any step is timed, and the barrier waits for the
             # slowest: a compressing method pays this once, at its first step, whether auto or the user picked it.
-            loading = time.perf_counter()
+            loading = _clock()
             MinMaxUInt8Codec().compress(torch.zeros(64, device=self.context.device))
             dist.barrier(group=groups.flat)
-            self._codec_load_s = time.perf_counter() - loading
-            self._measure_s += self._codec_load_s
-        started = time.perf_counter()
+            self._codec_load_s = _clock() - loading
+        started = _clock()
         self._figures = self._given_figures()  # what was given is not measured
         self._figures.step_s = {}
         self._figures.gradient_bytes = self._figures.gradient_bytes or _gradient_bytes(self.context)
@@ -594,8 +619,7 @@ class AutoImpl(AlgorithmImpl):
                     if work not in timed:
                         timed[work] = _compression_cost(candidate, self.context)
                     self._figures.compress_s[self.labels[index]] = timed[work]
-        self._start_up_s = time.perf_counter() - started
-        self._measure_s += self._start_up_s
+        self._start_up_s = _clock() - started
 
     def _time_links(self, large: int) -> dict[str, dict[str, float]]:
         groups, device = self.context.groups, self.context.device
@@ -612,8 +636,19 @@ class AutoImpl(AlgorithmImpl):
         return links
 
     def _record(self, index: int) -> None:
-        """Record the candidate's step: the slowest rank's median."""
-        self._figures.step_s[self.labels[index]] = self._max_over_ranks([statistics.median(self._times[index])])[0]
+        """Record the candidate's step: the slowest rank's median, with its usual gap to the next step."""
+        step = statistics.median(self._times[index]) + self._usual_gap_s(index)
+        self._figures.step_s[self.labels[index]] = self._max_over_ranks([step])[0]
+
+    def _usual_gap_s(self, index: int) -> float:
+        """The median time from the candidate's optimizer steps to the next forward (0 where none was reported)."""
+        gaps = self._gaps.get(index)
+        return statistics.median(gaps) if gaps else 0.0
+
+    def _spent_s(self, index: int) -> float:
+        """What the candidate's trial steps took, each with its usual gap to the next step."""
+        steps, seconds = self._spent[index]
+        return seconds + steps * self._usual_gap_s(index)
 
     def _next_everywhere(self) -> int | None:
         """Rank 0 says what runs next (``None``: nothing, decide) and the timed steps per candidate, for every rank."""
@@ -753,7 +788,8 @@ class AutoImpl(AlgorithmImpl):
         if not (compressing_wins or (best is not None and _compresses(self.candidates[self.labels.index(best)]))):
             sunk += self._codec_load_s
         spent = sum(
-            steps * self._beyond_pace_s(index, seconds / steps) for index, (steps, seconds) in self._spent.items()
+            steps * self._beyond_pace_s(index, self._spent_s(index) / steps)
+            for index, (steps, _) in self._spent.items()
         )
         return sunk + spent
 
@@ -828,7 +864,7 @@ class AutoImpl(AlgorithmImpl):
             world_size=self.context.groups.world_size,
             layout=self.layout,
             trial_steps=self._trial_steps,
-            measure_s=self._measure_s,
+            measure_s=self._start_up_s + self._codec_load_s + sum(self._spent_s(index) for index in self._spent),
             excess_s=self._excess_s() if self._spent else 0.0,
         )
         if self.context.groups.rank == 0:
@@ -1080,6 +1116,11 @@ def _compression_cost(candidate: Algorithm, context: AlgorithmContext) -> float:
             total += timed_cost * rest / timed_size
         return total
     return 0.0
+
+
+def _clock() -> float:
+    """The clock trial steps are timed by (tests replace it with one they drive)."""
+    return time.perf_counter()
 
 
 def _timed(work: Any, device: torch.device, warm_up: bool = True) -> float:
