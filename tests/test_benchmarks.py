@@ -562,6 +562,13 @@ def test_time_to_accuracy_bars_count_auto_against_its_run_and_diloco_against_its
         " cell's fastest fixed method in 0. Measuring cost 3.3% to 3.3% of the run; beyond it, auto's time came to"
         " 1.13x to 1.13x its pick's run as a fixed method in the same cell."
     )
+    # Where the lab kept the rounds, a cell beyond 1.10x says whether the fastest method's own slowest round was
+    # as far off: bytegrad's two rounds took 2.5 s and 3.5 s, 1.40x its median, and auto's 1.36x lies within.
+    report["lab"].append({**where, "method": "bytegrad", "start_steps_s": [[], []], "rounds_step_s": [0.025, 0.035]})
+    summary = tta.bars_markdown(report)[lines.index("<!-- auto-summary -->") + 1]
+    assert " Of the 1 beyond 1.10x, 1 lay within the fastest method's own slowest round (which reached 1.40x to" in (
+        summary
+    )
     # A fastest method outside auto's candidates is named as such.
     report["combined"].append(row("low_rank_r8", 0.020, 100))
     summary = tta.bars_markdown(report)[lines.index("<!-- auto-summary -->") + 1]
