@@ -4,6 +4,7 @@ re-implementation of the formula.
 The native kernels are also compared byte for byte with the torch reference.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -447,14 +448,24 @@ def _run_fresh(code: str, tmp_path, **env: str) -> str:
 
 def test_the_native_kernels_build_into_torchs_extension_cache_and_load_from_it(tmp_path):
     code = (
+        "import sys\n"
         "from pathlib import Path\n"
         "from lightning_bagua.engine.codec import _cpu\n"
         "assert _cpu.available()\n"
         f"[library] = Path({str(tmp_path)!r}).glob('lightning_bagua_codec_*/*.so')\n"
-        "print(library.stat().st_mtime_ns)\n"
+        "print(library.stat().st_mtime_ns, 'torch.utils.cpp_extension' in sys.modules)\n"
     )
     built = _run_fresh(code, tmp_path)
-    assert _run_fresh(code, tmp_path) == built  # loaded, not rebuilt
+    assert built.endswith(" True")  # built by torch's tooling
+    # Loaded, not rebuilt, and from the build's record: torch's tooling (setuptools, ninja) is not even imported.
+    assert _run_fresh(code, tmp_path) == built.replace(" True", " False")
+    # A record of other inputs (another source, flags or torch) is not trusted: torch's loader checks the build
+    # again and the record is written anew.
+    [stamp] = tmp_path.glob("lightning_bagua_codec_*/*.built.json")
+    stamp.write_text(json.dumps({**json.loads(stamp.read_text()), "inputs": "an older source"}))
+    assert _run_fresh(code, tmp_path) == built
+    assert json.loads(stamp.read_text())["inputs"] == _cpu._build_inputs_digest()
+    assert _run_fresh(code, tmp_path) == built.replace(" True", " False")
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,10 @@ rebuilds it when the source or flags change, and lets one process build while th
 killed build left behind is removed once it is older than any build takes). The build is named by a digest of
 this CPU's feature flags and the source's path, so that two checkouts never rebuild over each other's build: it
 targets the widest vectors the CPU has (``-march=native``; AVX-512 halves the quantising loop's time against
-AVX2), so a cache shared by different machines never hands one the others' instructions.
+AVX2), so a cache shared by different machines never hands one the others' instructions. Each build records
+beside it a digest of its inputs (the source's bytes, the flags, torch's and Python's versions): a process that
+finds the record current loads the library directly, without importing torch's tooling (it imports setuptools, a
+quarter of a second) or running ninja; any other reaches torch's loader, which checks and rebuilds.
 
 The kernels work on float32; float16 and bfloat16 are converted around them with torch's ops, which is exact
 going in (the reference upcasts first too) and rounds once coming out, as the reference does. Without a compiler
@@ -16,6 +19,7 @@ reference's torch ops, which write the same bytes.
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -70,23 +74,20 @@ def _ops() -> Any:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         log.debug("The codec's CPU kernels are turned off by %s=0.", DISABLE_ENV)
         return None
-    from torch.utils import cpp_extension
-
     # One build per CPU and per source file: two checkouts on one machine would otherwise rebuild over each other.
     digest = hashlib.sha256(f"{_cpu_features()}|{SOURCE.resolve()}".encode()).hexdigest()[:12]
     name = f"lightning_bagua_codec_{digest}"
-    # torch's layout, given explicitly so that the lock's path is known: $TORCH_EXTENSIONS_DIR/<name>, else a
-    # per-Python folder of torch's cache (named "cpu" whatever torch was built for: these are CPU kernels).
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        root = str(
-            Path(cpp_extension.get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
-        )
-    build_directory = Path(root) / name
+    build_directory = _extensions_root() / name
+    stamp, inputs = build_directory / f"{name}.built.json", _build_inputs_digest()
+    if _load_built(stamp, inputs):
+        return torch.ops.lightning_bagua_codec
+    # Importing torch's extension tooling imports setuptools, a quarter of a second: only a build needs it.
+    from torch.utils import cpp_extension
+
     try:
         build_directory.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(build_directory / "lock")
-        cpp_extension.load(
+        library = cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
             extra_cflags=_FLAGS,
@@ -96,7 +97,58 @@ def _ops() -> Any:
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:
         log.debug("The codec's CPU kernels could not be built or loaded (%s); using torch's ops.", error)
         return None
+    _write_stamp(stamp, inputs, str(library))
     return torch.ops.lightning_bagua_codec
+
+
+def _extensions_root() -> Path:
+    """Where builds go: ``$TORCH_EXTENSIONS_DIR``, else a per-Python folder of ``~/.cache/torch_extensions``.
+
+    The folder is named "cpu" whatever torch was built for (these are CPU kernels), and given to torch explicitly,
+    so that the lock's path is known.
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+
+
+def _build_inputs_digest() -> str:
+    """What a build depends on beyond its name: the source's bytes, the flags, torch's and Python's versions."""
+    inputs = "|".join([*_FLAGS, torch.__version__, sys.version])
+    return hashlib.sha256(SOURCE.read_bytes() + inputs.encode()).hexdigest()
+
+
+def _load_built(stamp: Path, inputs: str) -> bool:
+    """Load the library a build of these inputs recorded in ``stamp``, if there is one; whether it loaded.
+
+    torch's loader runs ninja to check a build even when it is current, after importing its tooling: the stamp
+    lets a process that finds its build current skip both.
+    """
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    library = recorded.get("library") if isinstance(recorded, dict) else None
+    if not isinstance(library, str) or recorded.get("inputs") != inputs:
+        return False
+    try:
+        torch.ops.load_library(library)
+    except (OSError, RuntimeError) as error:
+        log.debug("The codec's recorded build %s did not load (%s); building it again.", library, error)
+        return False
+    return True
+
+
+def _write_stamp(stamp: Path, inputs: str, library: str) -> None:
+    """Record that ``library`` was built from ``inputs``: written whole, so a reader never sees half of it."""
+    partial = stamp.with_name(f"{stamp.name}.{os.getpid()}")
+    try:
+        partial.write_text(json.dumps({"inputs": inputs, "library": library}))
+        os.replace(partial, stamp)
+    except OSError as error:
+        log.debug("The codec's build could not be recorded in %s (%s): the next process checks it again.", stamp, error)
 
 
 def _clear_stale_lock(lock: Path) -> None:
