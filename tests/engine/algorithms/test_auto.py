@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -589,6 +590,19 @@ def test_link_timing_grows_its_message_only_until_bandwidth_binds(monkeypatch, l
     assert timed == sizes
     torch.testing.assert_close(figures["latency_s"], latency_s, rtol=1e-6, atol=0.0)
     torch.testing.assert_close(figures["bandwidth_Bps"], bandwidth, rtol=1e-6, atol=0.0)
+
+
+def test_a_link_whose_bytes_cost_nothing_measurable_reads_as_such(monkeypatch):
+    # Noise made every larger message as quick as the 4 KiB one: no bandwidth can be fitted, and none is made up.
+    times = iter([2e-4, 1.9e-4, 2e-4, 1.8e-4, 1.9e-4])
+    monkeypatch.setattr(auto_module, "_all_reduce_s", lambda *args, **kwargs: next(times))
+    figures = auto_module._time_link(None, 4 * 1024**2, torch.device("cpu"))  # type: ignore[arg-type]
+    assert figures == {"latency_s": 2e-4, "bandwidth_Bps": math.inf}
+    decision = auto_module.AutoDecision(
+        GradientAllReduceAlgorithm(), "gradient_allreduce", "nothing was faster.", AutoFigures(links={"all": figures}),
+        {}, {}, world_size=2, layout=(1, 2),
+    )  # fmt: skip
+    assert "Links: all bandwidth beyond what the timed sizes resolve, 0.20 ms." in decision.summary()
 
 
 def _link_figures(rank: int, world_size: int) -> dict[str, float]:

@@ -242,7 +242,7 @@ class AutoDecision:
     def summary(self) -> str:
         """Return the log line: link figures, each candidate's step and predicted time to loss, the pick and why."""
         links = "; ".join(
-            f"{tier} {values['bandwidth_Bps'] / 1e6:.1f} MB/s, {values['latency_s'] * 1e3:.2f} ms"
+            f"{tier} {_bandwidth_text(values['bandwidth_Bps'])}, {values['latency_s'] * 1e3:.2f} ms"
             for tier, values in self.figures.links.items()
         )
         gradients = ", ".join(f"{nbytes / 1e6:.2f} MB {dtype}" for dtype, nbytes in self.figures.gradient_bytes.items())
@@ -260,6 +260,12 @@ class AutoDecision:
             + f" Measuring took {self.trial_steps} steps and {self.measure_s:.2f} s on rank 0, {self.excess_s:.2f} s"
             " more than the pick would have taken."
         )
+
+
+def _bandwidth_text(bandwidth: float) -> str:
+    if math.isinf(bandwidth):
+        return "bandwidth beyond what the timed sizes resolve"
+    return f"{bandwidth / 1e6:.1f} MB/s"
 
 
 def decide(
@@ -1020,7 +1026,8 @@ def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> di
     One size is latency-bound (4 KiB). The other starts at 64 KiB (or ``large``, if smaller) and grows 4x at a time
     up to ``large``, stopping at the first that takes :data:`_BANDWIDTH_BOUND` times the small one: on a slow link a
     small message already measures the bandwidth, where a gradient-sized one would cost several training steps per
-    call. Every rank reads the slowest rank's medians, so that all take the same sizes.
+    call. Every rank reads the slowest rank's medians, so that all take the same sizes. Where the larger message
+    takes no longer than the small one, the bandwidth is infinite: its bytes bound no candidate.
     """
     small_s = _all_reduce_s(group, _SMALL_MESSAGE, device, connect=True)
     size = min(_FIRST_LARGE_MESSAGE, large)
@@ -1028,7 +1035,10 @@ def _time_link(group: dist.ProcessGroup, large: int, device: torch.device) -> di
     while size < large and size_s < _BANDWIDTH_BOUND * small_s:
         size = min(4 * size, large)
         size_s = _all_reduce_s(group, size, device)
-    per_byte = max(size_s - small_s, 1e-9) / (size - _SMALL_MESSAGE)
+    if size_s <= small_s:
+        # The larger message took no longer: at these sizes the link's bytes cost nothing measurable.
+        return {"latency_s": small_s, "bandwidth_Bps": math.inf}
+    per_byte = (size_s - small_s) / (size - _SMALL_MESSAGE)
     return {"latency_s": max(small_s - _SMALL_MESSAGE * per_byte, 0.0), "bandwidth_Bps": 1.0 / per_byte}
 
 
