@@ -515,7 +515,46 @@ def markdown(report: dict[str, Any]) -> str:
         markdown_table(*table(report)),
     ]
     lines += [f"{f['method']} at {f['rate']} failed: {headline(f['error'])}\n" for f in report.get("failures", [])]
-    return "\n".join(lines)
+    return "\n".join(lines + auto_measuring_lines(report))
+
+
+def auto_measuring_lines(report: dict[str, Any]) -> list[str]:
+    """auto's measuring per rate: its picks, its steps, and what they cost beyond its pick's pace.
+
+    Per round, the cost is the measuring steps' time less as many steps at that round's median step (the pick's,
+    once decided), and the share is that over ``--run-steps`` steps at the same median: the run auto was told.
+    """
+    rows = [row for row in report["results"] if row.get("auto_picks")]
+    if not rows:
+        return []
+    run_steps = report["settings"].get("run_steps")
+    table = []
+    for row in rows:
+        extra = [
+            seconds - steps * step
+            for seconds, steps, step in zip(
+                row["auto_trial_s"], row["auto_trial_steps"], row["rounds_step_s"], strict=True
+            )
+        ]
+        picks = {label: row["auto_picks"].count(label) for label in dict.fromkeys(row["auto_picks"])}
+        share = "-"
+        if run_steps:
+            shares = [cost / (run_steps * step) for cost, step in zip(extra, row["rounds_step_s"], strict=True)]
+            share = f"{statistics.median(shares):.1%} [{min(shares):.1%}, {max(shares):.1%}]"
+        table.append([
+            row["rate"], ", ".join(f"{label} x{count}" for label, count in picks.items()),
+            f"{statistics.median(row['auto_trial_steps']):g}", f"{statistics.median(row['auto_trial_s']):.3g}",
+            f"{statistics.median(extra):.3g} [{min(extra):.3g}, {max(extra):.3g}]", share,
+        ])  # fmt: skip
+    told = f"the {run_steps} steps it was told (--run-steps)" if run_steps else "a run of unknown length"
+    return [
+        "",
+        f"auto's measuring, per rate over the {report['settings']['rounds']} rounds: its picks, its measuring steps"
+        " and their seconds (medians; the slowest rank's), what they took beyond as many steps at its pick's median"
+        f" step in the same round (median [min, max], in s), and that as a share of {told} at that step.",
+        "",
+        markdown_table(["rate", "picks", "steps", "seconds", "beyond the pick's pace", "share of the run"], table),
+    ]
 
 
 def chart(results: list[dict[str, Any]], rates: list[str], methods: list[str], path: Path, title: str) -> bool:

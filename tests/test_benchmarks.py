@@ -232,6 +232,26 @@ def test_network_lab_interleaves_rounds_with_spread(tmp_path: Path) -> None:
     assert "over 2 interleaved rounds [min, max]" in (out / "network_lab_cpu_digits.md").read_text()
 
 
+def test_network_lab_reports_what_autos_measuring_cost_of_the_run_it_was_told() -> None:
+    lab_module = network_lab()
+    auto = {
+        "rate": "1gbit", "method": "auto", "rounds_step_s": [0.010, 0.020],
+        "auto_picks": ["bytegrad(hierarchical=False)", "gradient_allreduce"],
+        "auto_trial_steps": [20, 30], "auto_trial_s": [0.4, 0.9],
+    }  # fmt: skip
+    report = {"settings": {"rounds": 2, "run_steps": 1000}, "results": [{"rate": "1gbit", "method": "ddp"}, auto]}
+    lines = lab_module.auto_measuring_lines(report)
+    assert "a share of the 1000 steps it was told (--run-steps) at that step." in lines[1]
+    # Round 1: 0.4 s less 20 steps of 10 ms is 0.2 s, 2.0% of 1,000 steps of 10 ms; round 2: 0.3 s, 1.5%.
+    assert lines[-1].splitlines()[-1] == (
+        "| 1gbit | bytegrad(hierarchical=False) x1, gradient_allreduce x1 | 25 | 0.65 | 0.25 [0.2, 0.3]"
+        " | 1.8% [1.5%, 2.0%] |"
+    )
+    report["settings"]["run_steps"] = None
+    assert lab_module.auto_measuring_lines(report)[-1].splitlines()[-1].endswith("| 0.25 [0.2, 0.3] | - |")
+    assert lab_module.auto_measuring_lines({"settings": {}, "results": [{"rate": "1gbit"}]}) == []
+
+
 def test_time_to_accuracy_counts_every_methods_first_steps_alike() -> None:
     time_to_target = benchmark_module("convergence").time_to_target
     lab = {"median_step_s": 0.01, "start_steps_s": [[0.05, 0.02, 0.01], [0.07, 0.03, 0.01]]}
