@@ -269,14 +269,15 @@ def test_every_rank_gets_the_same_pick_and_weights(world_size, ranks_per_node, f
 ACTIVE_MS = dict(zip([describe_algorithm(c) for c in FLAT], [5.0, 4.0, 3.0], strict=True))
 
 
-def _measured_around_validation(rank: int, world_size: int) -> dict[str, Any]:
-    """Measure on a clock the loop drives: each step takes its candidate's ``ACTIVE_MS``, the time to the next
-    forward 1 ms, and after every fifth step a validation loop of 2 s runs."""
+def _measured_around_pauses(rank: int, world_size: int) -> dict[str, Any]:
+    """Measure on a clock the loop drives: each step takes its candidate's ``ACTIVE_MS`` and the time to the next
+    forward 1 ms; after every fifth step a validation loop of 2 s runs, and step 6 pauses 2 s inside (a garbage
+    collection of the whole process)."""
     _time_every_candidate()
     now = [0.0]
     auto_module._clock = lambda: now[0]  # type: ignore[attr-defined]
     given = AutoFigures(links=SLOW_LINK.links, compress_s=dict.fromkeys(ACTIVE_MS, 0.0))
-    model = wrap(AutoAlgorithm(trial_steps=2, min_trial_s=0, run_steps=1000, figures=given))
+    model = wrap(AutoAlgorithm(trial_steps=3, min_trial_s=0, run_steps=1000, figures=given))
     impl = model.bagua_algorithm_impl
     assert isinstance(impl, AutoImpl)
     optimizer = model.bagua_optimizers[0]
@@ -285,7 +286,7 @@ def _measured_around_validation(rank: int, world_size: int) -> dict[str, Any]:
         inputs, targets = batch_for(rank, step)
         optimizer.zero_grad()
         nn.functional.mse_loss(model(inputs), targets).backward()
-        now[0] += ACTIVE_MS[impl.labels[impl._trying]] / 1e3
+        now[0] += ACTIVE_MS[impl.labels[impl._trying]] / 1e3 + (2.0 if step == 6 else 0.0)
         optimizer.step()  # a plain loop: the optimizer's step hook marks the end
         now[0] += 2.0 if step % 5 == 4 else 1e-3
         step += 1
@@ -294,20 +295,23 @@ def _measured_around_validation(rank: int, world_size: int) -> dict[str, Any]:
     return decision
 
 
-def test_time_between_trial_steps_is_their_usual_gap_not_a_validation_loop():
-    # Three steps each (one settles the switch), in bound order: gradient_allreduce, bytegrad, low_rank. The 2 s
-    # after step 4 falls in bytegrad's second timed step: counted, it would make bytegrad's step 1 s and spend
-    # the allowance of 5% of 1,000 steps before low_rank could run.
-    results = run_processes(_measured_around_validation, 2)
+def test_validation_between_trial_steps_and_pauses_within_them_are_no_measuring_cost():
+    # Four steps each (one settles the switch), in bound order: gradient_allreduce (steps 0-3), bytegrad (4-7),
+    # low_rank (8-11). Counted as they came, the pauses in and after bytegrad's steps would make its steps 0.5 s
+    # and spend the allowance of 5% of 1,000 steps before low_rank could run.
+    results = run_processes(_measured_around_pauses, 2)
     assert results[0] == results[1]
     decision = results[0]
     step_ms = {label: active + 1.0 for label, active in ACTIVE_MS.items()}
     assert decision["figures"]["step_s"] == pytest.approx({k: v / 1e3 for k, v in step_ms.items()}, rel=1e-9)
     assert decision["figures"]["skipped"] == {}
     assert decision["label"] == LOW_RANK_LABEL
-    assert decision["trial_steps"] == 9
-    assert decision["measure_s"] == pytest.approx(3 * sum(step_ms.values()) / 1e3, rel=1e-9)
-    expected = _excess_ms({"gradient_allreduce": 3, BYTEGRAD_LABEL: 3}, step_ms, LOW_RANK_LABEL)
+    assert decision["trial_steps"] == 12
+    # bytegrad's paused step counts as four of its 4 ms steps: its four steps, with their usual 1 ms gaps, 32 ms.
+    spent_ms = {"gradient_allreduce": 4 * 6.0, BYTEGRAD_LABEL: 4 + 4 + 16 + 4 + 4 * 1.0, LOW_RANK_LABEL: 4 * 4.0}
+    assert decision["measure_s"] == pytest.approx(sum(spent_ms.values()) / 1e3, rel=1e-9)
+    per_step = {label: spent / 4 for label, spent in spent_ms.items()}
+    expected = _excess_ms({"gradient_allreduce": 4, BYTEGRAD_LABEL: 4}, per_step, LOW_RANK_LABEL)
     assert decision["excess_s"] == pytest.approx(expected / 1e3, rel=1e-9)
 
 
@@ -421,8 +425,7 @@ def _trial_plan(
         done = len(impl._times.get(index, []))
         ran = steps - done + (index != impl._trying)  # the first step after a switch is not timed
         impl._trial_steps += ran
-        before, seconds = impl._spent.get(index, (0, 0.0))
-        impl._spent[index] = (before + ran, seconds + ran * step_ms[label] / 1e3)
+        impl._spent.setdefault(index, []).extend([step_ms[label] / 1e3] * ran)
         impl._trying, impl._timed_steps = index, steps
         impl._times[index] = [step_ms[label] / 1e3] * steps
         impl._figures.step_s[label] = step_ms[label] / 1e3

@@ -15,7 +15,8 @@
    phase it would run in (``low_rank`` exchanges factors from its first trial step). A step is timed from its
    forward to the end of its optimizer step (the bound optimizers' step hook, or the strategy's report of a step the
    gradient scaler skipped), and the median time from there to the next forward is added: a validation loop or a
-   checkpoint between two trial steps counts neither in ``T_c`` nor in what measuring cost. The compute is then at most
+   checkpoint between two trial steps counts neither in ``T_c`` nor in what measuring cost, and a step over 4x its
+   candidate's median (a pause of the whole process, such as a garbage collection) counts as 4 of them. The compute is then at most
    ``gradient_allreduce``'s step less its bytes over the link, once it has run.
 4. Before each further candidate, rank 0 skips it if its bound already loses to the best ``T_c * f_c`` measured
    so far, or if it would overrun the budget (room for ``gradient_allreduce`` is kept until it has run or lost).
@@ -92,6 +93,8 @@ _CLOSE = 1.5
 _RUN_SHARE = 0.05
 # and takes at most this share of its steps, so that most of a short run is the pick's, whatever the candidates cost.
 _RUN_STEP_SHARE = 0.25
+# A trial step longer than this many times its candidate's median is a pause of the process, counted at that.
+_PAUSE = 4
 _CHECKPOINT_VERSION = 1
 
 
@@ -169,8 +172,8 @@ class AutoDecision:
         layout: ``(nodes, ranks per node)`` it was decided for.
         trial_steps: the training steps spent measuring (0 when the figures were given or resumed).
         measure_s: the seconds rank 0 spent measuring: link figures, compression costs and trial steps (each from its
-            forward to its optimizer step's end, plus its candidate's usual time to the next forward, so that a
-            validation loop or a checkpoint between trial steps is left out).
+            forward to its optimizer step's end, at most 4 times its candidate's median, plus its candidate's usual time
+            to the next forward, so that a validation loop, a checkpoint or a garbage collection is left out).
         excess_s: what measuring cost beyond the same progress at the pick's pace: the link timing and each trial
             step's time over the pick's for the progress it made (rank 0's clock; 0 when nothing was timed).
     """
@@ -351,8 +354,8 @@ class AutoImpl(AlgorithmImpl):
         self._trial_steps = 0
         self._start_up_s = 0.0  # the link and compression timing, which trains nothing
         self._codec_load_s = 0.0  # the codec's first use: a cost of any compressing method, auto's pick or not
-        # Each candidate's trial steps and their seconds, untimed too, forward to optimizer step (its usual gap apart).
-        self._spent: dict[int, tuple[int, float]] = {}
+        # Each candidate's trial steps' seconds, untimed too, forward to optimizer step (its usual gap apart).
+        self._spent: dict[int, list[float]] = {}
         self._current = self._reify(0, trial=True)
         self._dispatch = _DispatchState(*self.current.communication_hook())
         if groups.world_size == 1:
@@ -580,8 +583,7 @@ class AutoImpl(AlgorithmImpl):
             elapsed = ended - self._last_boundary
             self._gaps.setdefault(index, []).append(now - ended)
         self._trial_steps += 1
-        steps, seconds = self._spent.get(index, (0, 0.0))
-        self._spent[index] = (steps + 1, seconds + elapsed)
+        self._spent.setdefault(index, []).append(elapsed)
         if self._steps_here > 0:  # the first step after a switch settles it (buffers, factors) and is not timed
             self._times.setdefault(index, []).append(elapsed)
         self._steps_here += 1
@@ -652,9 +654,16 @@ class AutoImpl(AlgorithmImpl):
         return statistics.median(gaps) if gaps else 0.0
 
     def _spent_s(self, index: int) -> float:
-        """What the candidate's trial steps took, each with its usual gap to the next step."""
-        steps, seconds = self._spent[index]
-        return seconds + steps * self._usual_gap_s(index)
+        """What the candidate's trial steps took, each with its usual gap to the next step.
+
+        A step over :data:`_PAUSE` times the candidate's median counts as that: a pause of the process (a full
+        garbage collection takes a few hundred milliseconds in a process that has imported torch) meets any
+        method's steps alike, the pick's too, so it is no cost of measuring.
+        """
+        timed = self._times.get(index)
+        longest = _PAUSE * statistics.median(timed) if timed else math.inf
+        spent = self._spent[index]
+        return sum(min(seconds, longest) for seconds in spent) + len(spent) * self._usual_gap_s(index)
 
     def _next_everywhere(self) -> int | None:
         """Rank 0 says what runs next (``None``: nothing, decide) and the timed steps per candidate, for every rank."""
@@ -794,8 +803,8 @@ class AutoImpl(AlgorithmImpl):
         if not (compressing_wins or (best is not None and _compresses(self.candidates[self.labels.index(best)]))):
             sunk += self._codec_load_s
         spent = sum(
-            steps * self._beyond_pace_s(index, self._spent_s(index) / steps)
-            for index, (steps, _) in self._spent.items()
+            len(spent) * self._beyond_pace_s(index, self._spent_s(index) / len(spent))
+            for index, spent in self._spent.items()
         )
         return sunk + spent
 
