@@ -16,8 +16,8 @@
    forward to the end of its optimizer step (the bound optimizers' step hook, or the strategy's report of a step the
    gradient scaler skipped), and the median time from there to the next forward is added: a validation loop or a
    checkpoint between two trial steps counts neither in ``T_c`` nor in what measuring cost, and a step over 4x its
-   candidate's median (a pause of the whole process, such as a garbage collection) counts as 4 of them. The compute is then at most
-   ``gradient_allreduce``'s step less its bytes over the link, once it has run.
+   candidate's median (a pause of the whole process, such as a garbage collection) counts as 4 of them. The
+   compute is then at most ``gradient_allreduce``'s step less its bytes over the link, once it has run.
 4. Before each further candidate, rank 0 skips it if its bound already loses to the best ``T_c * f_c`` measured
    so far, or if it would overrun the budget (room for ``gradient_allreduce`` is kept until it has run or lost).
    On a slow link ``gradient_allreduce`` is not timed at all once a compressing candidate beats its bytes at the
