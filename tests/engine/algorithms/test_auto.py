@@ -400,11 +400,13 @@ def _trial_plan(
     run_steps: int | None = None,
     start_up_ms: float = 0.0,
     codec_load_ms: float = 0.0,
+    later_ms: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The plan rank 0 makes, each candidate it runs taking ``step_ms[label]`` a step: what it times, and skips.
 
     Each rank works it out from the same figures, as rank 0 does alone in training; the link timing took
-    ``start_up_ms``, and loading the codec ``codec_load_ms``.
+    ``start_up_ms``, and loading the codec ``codec_load_ms``. A candidate in ``later_ms`` takes that much a step
+    once timed longer than its first trial (its median over all its timed steps).
     """
     module = wide_model()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
@@ -425,10 +427,11 @@ def _trial_plan(
         done = len(impl._times.get(index, []))
         ran = steps - done + (index != impl._trying)  # the first step after a switch is not timed
         impl._trial_steps += ran
-        impl._spent.setdefault(index, []).extend([step_ms[label] / 1e3] * ran)
+        ms = step_ms[label] if steps == impl.auto.trial_steps else (later_ms or step_ms).get(label, step_ms[label])
+        impl._spent.setdefault(index, []).extend([ms / 1e3] * ran)
         impl._trying, impl._timed_steps = index, steps
-        impl._times[index] = [step_ms[label] / 1e3] * steps
-        impl._figures.step_s[label] = step_ms[label] / 1e3
+        impl._times[index] = [ms / 1e3] * steps
+        impl._figures.step_s[label] = ms / 1e3
         plan.append((label, steps))
         index, steps = impl._next_trial()
     chosen, reason, _, _ = decide(impl.candidates, impl._figures)
@@ -567,6 +570,28 @@ def test_a_slow_link_times_the_fewest_bytes_first_and_skips_what_its_link_bound_
     (result,) = run_processes(_trial_plan, 1, {**step_ms, "gradient_allreduce": 21.0}, bandwidth * 10)
     assert ("gradient_allreduce", 12) in result["plan"]  # 12 steps of 21 ms fill min_trial_s
     assert result["pick"] == "gradient_allreduce"
+
+
+def test_a_bound_that_lost_to_the_first_figures_is_held_against_the_final_ones():
+    # The slow link above. low_rank's first 3 steps take 20 ms, 22.5 ms per DDP step: bytegrad's link bound
+    # (23.96 ms) loses, and it is skipped. Timed longer, low_rank takes 24 ms a step, 27 ms per DDP step: bytegrad's
+    # bound now wins, so it goes on trial (an untimed step and 3), and at 22.6 ms a step (24.07 per DDP step) it is
+    # the best: both are close, so bytegrad is timed longer (12 steps fill min_trial_s), and low_rank has enough.
+    numel = sum(p.numel() for p in wide_model().parameters())
+    bandwidth = 4 * numel / 0.090
+    step_ms = {"gradient_allreduce": 100.0, BYTEGRAD_LABEL: 22.6, LOW_RANK_LABEL: 20.0}
+    (result,) = run_processes(_trial_plan, 1, step_ms, bandwidth, None, 0.0, 0.0, {LOW_RANK_LABEL: 24.0})
+    assert result["plan"] == [(LOW_RANK_LABEL, 3), (LOW_RANK_LABEL, 13), (BYTEGRAD_LABEL, 3), (BYTEGRAD_LABEL, 12)]
+    assert result["pick"] == BYTEGRAD_LABEL
+    # gradient_allreduce's bytes lose still; its reason names the best in the final figures, as the log line does.
+    assert result["skipped"] == {
+        "gradient_allreduce": f"even at its link bound, 1x steps of 90.0 ms each lose to {BYTEGRAD_LABEL}'s 24.1 ms"
+        " per DDP step"
+    }
+    # Where low_rank's longer timing holds its first figure, bytegrad's bound still loses: it is not timed.
+    (result,) = run_processes(_trial_plan, 1, step_ms, bandwidth, None, 0.0, 0.0, {LOW_RANK_LABEL: 20.0})
+    assert result["plan"] == [(LOW_RANK_LABEL, 3), (LOW_RANK_LABEL, 13)]
+    assert set(result["skipped"]) == {"gradient_allreduce", BYTEGRAD_LABEL}
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,9 @@
    Loading the codec counts only where the best candidate does not compress: one that does would pay it anyway.
 5. Where steps are short, the candidates within 1.5x of the best ``T_c * f_c`` are then timed for longer, the best
    first: up to ``k = ceil(min_trial_s / T_c)`` steps, within an even share of the steps left and of the allowance.
-   A few steps' noise cannot then decide between close candidates.
+   A few steps' noise cannot then decide between close candidates. The longer timing can raise the best one's
+   step or lower the compute bound (a cold first trial of ``gradient_allreduce``): a candidate skipped by its bound
+   that could now win goes back on trial, and the close ones are timed again.
 6. Rank 0 picks the smallest predicted time (the earlier candidate on a tie; ``gradient_allreduce`` unless another
    beats it, measured or by its link bound) and broadcasts it; every rank builds that algorithm, with the keywords
    it was timed with, and runs exactly it from then on.
@@ -347,6 +349,7 @@ class AutoImpl(AlgorithmImpl):
         self._timed_steps = algorithm.trial_steps  # the timed steps the candidate on trial reaches
         self._queue: list[int] | None = None  # rank 0: the candidates still to try, the most promising first
         self._close: list[int] | None = None  # rank 0, once all were tried: the close ones still to time for longer
+        self._outbound: list[int] = []  # rank 0: the candidates skipped because their bound lost
         self._times: dict[int, list[float]] = {}  # each candidate's timed steps, forward to optimizer step
         self._gaps: dict[int, list[float]] = {}  # each candidate's times from an optimizer step to the next forward
         self._last_boundary: float | None = None
@@ -681,17 +684,20 @@ class AutoImpl(AlgorithmImpl):
         First every candidate, the most promising by its lower bound first, for ``trial_steps``: one whose bound
         already loses to the best time to DDP's loss measured so far is skipped, and so is one past the budget,
         with why. Then, where steps are short, the candidates within :data:`_CLOSE` of the best are timed for
-        longer, as the budget allows.
+        longer, as the budget allows. Last, the bounds that lost are held against the final figures: the longer
+        timing can raise the best one's step, and lower the compute that bounds the others. A candidate whose
+        bound no longer loses goes back on trial, and the close ones are timed again; the others' reasons are
+        stated in the final figures, the ones the log line gives.
         """
         if self._queue is None:
             self._queue = sorted(range(len(self.candidates)), key=lambda index: (self._bound(index)[0], index))
+            self._outbound = []
         predicted = self._predicted()
         best = self._best()
         trial = self.auto.trial_steps
         while self._queue:
             index = self._queue.pop(0)
-            label, (bound, binding) = self.labels[index], self._bound(index)
-            factor = _factor(self.candidates[index])
+            label, bound = self.labels[index], self._bound(index)[0]
             # Room for gradient_allreduce, the fallback, stays until it has run or lost by its bound.
             keep_fallback = index != 0 and 0 in self._queue and self._could_win(0)
             needed = (trial + 1) * (2 if keep_fallback else 1)
@@ -700,10 +706,8 @@ class AutoImpl(AlgorithmImpl):
             # The codec's loading is no cost of timing a compressing candidate: if it wins, it would have paid it.
             spent = self._excess_s(compressing_wins=_compresses(self.candidates[index]))
             if best is not None and bound >= predicted[best]:
-                self._figures.skipped[label] = (
-                    f"even at its {binding} bound, {factor:.4g}x steps of {bound * 1e3 / factor:.1f} ms each lose to"
-                    f" {best}'s {predicted[best] * 1e3:.1f} ms per DDP step"
-                )
+                self._outbound.append(index)
+                self._figures.skipped[label] = self._bound_lost(index)
             elif self._step_budget() - self._trial_steps < needed:
                 self._figures.skipped[label] = f"past the budget of {self._step_budget()} measuring steps"
             elif index != 0 and spent + cost > allowance:
@@ -727,7 +731,26 @@ class AutoImpl(AlgorithmImpl):
             steps = self._longer_steps(index)
             if steps > len(self._times[index]):
                 return index, steps
+        revived = [index for index in self._outbound if self._could_win(index)]
+        if revived:
+            self._outbound = [index for index in self._outbound if index not in revived]
+            for index in revived:
+                del self._figures.skipped[self.labels[index]]
+            self._queue, self._close = revived, None
+            return self._next_trial()
+        for index in self._outbound:
+            self._figures.skipped[self.labels[index]] = self._bound_lost(index)
         return -1, trial
+
+    def _bound_lost(self, index: int) -> str:
+        """Why a candidate is not timed: its lower bound loses to the best one's measured time to DDP's loss."""
+        best = self._best()
+        assert best is not None  # a bound loses only to a measured step
+        (bound, binding), factor = self._bound(index), _factor(self.candidates[index])
+        return (
+            f"even at its {binding} bound, {factor:.4g}x steps of {bound * 1e3 / factor:.1f} ms each lose to"
+            f" {best}'s {self._predicted()[best] * 1e3:.1f} ms per DDP step"
+        )
 
     def _longer_steps(self, index: int) -> int:
         """The timed steps a close candidate is to reach: as many as fill ``min_trial_s``, within the budget.
