@@ -427,7 +427,7 @@ def _trial_plan(
         done = len(impl._times.get(index, []))
         ran = steps - done + (index != impl._trying)  # the first step after a switch is not timed
         impl._trial_steps += ran
-        ms = step_ms[label] if steps == impl.auto.trial_steps else (later_ms or step_ms).get(label, step_ms[label])
+        ms = step_ms[label] if steps == impl.auto.trial_steps else (later_ms or {}).get(label, step_ms[label])
         impl._spent.setdefault(index, []).extend([ms / 1e3] * ran)
         impl._trying, impl._timed_steps = index, steps
         impl._times[index] = [ms / 1e3] * steps

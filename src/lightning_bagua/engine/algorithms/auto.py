@@ -697,7 +697,7 @@ class AutoImpl(AlgorithmImpl):
         trial = self.auto.trial_steps
         while self._queue:
             index = self._queue.pop(0)
-            label, bound = self.labels[index], self._bound(index)[0]
+            label = self.labels[index]
             # Room for gradient_allreduce, the fallback, stays until it has run or lost by its bound.
             keep_fallback = index != 0 and 0 in self._queue and self._could_win(0)
             needed = (trial + 1) * (2 if keep_fallback else 1)
@@ -705,7 +705,7 @@ class AutoImpl(AlgorithmImpl):
             allowance = self._allowance_s()
             # The codec's loading is no cost of timing a compressing candidate: if it wins, it would have paid it.
             spent = self._excess_s(compressing_wins=_compresses(self.candidates[index]))
-            if best is not None and bound >= predicted[best]:
+            if not self._could_win(index):
                 self._outbound.append(index)
                 self._figures.skipped[label] = self._bound_lost(index)
             elif self._step_budget() - self._trial_steps < needed:
