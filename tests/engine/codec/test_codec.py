@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -569,3 +570,41 @@ def test_a_lock_left_by_a_dead_build_is_removed_and_a_live_one_waited_for(tmp_pa
     _cpu._clear_stale_lock(live)
     releaser.join()
     assert time.monotonic() - started >= 0.9
+
+
+def test_the_lock_is_judged_by_how_the_installed_torch_locks_a_build():
+    import inspect
+
+    from torch.utils import cpp_extension
+
+    # torch before 2.14 blocks on the lock file's existence (FileBaton); 2.14 holds an advisory lock (filelock).
+    by_existence = "FileBaton(" in inspect.getsource(cpp_extension._jit_compile)
+    assert _cpu._locks_by_existence(cpp_extension) is by_existence
+
+
+def test_an_advisory_lock_file_left_by_a_finished_build_delays_no_process(tmp_path, monkeypatch):
+    import time
+    import types
+
+    # A loader that locks the way torch 2.14's does: its lock file stays after every build, and means nothing.
+    built: list[str] = []
+
+    def load(name: str, build_directory: str, **kwargs: object) -> str:
+        built.append(name)
+        return str(Path(build_directory) / f"{name}.so")
+
+    monkeypatch.setattr(torch.utils, "cpp_extension", types.SimpleNamespace(load=load), raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(_cpu.DISABLE_ENV, raising=False)
+    _cpu._ops.cache_clear()
+    try:
+        lock = tmp_path / _cpu._build_name() / "lock"
+        lock.parent.mkdir()
+        lock.touch()
+        started = time.monotonic()
+        assert _cpu._ops() is not None
+        assert time.monotonic() - started < 5
+    finally:
+        _cpu._ops.cache_clear()
+    assert len(built) == 1
+    assert lock.exists()  # the lock's file belongs to torch's loader

@@ -2,8 +2,10 @@
 
 ``torch.utils.cpp_extension.load`` compiles the source with the C++ compiler torch finds (``$CXX``, else ``c++``)
 and ninja, into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
-rebuilds it when the source or flags change, and lets one process build while the others wait (a lock that a
-killed build left behind is removed once it is older than any build takes). The build is named by a digest of
+rebuilds it when the source or flags change, and lets one process build while the others wait. Before torch
+2.14 that lock is a file whose mere existence blocks, so a lock that a killed build left behind is removed once it
+is older than any build takes; from 2.14 it is an advisory lock, which the kernel releases with its holder, and its
+file stays after every build: it is left alone. The build is named by a digest of
 this CPU's feature flags and the source's path, so that two checkouts never rebuild over each other's build: it
 targets the widest vectors the CPU has (``-march=native``; AVX-512 halves the quantising loop's time against
 AVX2), so a cache shared by different machines never hands one the others' instructions. Each build records
@@ -74,9 +76,7 @@ def _ops() -> Any:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         log.debug("The codec's CPU kernels are turned off by %s=0.", DISABLE_ENV)
         return None
-    # One build per CPU and per source file: two checkouts on one machine would otherwise rebuild over each other.
-    digest = hashlib.sha256(f"{_cpu_features()}|{SOURCE.resolve()}".encode()).hexdigest()[:12]
-    name = f"lightning_bagua_codec_{digest}"
+    name = _build_name()
     build_directory = _extensions_root() / name
     stamp, inputs = build_directory / f"{name}.built.json", _build_inputs_digest()
     if _load_built(stamp, inputs):
@@ -86,7 +86,8 @@ def _ops() -> Any:
 
     try:
         build_directory.mkdir(parents=True, exist_ok=True)
-        _clear_stale_lock(build_directory / "lock")
+        if _locks_by_existence(cpp_extension):
+            _clear_stale_lock(build_directory / "lock")
         library = cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
@@ -99,6 +100,12 @@ def _ops() -> Any:
         return None
     _write_stamp(stamp, inputs, str(library))
     return torch.ops.lightning_bagua_codec
+
+
+def _build_name() -> str:
+    """The build's name: one per CPU and per source file, so that two checkouts never rebuild over each other."""
+    digest = hashlib.sha256(f"{_cpu_features()}|{SOURCE.resolve()}".encode()).hexdigest()[:12]
+    return f"lightning_bagua_codec_{digest}"
 
 
 def _extensions_root() -> Path:
@@ -149,6 +156,15 @@ def _write_stamp(stamp: Path, inputs: str, library: str) -> None:
         os.replace(partial, stamp)
     except OSError as error:
         log.debug("The codec's build could not be recorded in %s (%s): the next process checks it again.", stamp, error)
+
+
+def _locks_by_existence(cpp_extension: Any) -> bool:
+    """Whether torch's loader locks a build by its lock file's existence (``FileBaton``, torch before 2.14).
+
+    torch 2.14 holds an advisory lock (``filelock``) instead: its file outlives every build, and waiting for it to
+    go would stall each process that reaches the loader until the file looks stale.
+    """
+    return hasattr(cpp_extension, "FileBaton")
 
 
 def _clear_stale_lock(lock: Path) -> None:
