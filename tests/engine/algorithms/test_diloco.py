@@ -303,6 +303,7 @@ def test_resume_mid_period_with_an_exchange_in_flight_is_exact(eager):
         ({"fragment_update_alpha": 1.5}, ValueError, "fragment_update_alpha"),
         ({"quantization": "int8"}, ValueError, "'uint8', 'uint4', None"),
         ({"outer_optimizer": "sgd"}, TypeError, "outer_optimizer"),
+        ({"outer_optimizer": torch.optim.LBFGS}, TypeError, "LBFGS.step\\(\\) failed without one"),
         ({"outer_optimizer_kwargs": {"lr": 0.7, "betas": 3}}, TypeError, "outer_optimizer_kwargs"),
         ({"outer_optimizer_kwargs": [("lr", 1)]}, TypeError, "outer_optimizer_kwargs"),
         ({"offload": "yes"}, TypeError, "offload"),
@@ -335,6 +336,26 @@ def test_resize_keeps_the_shared_state_and_the_residuals_sum():
     assert state["pending"] == [[0, 7]]
     torch.testing.assert_close(state["residuals"][0] * 3, torch.full((4,), 1.0))
     assert math.isclose(float(state["outer"][0].sum()), 4.0)
+    assert state.get("local") is None  # saved between steps: the strategy restores the averaged weights
+
+
+def test_resize_averages_the_replicas_held_aside_while_validation_showed_the_outer_weights():
+    impl = DiLoCoImpl.__new__(DiLoCoImpl)
+    impl.participants = 1
+    saved = [
+        {
+            "steps": 9,
+            "outer": [torch.zeros(3)],
+            "residuals": [None],
+            "pending": [],
+            "local": [torch.full((3,), float(rank)), torch.full((2, 2), 2.0 * rank)],
+        }
+        for rank in range(2)
+    ]
+    state = impl.resize_state(saved)
+    torch.testing.assert_close(state["local"][0], torch.full((3,), 0.5), rtol=0, atol=0)
+    torch.testing.assert_close(state["local"][1], torch.full((2, 2), 1.0), rtol=0, atol=0)
+    assert saved[0]["local"][0].sum() == 0  # the saved states are left as they were
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageImpl
-from lightning_bagua.engine.algorithms.base import AlgorithmImpl
+from lightning_bagua.engine.algorithms.base import Algorithm, AlgorithmImpl, algorithm_class, available_algorithms
 from lightning_bagua.engine.algorithms.decentralized import DecentralizedImpl
 from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceImpl
 from lightning_bagua.engine.algorithms.low_precision_decentralized import LowPrecisionDecentralizedImpl
@@ -37,6 +37,15 @@ def test_an_algorithm_without_state_resizes_to_nothing_and_refuses_state_it_cann
     assert _bound(GradientAllReduceImpl, 3).resize_state([{}, {}]) == {}
     with pytest.raises(ValueError, match="cannot resize the state 2 processes saved to 3: it does not implement"):
         AlgorithmImpl.resize_state(_bound(GradientAllReduceImpl, 3), [{"x": 1}, {"x": 2}])
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name", available_algorithms())
+def test_an_algorithm_that_keeps_state_says_what_a_resize_does_with_it(name):
+    # The resize warning prints resize_effect: the base's "keeps no state" would be wrong beside a resize_state.
+    registered = algorithm_class(name)
+    keeps_state = registered.impl_class.resize_state is not AlgorithmImpl.resize_state
+    assert keeps_state == (registered.resize_effect != Algorithm.resize_effect), registered.resize_effect
 
 
 @pytest.mark.timeout(10)

@@ -56,6 +56,7 @@ from lightning_bagua.engine.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     CommunicationHook,
+    available_algorithms,
     check_positive_int,
     register_algorithm,
 )
@@ -257,14 +258,19 @@ class AutoDecision:
             for label, predicted in self.predicted_s.items()
         )
         skipped = "; ".join(f"{label} ({why})" for label, why in self.figures.skipped.items())
-        return (
-            f"Bagua auto picked {self.label}: {self.reason} Links: {links or 'given'}."
-            f" Gradients: {gradients or 'given'}."
-            f" Time to DDP's loss, per DDP step: {candidates}."
-            + (f" Not timed: {skipped}." if skipped else "")
-            + f" Measuring took {self.trial_steps} steps and {self.measure_s:.2f} s on rank 0, {self.excess_s:.2f} s"
+        # A part with nothing behind it (one rank measures nothing; injected figures may leave links out) is left out.
+        parts = [
+            f"Bagua auto picked {self.label}: {self.reason}",
+            f"Links: {links}." if links else "",
+            f"Gradients: {gradients}." if gradients else "",
+            f"Time to DDP's loss, per DDP step: {candidates}." if candidates else "",
+            f"Not timed: {skipped}." if skipped else "",
+            f"Measuring took {self.trial_steps} steps and {self.measure_s:.2f} s on rank 0, {self.excess_s:.2f} s"
             " more than the pick would have taken."
-        )
+            if self.trial_steps or self.measure_s
+            else "Nothing was measured.",
+        ]
+        return " ".join(part for part in parts if part)
 
 
 def _bandwidth_text(bandwidth: float) -> str:
@@ -1023,11 +1029,12 @@ def _check_candidate(value: Any) -> str | Algorithm:
     valid = ", ".join(CANDIDATE_NAMES)
     if isinstance(value, str):
         if value not in CANDIDATE_NAMES:
+            others = [name for name in available_algorithms() if name not in (*CANDIDATE_NAMES, AutoAlgorithm.name)]
+            what = "is not a candidate" if value in others else "is an unknown candidate"
             raise ValueError(
-                f"Algorithm 'auto': unknown candidate {value!r}. Candidates are {valid} (or instances of their"
-                " algorithms). The other algorithms (decentralized, low_precision_decentralized, qadam, async) change"
-                " the weights or the optimizer, so auto cannot switch away from them after timing them: name one"
-                " directly, e.g. BaguaStrategy(algorithm='qadam', ...)."
+                f"Algorithm 'auto': {value!r} {what}. Candidates are {valid} (or instances of their algorithms). The"
+                f" other algorithms ({', '.join(others)}) change the weights or the optimizer, so auto cannot switch"
+                " away from them after timing them: name one directly, e.g. BaguaStrategy(algorithm='qadam', ...)."
             )
         return value
     if isinstance(value, (GradientAllReduceAlgorithm, ByteGradAlgorithm, LowRankAlgorithm)):

@@ -393,7 +393,9 @@ class DiLoCoImpl(AlgorithmImpl):
         ``θ_outer``, the outer optimizers' state, the step count and the pending merges are the same on every rank
         and are kept (rank 0's). Error-feedback residuals are summed over the saved ranks and shared out evenly, so
         that their sum is kept. The local replicas are the model's weights, which the strategy restores (the ranks'
-        average where their number changed); the pending merges then mix ``θ_outer`` into that average.
+        average where their number changed); the pending merges then mix ``θ_outer`` into that average. A state
+        saved while validation showed ``θ_outer`` holds each rank's replica aside: those are averaged too, or the
+        resumed replica would be rank 0's alone.
 
         Args:
             saved: every saved rank's :meth:`state_dict`.
@@ -411,6 +413,9 @@ class DiLoCoImpl(AlgorithmImpl):
                 sum(residuals[p] for residuals in holders if residuals[p] is not None) / world
                 for p in range(len(first["outer"]))
             ]
+        locals_ = [state["local"] for state in saved if state.get("local") is not None]
+        if locals_:
+            first["local"] = [torch.stack(replicas).mean(dim=0) for replicas in zip(*locals_, strict=True)]
         return first
 
     def close(self) -> None:
@@ -593,7 +598,7 @@ class DiLoCoAlgorithm(Algorithm):
         fragment_sync_delay: ``τ``, the steps an exchange runs behind before it merges (the issue's ``overlap``);
             between 0 and ``sync_every - 1``.
         fragment_update_alpha: ``alpha`` in ``[0, 1]``, the local share of the merged fragment.
-        outer_optimizer: a ``torch.optim.Optimizer`` class for the outer step.
+        outer_optimizer: a ``torch.optim.Optimizer`` class for the outer step, one that steps without a closure.
         outer_optimizer_kwargs: its keywords; ``None`` gives the paper's ``lr=0.7, momentum=0.9, nesterov=True``
             for SGD and the class's defaults for any other class.
         quantization: ``"uint8"`` (MinMaxUInt8, one min/max per 2048 values), ``"uint4"``, or ``None`` (float32).
@@ -612,6 +617,10 @@ class DiLoCoAlgorithm(Algorithm):
     single_node_effect = (
         "its ranks all-reduce gradients at every step and train one replica, with the outer step on top; pass"
         " hierarchical=False to run DiLoCo among the ranks"
+    )
+    resize_effect = (
+        "θ_outer, the outer optimizer's state, the step count and the merges still due are kept; every replica starts"
+        " from the ranks' average, and their error feedback is summed and split evenly"
     )
     impl_class = DiLoCoImpl
 
@@ -675,12 +684,22 @@ class DiLoCoAlgorithm(Algorithm):
         self.error_feedback = error_feedback
         self.hierarchical = hierarchical
         self.offload = offload
+        probe = Parameter(torch.zeros(1))
         try:  # a bad keyword fails here, before any process group starts
-            outer_optimizer([Parameter(torch.zeros(1))], **self.resolved_outer_optimizer_kwargs())
+            probe_optimizer = outer_optimizer([probe], **self.resolved_outer_optimizer_kwargs())
         except (TypeError, ValueError) as error:
             raise type(error)(
                 f"Algorithm {name!r}: {outer_optimizer.__name__} does not accept outer_optimizer_kwargs="
                 f"{self.outer_optimizer_kwargs!r}: {error}"
+            ) from error
+        probe.grad = torch.zeros_like(probe)
+        try:  # the outer step has a pseudo-gradient but no loss to re-evaluate, so no closure to pass
+            probe_optimizer.step()
+        except TypeError as error:
+            raise TypeError(
+                f"Algorithm {name!r}: the outer optimizer must step from gradients alone, without a closure, but"
+                f" {outer_optimizer.__name__}.step() failed without one: {error}. Pick one such as torch.optim.SGD"
+                " (the default) or torch.optim.Adam."
             ) from error
 
     def resolved_outer_optimizer_kwargs(self) -> dict[str, Any]:
