@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -62,11 +63,24 @@ def test_algorithm_instance_is_accepted():
         ({"average": 1}, TypeError, r"`average` must be a bool, got 1 \(int\)"),
         ({"flatten": "true"}, TypeError, r"`flatten` must be a bool, got 'true' \(str\)"),
         ({"bucket_cap_mb": 0}, ValueError, r"`bucket_cap_mb` must be a positive number of MiB, got 0"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, r"`bucket_cap_mb` must be a positive number of MiB, got nan"),
+        ({"bucket_cap_mb": float("inf")}, ValueError, r"`bucket_cap_mb` must be a positive number of MiB, got inf"),
+        ({"timeout": timedelta(0)}, ValueError, r"`timeout` must be positive.*got datetime.timedelta\(0\)"),
+        ({"timeout": timedelta(seconds=-5)}, ValueError, r"`timeout` must be positive"),
+        ({"process_group_backend": "mpi2"}, ValueError, r"one of 'gloo', 'nccl'.*'cpu:gloo,cuda:nccl'.* Got 'mpi2'"),
+        ({"process_group_backend": "cpu:gloo,cuda:nccl2"}, ValueError, r"Got 'cpu:gloo,cuda:nccl2'"),
+        ({"process_group_backend": 3}, TypeError, r"Got 3 \(int\)"),
+        ({"find_unused_parameters": "yes"}, TypeError, r"`find_unused_parameters` must be a bool, got 'yes'"),
     ],
 )
 def test_bad_input_fails_at_construction_naming_the_choices(kwargs, error, message):
     with pytest.raises(error, match=message):
         BaguaStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "NCCL", "cpu:gloo,cuda:nccl"])
+def test_process_group_backends_torch_knows_are_accepted(backend):
+    assert BaguaStrategy(process_group_backend=backend)._process_group_backend == backend
 
 
 def test_bagua_environment_is_chosen_when_bagua_service_port_is_set(monkeypatch):

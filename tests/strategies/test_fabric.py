@@ -2,6 +2,7 @@
 
 import csv
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,10 @@ def test_bagua_kwargs_reach_the_algorithm_and_instances_are_accepted():
         ({"algorithm": "decentralized", "peer_selection_mode": "ring"}, ValueError, r"'ring'"),
         ({"flatten": "true"}, TypeError, r"`flatten` must be a bool, got 'true' \(str\)"),
         ({"bucket_cap_mb": -1}, ValueError, r"`bucket_cap_mb` must be a positive number of MiB, got -1"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, r"`bucket_cap_mb` must be a positive number of MiB, got nan"),
+        ({"timeout": timedelta(0)}, ValueError, r"`timeout` must be positive"),
+        ({"process_group_backend": "mpi2"}, ValueError, r"`process_group_backend` must be one of .* Got 'mpi2'"),
+        ({"find_unused_parameters": 1}, TypeError, r"`find_unused_parameters` must be a bool, got 1"),
         ({"telemetry": 1}, TypeError, r"`telemetry` must be a bool, got 1 \(int\). Pass True to measure"),
         ({"autotune": "yes"}, TypeError, r"`autotune` must be a bool or None, got 'yes' \(str\). Pass True to tune"),
     ],

@@ -156,6 +156,12 @@ def test_candidates_follow_the_layout():
             r"\(async, decentralized, diloco, low_precision_decentralized, qadam\)",
         ),
         ({"candidates": ["bytegrad", "nope"]}, ValueError, r"'nope' is an unknown candidate"),
+        (
+            {"candidates": "bytegrad"},
+            TypeError,
+            r"must be a list of names or algorithms, got 'bytegrad'.*\['bytegrad'\]",
+        ),
+        ({"candidates": {"bytegrad"}}, TypeError, r"must be a list of names or algorithms, got \{'bytegrad'\}"),
         ({"candidates": [LowRankAlgorithm(rank=8)]}, ValueError, r"rank 8.*rank >= 16"),
         ({"max_trial_steps": 0}, ValueError, r"`max_trial_steps` must be at least 1, got 0"),
         ({"max_trial_steps": 3}, ValueError, r"max_trial_steps=3.*at least 4"),

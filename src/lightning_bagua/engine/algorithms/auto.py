@@ -984,6 +984,15 @@ class AutoAlgorithm(Algorithm):
             )
         if figures is not None and not isinstance(figures, AutoFigures):
             raise TypeError(f"Algorithm 'auto': `figures` must be an AutoFigures, got {type(figures).__name__}.")
+        if candidates is not None and (
+            isinstance(candidates, (str, Algorithm)) or not isinstance(candidates, Sequence)
+        ):
+            one = isinstance(candidates, (str, Algorithm))
+            example = f"[{candidates!r}]" if one else "['bytegrad', 'low_rank']"
+            raise TypeError(
+                f"Algorithm 'auto': `candidates` must be a list of names or algorithms, got {candidates!r}. Pass e.g."
+                f" candidates={example}."
+            )
         self.candidates = None if candidates is None else tuple(_check_candidate(value) for value in candidates)
         self.trial_steps = trial_steps
         self.max_trial_steps = max_trial_steps

@@ -1,5 +1,6 @@
 """The strategies' arguments, checked before any process starts, and the reduction both strategies offer."""
 
+import math
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -17,6 +18,7 @@ __all__ = [
     "autotune_metrics",
     "check_engine_arguments",
     "check_flag",
+    "check_process_group_backend",
     "check_start_method",
     "check_telemetry_and_autotune",
     "check_timeout",
@@ -50,7 +52,10 @@ def check_engine_arguments(
         )
     built = _build_algorithm(algorithm, bagua_kwargs)
     if bucket_cap_mb is not None and (
-        not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0
+        not isinstance(bucket_cap_mb, (int, float))
+        or isinstance(bucket_cap_mb, bool)
+        or not math.isfinite(bucket_cap_mb)
+        or bucket_cap_mb <= 0
     ):
         raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
     gloo_threads_batch_scheduled()  # its environment variable is checked before any process group starts
@@ -68,6 +73,32 @@ def check_timeout(timeout: Any) -> None:
             f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__})."
             " Pass e.g. timeout=timedelta(seconds=60)."
         )
+    if timeout is not None and timeout <= timedelta(0):
+        # torch would take it and fail the first join with a timeout that reads like a wrong address.
+        raise ValueError(
+            f"`timeout` must be positive: it bounds every collective, got {timeout!r}. Pass e.g."
+            " timeout=timedelta(minutes=30), or None for torch's default."
+        )
+
+
+def check_process_group_backend(backend: Any) -> None:
+    """Raise unless ``backend`` is ``None`` or names backends torch knows, alone or per device (``"cpu:gloo,..."``).
+
+    Args:
+        backend: the strategy's ``process_group_backend`` argument.
+    """
+    if backend is None:
+        return
+    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    hint = (
+        f"`process_group_backend` must be one of {', '.join(map(repr, known))}, or one per device such as"
+        f" 'cpu:gloo,cuda:nccl'; leave it out to choose from the device. Got {backend!r}"
+    )
+    if not isinstance(backend, str):
+        raise TypeError(f"{hint} ({type(backend).__name__}).")
+    names = [part.split(":", 1)[1] if ":" in part else part for part in backend.split(",")]
+    if not all(name.strip().lower() in known for name in names):
+        raise ValueError(f"{hint}.")
 
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")

@@ -26,6 +26,7 @@ from lightning_bagua.strategies._core import faults
 from lightning_bagua.strategies._core.arguments import (
     check_engine_arguments,
     check_flag,
+    check_process_group_backend,
     check_start_method,
     check_telemetry_and_autotune,
     check_timeout,
@@ -116,6 +117,8 @@ class BaguaStrategyCore(_CoreBase):
         """
         check_timeout(timeout)
         check_start_method(start_method)
+        check_process_group_backend(process_group_backend)
+        check_flag("find_unused_parameters", find_unused_parameters)
         self._average_before_save = check_flag("average_before_save", average_before_save)
         self._algorithm = check_engine_arguments(algorithm, flatten, bucket_cap_mb, bagua_kwargs)
         self._telemetry, self._autotune = check_telemetry_and_autotune(telemetry, autotune)
