@@ -176,6 +176,12 @@ def test_two_launchers_make_two_nodes(tmp_path, probe, monkeypatch):
         (["--nproc_per_node", "0"], "--nproc_per_node must be at least 1, got 0"),
         (["-m", "--no_python"], "--module and --no_python exclude each other"),
         (["--default_bucket_size", "0"], "--default_bucket_size must be a positive number of bytes, got 0"),
+        (["--nnodes", "2:1"], "MIN:MAX with MIN <= MAX, got '2:1'"),
+        (["--nnodes", "1:2"], "--nnodes 1:2 asks for an elastic job, which needs a rendezvous"),
+        (["--rdzv_endpoint", "node0:29400"], "--rdzv_endpoint takes effect only with --rdzv_backend"),
+        (["--master_port", "70000"], "--master_port must be a port number from 0 to 65535, got 70000"),
+        (["--bagua_service_port", "-1"], "--bagua_service_port must be a port number from 0 to 65535, got -1"),
+        (["--max_restarts", "-1"], "--max_restarts must be 0 or more restarts after a failure, got -1"),
     ],
 )
 def test_bad_flags_fail_before_anything_starts(tmp_path, argv, message):

@@ -168,8 +168,30 @@ def _check(args: argparse.Namespace) -> None:
             f" {args.autotune_level}."
         )
     nodes = args.nnodes.split(":")
-    if not all(part.isdigit() and int(part) >= 1 for part in nodes) or len(nodes) > 2:
-        raise SystemExit(f"--nnodes must be a positive number of nodes or MIN:MAX, got {args.nnodes!r}.")
+    if not all(part.isdigit() and int(part) >= 1 for part in nodes) or len(nodes) > 2 or int(nodes[0]) > int(nodes[-1]):
+        raise SystemExit(
+            f"--nnodes must be a positive number of nodes, or MIN:MAX with MIN <= MAX, got {args.nnodes!r}."
+        )
+    if args.rdzv_backend is None:
+        # The static rendezvous cannot admit nodes as they come: torch's agent would wait without a word.
+        if len(nodes) == 2:
+            raise SystemExit(
+                f"--nnodes {args.nnodes} asks for an elastic job, which needs a rendezvous nodes can join at any time:"
+                " add --rdzv_backend c10d (with --rdzv_endpoint HOST:PORT of one node, master_addr:master_port by"
+                " default), or give one number of nodes."
+            )
+        given = [flag for flag in ("rdzv_endpoint", "rdzv_id") if getattr(args, flag) is not None]
+        if given:
+            verb = "takes" if len(given) == 1 else "take"
+            raise SystemExit(
+                f"--{' and --'.join(given)} {verb} effect only with --rdzv_backend: add --rdzv_backend c10d, or drop"
+                " them and name node 0 with --master_addr and --master_port."
+            )
+    for flag in ("master_port", "bagua_service_port"):
+        if not 0 <= getattr(args, flag) <= 65535:
+            raise SystemExit(f"--{flag} must be a port number from 0 to 65535, got {getattr(args, flag)}.")
+    if args.max_restarts < 0:
+        raise SystemExit(f"--max_restarts must be 0 or more restarts after a failure, got {args.max_restarts}.")
     if len(nodes) == 1 and args.rdzv_backend is None and not 0 <= args.node_rank < int(nodes[0]):
         # Static rendezvous would wait (15 minutes) for a node rank that can never join.
         raise SystemExit(
@@ -184,7 +206,8 @@ def _report_flags_without_effect(args: argparse.Namespace) -> None:
     changed = [name for name, default in _WITHOUT_EFFECT.items() if getattr(args, name) != default]
     if changed:
         flags = ", ".join(f"--{name}" for name in changed)
-        print(f"lightning_bagua.launch: {flags} have no effect in this release and are ignored.", file=sys.stderr)
+        verb = "has" if len(changed) == 1 else "have"
+        print(f"lightning_bagua.launch: {flags} {verb} no effect in this release and are ignored.", file=sys.stderr)
     if args.host_list or args.ssh_port is not None:
         print(
             "lightning_bagua.launch: --host_list/--ssh_port are ignored; start the launcher on each host"
