@@ -84,6 +84,9 @@ def test_failure_reports_tell_a_shared_error_from_one_raised_alone_and_a_failed_
     lost = FailureReport(1, 2, collective=False, reports={1: "ValueError: x"}, window_s=20, store_error="gone")
     assert not lost.alone
     assert lost.note() is None
+    cut = FailureReport(0, 2, collective=True, reports={0: "RuntimeError: gloo"}, window_s=5, store_error="gone")
+    assert "collecting the other ranks' reports was cut short (gone)" in cut.note()
+    assert "torchrun and lightning_bagua.launch end every rank when one dies" in cut.note()
 
 
 def _attempt(port: int, world_size: int, ranks: list[int], timeout_s: float = 20.0) -> dict[int, object]:

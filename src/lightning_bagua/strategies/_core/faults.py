@@ -442,9 +442,10 @@ class FailureReport:
             if not self.collective:
                 return None
             return (
-                f"{head} saw a collective fail; collecting the other ranks' reports failed too ({self.store_error})."
-                " If the rendezvous store is gone, the process hosting it died: rank 0 under Lightning's own"
-                " launcher; under torchrun or lightning_bagua.launch the agent, whose summary names the failed rank."
+                f"{head} saw a collective fail; collecting the other ranks' reports was cut short ({self.store_error})."
+                " Either the process hosting the rendezvous store died (rank 0 under Lightning's own launcher or"
+                " SLURM), or the launcher ended this process while it waited: torchrun and lightning_bagua.launch end"
+                " every rank when one dies, and their summary names the failed rank."
             )
         silent = ", ".join(map(str, self.silent))
         if self.alone:
