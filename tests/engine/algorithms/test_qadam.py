@@ -557,3 +557,103 @@ def backward_without_an_optimizer(rank: int, world_size: int) -> dict:
 def test_backward_without_a_bound_optimizer_says_how_to_bind_one():
     (result,) = run_processes(backward_without_an_optimizer, 1)
     assert "Algorithm 'qadam' has no QAdamOptimizer: pass `q_adam_optimizer=`" in result["message"]
+
+
+class _WithUnusedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(6, 4)
+        self.unused = nn.Linear(6, 4)  # an auxiliary head this phase of training never calls
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.used(inputs)
+
+
+def _mixed_phase_optimizer(model: _WithUnusedHead, case: str) -> QAdamOptimizer:
+    if case == "unused":
+        return QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
+    late = [model.used.bias, *model.unused.parameters()]
+    return QAdamOptimizer(
+        [{"params": [model.used.weight], "warmup_steps": 2}, {"params": late}], lr=0.01, warmup_steps=5
+    )
+
+
+def _mixed_phase_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 6, generator=generator), torch.randn(8, 4, generator=generator)
+
+
+def train_with_buckets_in_both_phases(rank: int, world_size: int, case: str, steps: int) -> dict:
+    import logging
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(qadam.__name__).addHandler(handler)
+    torch.manual_seed(0)
+    model = _WithUnusedHead()
+    optimizer = _mixed_phase_optimizer(model, case)
+    algorithm = Algorithm.init("qadam", hierarchical=False)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, find_unused_parameters=True)
+    for step in range(steps):
+        inputs, targets = _mixed_phase_batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+    ddp.close()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "warnings": warnings}
+
+
+@pytest.mark.parametrize(("case", "steps"), [("unused", 5), ("groups", 4)])
+def test_a_bucket_in_both_phases_is_averaged_at_full_precision_as_one_process_would(case, steps):
+    # A parameter without gradients never steps, so its count stays in the warm-up beside bucket-mates that left
+    # it; groups with different warmup_steps do the same. Such a bucket goes at full precision: exact.
+    results = run_processes(train_with_buckets_in_both_phases, 2, case, steps)
+    torch.manual_seed(0)
+    reference = _WithUnusedHead()
+    optimizer = _mixed_phase_optimizer(reference, case)
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = [nn.functional.mse_loss(reference(x), y) for x, y in (_mixed_phase_batch(r, step) for r in range(2))]
+        (sum(losses) / 2).backward()
+        optimizer.step()
+    for result in results:
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(results[0]["warnings"]) == 1
+    assert "gradient bucket 0 holds parameters in the warm-up and in the compressed phase" in results[0]["warnings"][0]
+    assert results[1]["warnings"] == []  # said once, by rank 0
+    torch.testing.assert_close(results[0]["state"]["unused.weight"], reference.unused.weight.detach(), rtol=0, atol=0)
+
+
+def train_with_a_warm_up_bucket_after_a_compressed_one(rank: int, world_size: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4))
+    # The last layer's gradients are ready first, so its bucket goes first: compressed from step 2, while the
+    # first layer's bucket stays in the warm-up until step 5 and must queue behind it on the executor.
+    groups = [{"params": model[2].parameters(), "warmup_steps": 2}, {"params": model[0].parameters()}]
+    optimizer = QAdamOptimizer(groups, lr=0.01, warmup_steps=5)
+    algorithm = Algorithm.init("qadam", hierarchical=False)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, bucket_cap_mb=1e-5)  # a bucket each
+    queued: list[int] = []
+    original = qadam.all_reduce_bucket
+
+    def spy(state, buffer):
+        queued.append(buffer.numel())
+        return original(state, buffer)
+
+    qadam.all_reduce_bucket = spy
+    for step in range(steps):
+        inputs, targets = _mixed_phase_batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+    ddp.close()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "queued": queued}
+
+
+def test_a_full_precision_bucket_after_a_compressed_one_keeps_the_ranks_in_step():
+    results = run_processes(train_with_a_warm_up_bucket_after_a_compressed_one, 2, 4)
+    assert_ranks_identical(results)
+    # Steps 2 to 4: the first layer's buckets (weight 30 and bias 5 values) went behind the compressed ones.
+    assert sorted(results[0]["queued"]) == sorted([30, 5] * 3)

@@ -21,7 +21,7 @@ from lightning_bagua.engine.communication import (
     all_reduce_hierarchically,
 )
 
-__all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceState", "gradient_allreduce_hook"]
+__all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceState", "all_reduce_bucket", "gradient_allreduce_hook"]
 
 
 class GradientAllReduceImpl(AlgorithmImpl):
@@ -108,6 +108,28 @@ def gradient_allreduce_hook(
     # instead: the executor's worker, or this one for the step's last bucket. Gloo still runs the collectives
     # side by side.
     return state.executor.submit(partial(_waited, work, buffer), last=bucket.is_last())
+
+
+def all_reduce_bucket(state: GradientAllReduceState, buffer: Tensor) -> Tensor:
+    """Run :func:`gradient_allreduce_hook`'s steps on ``buffer`` in place and wait, for a job of the executor.
+
+    An algorithm whose other buckets run on the executor (``qadam`` past its warm-up) reduces a full-precision
+    bucket this way, so that its collectives keep their place among the executor's on every rank.
+
+    Args:
+        state: the groups, counter and ``average`` to use.
+        buffer: the bucket's flat gradients.
+
+    Returns:
+        ``buffer``, reduced.
+    """
+    if state.average:
+        buffer.div_(state.groups.world_size)
+    if state.groups.is_hierarchical:
+        return _all_reduce_two_level(state, buffer)
+    state.counter.record("all_reduce", buffer)
+    dist.all_reduce(buffer, group=state.groups.flat)
+    return buffer
 
 
 def _all_reduce_two_level(state: GradientAllReduceState, buffer: Tensor) -> Tensor:

@@ -20,6 +20,10 @@ Design:
   holds each rank's *local* gradient in this phase; the optimizer does not read it for a synchronised parameter.
 * Used alone (no algorithm, one process), the optimizer updates ``m`` from ``.grad`` itself in the compressed
   phase too, which is the same math with one rank.
+* A bucket whose parameters are in both phases (a parameter that had no gradient in some steps, so that its count
+  lags, or parameter groups with different ``warmup_steps``) is all-reduced at full precision, and the optimizer
+  updates each parameter by its own phase: for one in the compressed phase that is the same ``m``, averaged
+  exactly instead of in 8 bits.
 
 Two deliberate differences from Bagua (the migration page lists every one): the compressed momentum is exchanged
 from the step at which the warm-up ends, where Bagua all-reduced that step's gradient and then dropped it; and
@@ -33,6 +37,7 @@ then takes the single :class:`QAdamOptimizer` among the bound optimizers. Bindin
 ``RuntimeError`` that says how to provide one.
 """
 
+import logging
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,9 +57,15 @@ from lightning_bagua.engine.algorithms.base import (
     register_algorithm,
 )
 from lightning_bagua.engine.algorithms.bytegrad import ByteGradState, reduce_bucket
-from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceState, gradient_allreduce_hook
+from lightning_bagua.engine.algorithms.gradient_allreduce import (
+    GradientAllReduceState,
+    all_reduce_bucket,
+    gradient_allreduce_hook,
+)
 from lightning_bagua.engine.codec import MinMaxUInt8Codec
 from lightning_bagua.engine.communication import OrderedExecutor
+
+log = logging.getLogger(__name__)
 
 __all__ = ["QAdamAlgorithm", "QAdamImpl", "QAdamOptimizer", "QAdamState", "check_qadam_configuration", "qadam_hook"]
 
@@ -420,6 +431,9 @@ class QAdamState:
         executor: runs the compressed jobs in bucket order.
         optimizer: the bound optimizer, ``None`` until one is known.
         last_compressed: whether the last bucket communicated was in the compressed phase (``None`` before one).
+        on_executor: whether an earlier bucket of this step went to the executor, so that a full-precision bucket
+            must follow it there to keep the order of collectives alike on every rank.
+        warned_mixed: whether the note on a bucket in both phases was logged.
     """
 
     full_precision: GradientAllReduceState
@@ -427,6 +441,8 @@ class QAdamState:
     executor: OrderedExecutor
     optimizer: QAdamOptimizer | None = field(default=None)
     last_compressed: bool | None = None
+    on_executor: bool = False
+    warned_mixed: bool = False
 
     def require_optimizer(self) -> QAdamOptimizer:
         """Return the bound optimizer, or raise a ``RuntimeError`` that says how to bind one."""
@@ -541,8 +557,9 @@ class QAdamAlgorithm(Algorithm):
 def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Communicate one bucket: its gradients during warm-up, its parameters' momenta afterwards.
 
-    1. Ask the optimizer which phase the coming step is in (every parameter of the bucket must agree).
-    2. Warm-up: all-reduce the gradients at full precision (mean) and return them.
+    1. Ask the optimizer which phase the coming step is in for each of the bucket's parameters.
+    2. Warm-up, or parameters in both phases: all-reduce the gradients at full precision (mean) and return them;
+       the optimizer then updates each parameter's ``m`` (and ``v`` in warm-up) from the average.
     3. Compressed: ``m_i = b1 * m + (1 - b1) * (g_i + weight_decay * x)`` for the bucket's parameters, flattened;
        ``m = mean_i m_i`` by 8-bit scatter-gather (run flat on CUDA, replayed as a CUDA graph once it has run
        twice, as ``bytegrad``'s buckets are); ``m`` written back into the optimizer; the local gradients returned
@@ -557,15 +574,29 @@ def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Futu
     """
     optimizer = state.require_optimizer()
     params = bucket.parameters()
-    phases = {optimizer.is_compressed_step(param) for param in params}
-    if len(phases) != 1:
-        raise RuntimeError("Algorithm 'qadam': the parameters of one gradient bucket are in different phases.")
-    compressed = phases.pop()
-    state.last_compressed = compressed
-    if not compressed:
-        return gradient_allreduce_hook(state.full_precision, bucket)
     buffer = bucket.buffer()
     index, last = bucket.index(), bucket.is_last()
+    if index == 0:  # DDP's reducer hands the buckets over in index order
+        state.on_executor = False
+    phases = {optimizer.is_compressed_step(param) for param in params}
+    compressed = phases == {True}
+    state.last_compressed = compressed
+    if len(phases) > 1 and not state.warned_mixed:
+        state.warned_mixed = True
+        if state.full_precision.groups.rank == 0:
+            log.warning(
+                "qadam: gradient bucket %d holds parameters in the warm-up and in the compressed phase (one had no"
+                " gradient in some steps, or their parameter groups have different warmup_steps); such a bucket is"
+                " all-reduced at full precision. Give every group the same warmup_steps, and keep parameters that"
+                " get no gradient out of the optimizer, to compress every bucket.",
+                index,
+            )
+    if not compressed:
+        if not state.on_executor:
+            return gradient_allreduce_hook(state.full_precision, bucket)
+        state.on_executor = True
+        return state.executor.submit(lambda: all_reduce_bucket(state.full_precision, buffer), last=last)
+    state.on_executor = True
     momenta = optimizer.bucket_momenta(index, params, buffer, bucket.gradients)
     gradients = None if momenta.reads_buffer else bucket.gradients()
     compressed_state = state.compressed
