@@ -27,7 +27,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_bagua import BaguaStrategy, QAdamOptimizer
-from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
+from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, MinMaxUInt8Codec
 from lightning_bagua.engine.algorithms.decentralized import check_state_keys
 from lightning_bagua.engine.algorithms.qadam import check_qadam_configuration
 from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
@@ -162,6 +162,41 @@ IN_PROCESS: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
         r"--node_rank must be in \[0, 2\).*got 2",
     ),
     "launcher: no nodes": (_launch("--nnodes", "0", "train.py"), SystemExit, r"--nnodes must be a positive.*'0'"),
+    "engine: not a module": (
+        lambda: BaguaDistributedDataParallel("model"),  # type: ignore[arg-type]
+        TypeError,
+        r"`module` must be a torch.nn.Module, got 'model' \(str\)",
+    ),
+    "engine: one optimizer, not a list": (
+        lambda: BaguaDistributedDataParallel(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)),
+        TypeError,
+        r"`optimizers` must be a list of torch.optim.Optimizer.*optimizers=\[optimizer\]",
+    ),
+    "engine: bucket size not a number": (
+        lambda: BaguaDistributedDataParallel(nn.Linear(2, 1), bucket_cap_mb=float("nan")),
+        ValueError,
+        r"`bucket_cap_mb` must be a positive number of MiB, got nan",
+    ),
+    "engine: ranks per node as text": (
+        lambda: BaguaDistributedDataParallel(nn.Linear(2, 1), ranks_per_node="2"),  # type: ignore[arg-type]
+        ValueError,
+        r"`ranks_per_node` must be a positive int, got '2'",
+    ),
+    "engine: zero timeout": (
+        lambda: BaguaDistributedDataParallel(nn.Linear(2, 1), timeout=timedelta(0)),
+        ValueError,
+        r"`timeout` must be positive",
+    ),
+    "codec: chunks not an int": (
+        lambda: MinMaxUInt8Codec().compress(torch.ones(8), num_chunks=2.5),  # type: ignore[arg-type]
+        TypeError,
+        r"`num_chunks` must be an int, got 2.5 \(float\)",
+    ),
+    "qadam: learning rate as text": (
+        lambda: QAdamOptimizer(nn.Linear(2, 1).parameters(), lr="0.1"),  # type: ignore[arg-type]
+        TypeError,
+        r"Invalid lr: '0.1' \(str\); it must be a number >= 0",
+    ),
 }
 
 

@@ -381,6 +381,7 @@ class CacheLoader:
 
     Raises:
         ValueError: for an unknown ``backend``, a ``writer_buffer_size`` below 1, or unknown ``kwargs``.
+        TypeError: for a ``writer_buffer_size`` that is not an int.
         ImportError: for ``backend="redis"`` without the ``redis`` package.
         FileNotFoundError: for ``backend="redis"`` without ``hosts`` when ``redis-server`` is not on ``PATH``.
         TimeoutError: when a Redis server is not reachable within ``timeout``.
@@ -391,6 +392,10 @@ class CacheLoader:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"Unknown cache backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
+        if isinstance(writer_buffer_size, bool) or not isinstance(writer_buffer_size, int):
+            raise TypeError(
+                f"writer_buffer_size must be an int, got {writer_buffer_size!r} ({type(writer_buffer_size).__name__})"
+            )
         if writer_buffer_size < 1:
             raise ValueError(f"writer_buffer_size must be at least 1, got {writer_buffer_size}")
         allowed = {"embedded": {"path", "timeout"}, "redis": {"hosts", "port", "capacity_per_node", "timeout"}}

@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -30,6 +31,8 @@ __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_CUDA_BUCKET_CAP_MB",
     "BaguaDistributedDataParallel",
+    "check_bucket_cap_mb",
+    "check_timeout",
     "default_bucket_cap_mb",
     "warn_about_node_layout",
 ]
@@ -40,6 +43,40 @@ DEFAULT_BUCKET_CAP_MB = 10.0
 """The default bucket size off CUDA, in MiB: Bagua's."""
 DEFAULT_CUDA_BUCKET_CAP_MB = 100.0
 """The default bucket size on CUDA, in MiB: four times torch's DDP's, for fewer hook calls on the host."""
+
+
+def check_bucket_cap_mb(bucket_cap_mb: Any) -> None:
+    """Raise a ``ValueError`` unless ``bucket_cap_mb`` is ``None`` or a finite positive number of MiB.
+
+    Args:
+        bucket_cap_mb: the bucket size given.
+    """
+    if bucket_cap_mb is not None and (
+        not isinstance(bucket_cap_mb, (int, float))
+        or isinstance(bucket_cap_mb, bool)
+        or not math.isfinite(bucket_cap_mb)
+        or bucket_cap_mb <= 0
+    ):
+        raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
+
+
+def check_timeout(timeout: Any) -> None:
+    """Raise unless ``timeout`` is ``None`` or a positive ``timedelta``.
+
+    Args:
+        timeout: the collective timeout given.
+    """
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__})."
+            " Pass e.g. timeout=timedelta(seconds=60)."
+        )
+    if timeout is not None and timeout <= timedelta(0):
+        # torch would take it and fail the first join with a timeout that reads like a wrong address.
+        raise ValueError(
+            f"`timeout` must be positive: it bounds every collective, got {timeout!r}. Pass e.g."
+            " timeout=timedelta(minutes=30), or None for torch's default."
+        )
 
 
 # Messages already logged by this process: rewrapping a model (autotuning) must not repeat them.
@@ -177,10 +214,25 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
                 f"`algorithm` must be an Algorithm or an algorithm name, got {algorithm!r}"
                 f" ({type(algorithm).__name__})."
             )
+        if not isinstance(module, Module):
+            raise TypeError(f"`module` must be a torch.nn.Module, got {module!r} ({type(module).__name__}).")
+        if isinstance(optimizers, Optimizer) or not all(isinstance(o, Optimizer) for o in optimizers):
+            raise TypeError(
+                f"`optimizers` must be a list of torch.optim.Optimizer, got {optimizers!r}. Pass e.g."
+                " optimizers=[optimizer]."
+            )
         if not isinstance(gradient_as_bucket_view, bool):
             raise TypeError(f"`gradient_as_bucket_view` must be a bool, got {gradient_as_bucket_view!r}.")
         if not isinstance(telemetry, bool):
             raise TypeError(f"`telemetry` must be a bool, got {telemetry!r} ({type(telemetry).__name__}).")
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(
+                f"`ranks_per_node` must be a positive int, got {ranks_per_node!r}; None reads LOCAL_WORLD_SIZE."
+            )
+        check_bucket_cap_mb(bucket_cap_mb)
+        check_timeout(timeout)
         _merge_ignored_parameters(module)
         _refuse_sparse_gradients(module)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))

@@ -107,6 +107,9 @@ class QAdamOptimizer(Optimizer):
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
             raise ValueError(f"Invalid warmup_steps: {warmup_steps!r} (must be an int > 0)")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+                raise TypeError(f"Invalid {name}: {value!r} ({type(value).__name__}); it must be a number >= 0")
         # Written as `not x >= 0` so that NaN is refused too.
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr!r} (must be >= 0)")

@@ -318,6 +318,8 @@ class MinMaxUInt8Codec:
 
 
 def _check_num_chunks(num_chunks: int) -> None:
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int):
+        raise TypeError(f"`num_chunks` must be an int, got {num_chunks!r} ({type(num_chunks).__name__}).")
     if num_chunks < 1:
         raise ValueError(f"`num_chunks` must be at least 1, got {num_chunks}.")
 

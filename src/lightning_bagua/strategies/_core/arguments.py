@@ -1,8 +1,6 @@
 """The strategies' arguments, checked before any process starts, and the reduction both strategies offer."""
 
-import math
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -12,6 +10,7 @@ from torch.distributed import ReduceOp
 from lightning_bagua.engine import Algorithm
 from lightning_bagua.engine.autotune import AutotuneSetting, autotune_from_environment
 from lightning_bagua.engine.communication import gloo_threads_batch_scheduled
+from lightning_bagua.engine.data_parallel import check_bucket_cap_mb
 
 __all__ = [
     "START_METHODS",
@@ -21,7 +20,6 @@ __all__ = [
     "check_process_group_backend",
     "check_start_method",
     "check_telemetry_and_autotune",
-    "check_timeout",
     "fill_load_balancing_samplers",
     "reduce_over_all_processes",
     "telemetry_metrics",
@@ -51,34 +49,9 @@ def check_engine_arguments(
             " live in the communication buckets (no copies), or False to keep them separate."
         )
     built = _build_algorithm(algorithm, bagua_kwargs)
-    if bucket_cap_mb is not None and (
-        not isinstance(bucket_cap_mb, (int, float))
-        or isinstance(bucket_cap_mb, bool)
-        or not math.isfinite(bucket_cap_mb)
-        or bucket_cap_mb <= 0
-    ):
-        raise ValueError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
+    check_bucket_cap_mb(bucket_cap_mb)
     gloo_threads_batch_scheduled()  # its environment variable is checked before any process group starts
     return built
-
-
-def check_timeout(timeout: Any) -> None:
-    """Raise a ``TypeError`` unless ``timeout`` is a ``timedelta`` or ``None``.
-
-    Args:
-        timeout: the strategy's ``timeout`` argument.
-    """
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(
-            f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__})."
-            " Pass e.g. timeout=timedelta(seconds=60)."
-        )
-    if timeout is not None and timeout <= timedelta(0):
-        # torch would take it and fail the first join with a timeout that reads like a wrong address.
-        raise ValueError(
-            f"`timeout` must be positive: it bounds every collective, got {timeout!r}. Pass e.g."
-            " timeout=timedelta(minutes=30), or None for torch's default."
-        )
 
 
 def check_process_group_backend(backend: Any) -> None:

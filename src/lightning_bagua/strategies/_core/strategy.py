@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_bagua.engine import Algorithm, AutoDecision, BaguaDistributedDataParallel, CommunicationCounter
 from lightning_bagua.engine.algorithms.auto import AutoImpl
-from lightning_bagua.engine.data_parallel import default_bucket_cap_mb
+from lightning_bagua.engine.data_parallel import check_timeout, default_bucket_cap_mb
 from lightning_bagua.strategies._core import faults
 from lightning_bagua.strategies._core.arguments import (
     check_engine_arguments,
@@ -29,7 +29,6 @@ from lightning_bagua.strategies._core.arguments import (
     check_process_group_backend,
     check_start_method,
     check_telemetry_and_autotune,
-    check_timeout,
     fill_load_balancing_samplers,
 )
 from lightning_bagua.strategies._core.checkpoint import ModuleEntry, gather_module_entry
