@@ -583,6 +583,16 @@ def _mixed_phase_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(8, 6, generator=generator), torch.randn(8, 4, generator=generator)
 
 
+def _train_mixed_phases(rank: int, ddp: BaguaDistributedDataParallel, optimizer: QAdamOptimizer, steps: int) -> dict:
+    for step in range(steps):
+        inputs, targets = _mixed_phase_batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+    ddp.close()
+    return {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+
+
 def train_with_buckets_in_both_phases(rank: int, world_size: int, case: str, steps: int) -> dict:
     import logging
 
@@ -595,13 +605,7 @@ def train_with_buckets_in_both_phases(rank: int, world_size: int, case: str, ste
     optimizer = _mixed_phase_optimizer(model, case)
     algorithm = Algorithm.init("qadam", hierarchical=False)
     ddp = BaguaDistributedDataParallel(model, [optimizer], algorithm, find_unused_parameters=True)
-    for step in range(steps):
-        inputs, targets = _mixed_phase_batch(rank, step)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(inputs), targets).backward()
-        optimizer.step()
-    ddp.close()
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "warnings": warnings}
+    return {"state": _train_mixed_phases(rank, ddp, optimizer, steps), "warnings": warnings}
 
 
 @pytest.mark.parametrize(("case", "steps"), [("unused", 5), ("groups", 4)])
@@ -643,13 +647,7 @@ def train_with_a_warm_up_bucket_after_a_compressed_one(rank: int, world_size: in
         return original(state, buffer)
 
     qadam.all_reduce_bucket = spy
-    for step in range(steps):
-        inputs, targets = _mixed_phase_batch(rank, step)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(inputs), targets).backward()
-        optimizer.step()
-    ddp.close()
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "queued": queued}
+    return {"state": _train_mixed_phases(rank, ddp, optimizer, steps), "queued": queued}
 
 
 def test_a_full_precision_bucket_after_a_compressed_one_keeps_the_ranks_in_step():
