@@ -182,6 +182,8 @@ def test_two_launchers_make_two_nodes(tmp_path, probe, monkeypatch):
         (["--master_port", "70000"], "--master_port must be a port number from 0 to 65535, got 70000"),
         (["--bagua_service_port", "-1"], "--bagua_service_port must be a port number from 0 to 65535, got -1"),
         (["--max_restarts", "-1"], "--max_restarts must be 0 or more restarts after a failure, got -1"),
+        ([], "The training script 'train.py' does not exist"),
+        (["--no_python"], "--no_python runs 'train.py' as an executable, but it is neither on PATH"),
     ],
 )
 def test_bad_flags_fail_before_anything_starts(tmp_path, argv, message):

@@ -28,6 +28,7 @@ What became of Bagua's other flags:
 import argparse
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -200,14 +201,31 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.default_bucket_size is not None and args.default_bucket_size <= 0:
         raise SystemExit(f"--default_bucket_size must be a positive number of bytes, got {args.default_bucket_size}.")
+    _check_target(args)
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    # torchrun starts the workers first and each one fails on its own: a typo would read as a crashed job.
+    script = args.training_script
+    if args.no_python:
+        if shutil.which(script) is None:
+            raise SystemExit(
+                f"--no_python runs {script!r} as an executable, but it is neither on PATH nor an executable file:"
+                " give its path, or drop --no_python to run a Python script."
+            )
+    elif not args.module and not os.path.isfile(script):
+        raise SystemExit(
+            f"The training script {script!r} does not exist (looked from {os.getcwd()}): give the path of a Python"
+            " file, or pass -m to run a module."
+        )
 
 
 def _report_flags_without_effect(args: argparse.Namespace) -> None:
     changed = [name for name, default in _WITHOUT_EFFECT.items() if getattr(args, name) != default]
     if changed:
         flags = ", ".join(f"--{name}" for name in changed)
-        verb = "has" if len(changed) == 1 else "have"
-        print(f"lightning_bagua.launch: {flags} {verb} no effect in this release and are ignored.", file=sys.stderr)
+        has, are = ("has", "is") if len(changed) == 1 else ("have", "are")
+        print(f"lightning_bagua.launch: {flags} {has} no effect in this release and {are} ignored.", file=sys.stderr)
     if args.host_list or args.ssh_port is not None:
         print(
             "lightning_bagua.launch: --host_list/--ssh_port are ignored; start the launcher on each host"
