@@ -313,12 +313,26 @@ def test_parameters_that_differ_between_ranks_fail_naming_the_rank(tmp_path):
     assert re.search(r"Other ranks that raised: rank 1 \(RuntimeError: .*appears not to match", output), output[-5000:]
 
 
-@pytest.mark.timeout(200)
-def test_nccl_on_cpu_is_refused_before_the_process_group_starts(tmp_path):
-    returncode, output = _run_bad_fit(tmp_path, "nccl_on_cpu")
-    assert returncode != 0
-    assert f"{MisconfigurationException.__name__}: process_group_backend='nccl' needs CUDA devices" in output
-    assert "Initializing distributed" not in output
+@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl", "cpu:nccl,cuda:nccl"])
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+def test_nccl_on_cpu_is_refused_when_the_trainer_is_built(framework, backend):
+    from lightning.fabric import Fabric
+    from lightning.pytorch import Trainer
+
+    from lightning_bagua.strategies.fabric import BaguaStrategy as FabricBaguaStrategy
+
+    build = Trainer if framework == "trainer" else Fabric
+    strategy_cls = BaguaStrategy if framework == "trainer" else FabricBaguaStrategy
+    with pytest.raises(MisconfigurationException, match=f"process_group_backend={backend!r} needs CUDA devices"):
+        build(accelerator="cpu", devices=2, strategy=strategy_cls(process_group_backend=backend))
+
+
+def test_a_per_device_backend_with_gloo_for_cpu_is_taken_on_cpu():
+    from lightning.pytorch import Trainer
+
+    strategy = BaguaStrategy(process_group_backend="cpu:gloo,cuda:nccl")
+    Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert strategy.process_group_backend == "cpu:gloo,cuda:nccl"
 
 
 @pytest.mark.timeout(200)

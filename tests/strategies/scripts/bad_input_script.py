@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-CASES = ("params_differ_between_ranks", "nccl_on_cpu", "port_in_use", "unreachable_master")
+CASES = ("params_differ_between_ranks", "port_in_use", "unreachable_master")
 
 
 def main() -> None:
@@ -43,8 +43,6 @@ def main() -> None:
 
     # Short enough for the unreachable address to fail fast, long enough for a loaded machine to start 2 processes.
     strategy_kwargs: dict = {"timeout": timedelta(seconds=10 if args.case == "unreachable_master" else 60)}
-    if args.case == "nccl_on_cpu":
-        strategy_kwargs["process_group_backend"] = "nccl"
     # Lightning's launcher hands each process its rank in LOCAL_RANK; the others start as rank 0.
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     hidden = 8 + rank if args.case == "params_differ_between_ranks" else 8

@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
         def _get_process_group_backend(self) -> str: ...
 
+        def _configure_launcher(self) -> None: ...
+
         def process_dataloader(self, dataloader: Any) -> Any: ...
 
     _CoreBase = _StrategyAttributes
@@ -243,6 +245,22 @@ class BaguaStrategyCore(_CoreBase):
         """Return the modules wrapped now, for failure handling (each strategy knows where it keeps them)."""
         raise NotImplementedError
 
+    def _configure_launcher(self) -> None:
+        """Refuse a backend the devices cannot run, then let the framework choose its launcher.
+
+        The framework calls this when the Trainer or Fabric is built, with the devices known and no process started.
+        """
+        backend = self._process_group_backend
+        off_cuda = {device.type for device in self.parallel_devices or [] if device.type != "cuda"}
+        for device_type in sorted(off_cuda) if backend is not None else []:
+            if _backend_for_device(backend, device_type) in (None, "nccl"):
+                raise self._configuration_error(
+                    f"process_group_backend={backend!r} needs CUDA devices, but this run trains on"
+                    f" {device_type!r}. Pass process_group_backend='gloo' (or leave it out to choose from the"
+                    " device), or train on GPUs with accelerator='gpu'."
+                )
+        super()._configure_launcher()
+
     def _join_process_group(self, set_world_ranks: Callable[[], None], join: Callable[[], None]) -> None:
         """Run the framework's ``join`` of the default group, bounded by the timeout and safe across restarts.
 
@@ -250,13 +268,6 @@ class BaguaStrategyCore(_CoreBase):
             set_world_ranks: the framework's method that sets this process's rank and the world size.
             join: the framework's method that initialises the default process group.
         """
-        backend = self._process_group_backend
-        if backend is not None and "nccl" in backend and self.root_device.type != "cuda":
-            raise self._configuration_error(
-                f"process_group_backend={backend!r} needs CUDA devices, but this run trains on"
-                f" {self.root_device.type!r}. Pass process_group_backend='gloo' (or leave it out to choose from the"
-                " device), or train on GPUs with accelerator='gpu'."
-            )
         assert self.cluster_environment is not None
         address = (self.cluster_environment.main_address, self.cluster_environment.main_port)
         # Every run joins (or finds the group joined): its failure reports get a number of their own, alike on every
@@ -349,3 +360,11 @@ class BaguaStrategyCore(_CoreBase):
             faults.end_launched_children(
                 self.launcher, f"a collective failed on rank {self.global_rank}", grace_s=faults.CHILDREN_GRACE_S
             )
+
+
+def _backend_for_device(backend: str, device_type: str) -> str | None:
+    """The backend ``process_group_backend`` names for tensors on ``device_type``, alone or per device."""
+    if ":" not in backend:
+        return backend.strip().lower()
+    pairs = (part.split(":", 1) for part in backend.split(","))
+    return {device.strip().lower(): name.strip().lower() for device, name in pairs}.get(device_type)
