@@ -252,8 +252,8 @@ class BaguaStrategyCore(_CoreBase):
         """
         backend = self._process_group_backend
         off_cuda = {device.type for device in self.parallel_devices or [] if device.type != "cuda"}
-        for device_type in sorted(off_cuda) if backend is not None else []:
-            if _backend_for_device(backend, device_type) in (None, "nccl"):
+        for device_type in sorted(off_cuda):
+            if backend is not None and _backend_for_device(backend, device_type) in (None, "nccl"):
                 raise self._configuration_error(
                     f"process_group_backend={backend!r} needs CUDA devices, but this run trains on"
                     f" {device_type!r}. Pass process_group_backend='gloo' (or leave it out to choose from the"
