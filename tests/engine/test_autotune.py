@@ -7,6 +7,10 @@ import torch
 from torch import nn
 
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel, BucketAutotuner, NodeLayout
+from lightning_bagua.engine.algorithms.async_model_average import AsyncModelAverageImpl
+from lightning_bagua.engine.algorithms.auto import AutoImpl
+from lightning_bagua.engine.algorithms.gradient_allreduce import GradientAllReduceImpl
+from lightning_bagua.engine.algorithms.low_rank.algorithm import LowRankImpl
 from lightning_bagua.engine.autotune import AutotuneSetting, autotune_from_environment
 from lightning_bagua.launch import build_parser, child_environment, main
 from tests.distributed import assert_ranks_identical, run_processes
@@ -105,11 +109,50 @@ def test_algorithms_without_gradient_buckets_have_nothing_to_tune():
     assert tuner.step(model) is model
 
 
-def plan_for(algorithm: Algorithm, layout: NodeLayout, bucket_cap_mb: float = 10.0) -> list[AutotuneSetting]:
+def plan_for(
+    algorithm: Algorithm, layout: NodeLayout, bucket_cap_mb: float = 10.0, impl_type: type = GradientAllReduceImpl
+) -> list[AutotuneSetting]:
     model = SimpleNamespace(
-        bagua_algorithm=algorithm, bucket_cap_mb=bucket_cap_mb, communication_groups=SimpleNamespace(layout=layout)
+        bagua_algorithm=algorithm,
+        bagua_algorithm_impl=object.__new__(impl_type),  # only its type is read
+        bucket_cap_mb=bucket_cap_mb,
+        communication_groups=SimpleNamespace(layout=layout),
     )
     return BucketAutotuner(bucket_sizes_mb=(4, 10, 25))._make_plan(model)
+
+
+@pytest.mark.parametrize(
+    ("name", "impl_type"),
+    [("low_rank", LowRankImpl), ("async", AsyncModelAverageImpl), ("auto", AutoImpl)],
+)
+def test_algorithms_that_keep_state_are_not_rebuilt(name, impl_type):
+    # A rebuild binds the algorithm anew: low_rank's error feedback, async's thread or auto's trials would restart.
+    algorithm = Algorithm.init(name)
+    own = AutotuneSetting(10.0, bool(algorithm.hierarchical))
+    assert plan_for(algorithm, NodeLayout(4, 2), impl_type=impl_type) == [own]
+
+
+def train_low_rank_with_tuner(rank: int, world_size: int) -> dict:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    ddp = BaguaDistributedDataParallel(model, [optimizer], Algorithm.init("low_rank", rank=1, warmup_steps=2))
+    tuner = BucketAutotuner(bucket_sizes_mb=SIZES_MB, warmup_steps=1, measured_steps=1)
+    wrappers = set()
+    for step in range(5):
+        ddp = tuner.step(ddp)
+        wrappers.add(id(ddp))
+        inputs, targets = batch_for(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+    result = {"wrappers": len(wrappers), "steps": ddp.bagua_state_dict()["state"]["steps"]}
+    ddp.close()
+    return result
+
+
+def test_low_rank_keeps_its_step_count_under_the_tuner():
+    for result in run_processes(train_low_rank_with_tuner, 2):
+        assert result == {"wrappers": 1, "steps": 5}
 
 
 def test_hierarchical_is_tried_only_on_several_nodes_of_several_ranks():

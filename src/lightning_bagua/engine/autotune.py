@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_bagua.engine.algorithms.base import AlgorithmImpl
 from lightning_bagua.engine.data_parallel import BaguaDistributedDataParallel
 
 __all__ = ["AUTOTUNE_ENV", "DEFAULT_BUCKET_SIZES_MB", "AutotuneSetting", "BucketAutotuner", "autotune_from_environment"]
@@ -78,8 +79,9 @@ class BucketAutotuner:
     with it (see :meth:`BaguaDistributedDataParallel.rewrapped`), rank zero logs the choice, and later calls
     return the model untouched.
 
-    Algorithms that never communicate gradient buckets (``decentralized``, ``low_precision_decentralized``)
-    have nothing to tune here; the tuner logs so and keeps their setting.
+    Algorithms that never communicate gradient buckets (``decentralized``, ``low_precision_decentralized``,
+    ``diloco``) have nothing to tune here, and those that keep state in their implementation (``low_rank``,
+    ``async``, ``auto``) would lose it with each rebuild: the tuner logs so and keeps their setting.
 
     Args:
         bucket_sizes_mb: bucket sizes to try, in MiB.
@@ -143,8 +145,9 @@ class BucketAutotuner:
                 self.decision = self._plan[0]
                 if _rank(model) == 0:
                     log.info(
-                        "Bagua autotune: nothing to tune for %r on this layout; keeping %s",
+                        "Bagua autotune: nothing to tune for %r (%s); keeping %s",
                         model.bagua_algorithm,
+                        _untuned_reason(model) or "one candidate on this layout",
                         self.decision.describe(),
                     )
                 return model
@@ -165,7 +168,7 @@ class BucketAutotuner:
     def _make_plan(self, model: BaguaDistributedDataParallel) -> list[AutotuneSetting]:
         algorithm = model.bagua_algorithm
         current = AutotuneSetting(model.bucket_cap_mb, bool(algorithm.hierarchical))
-        if not type(algorithm).communicates_gradient_buckets:
+        if _untuned_reason(model) is not None:
             return [current]
         layout = model.communication_groups.layout
         hierarchical_options = [current.hierarchical]
@@ -214,6 +217,16 @@ def _apply(model: BaguaDistributedDataParallel, setting: AutotuneSetting) -> Bag
         keywords = {name: getattr(algorithm, name) for name in algorithm.keywords()}
         new_algorithm = type(algorithm)(**{**keywords, "hierarchical": setting.hierarchical})
     return model.rewrapped(bucket_cap_mb=setting.bucket_cap_mb, algorithm=new_algorithm)
+
+
+def _untuned_reason(model: BaguaDistributedDataParallel) -> str | None:
+    if not type(model.bagua_algorithm).communicates_gradient_buckets:
+        return "it communicates no gradient buckets"
+    # Rebuilding binds the algorithm anew: state it keeps in its implementation (low_rank's error feedback and
+    # step count, async's thread, auto's trials) would restart with every candidate.
+    if type(model.bagua_algorithm_impl).state_dict is not AlgorithmImpl.state_dict:
+        return "a rebuild would reset the state it keeps"
+    return None
 
 
 def _rank(model: BaguaDistributedDataParallel) -> int:
