@@ -379,6 +379,13 @@ def test_autotune_under_fabric_agrees_on_every_rank_and_trains_as_untuned(teleme
         assert result["untuned"]["decision"] is None
         assert result["untuned"]["wrappers"] == 1
     assert_ranks_identical(tuned)
+    for result in results:
+        compiled = result["autotuned_compiled"]
+        # torch.compile bound its forward to the first wrapper: after each rebuild it must call the new one.
+        assert compiled["calls_current_wrapper"]
+        assert compiled["wrappers"] >= len(DEFAULT_BUCKET_SIZES_MB)
+        assert [record["step"] for record in compiled["records"]] == list(range(steps))
+        torch.testing.assert_close(compiled["state"], result["untuned"]["state"], **TOLERANCE)
     # The choice is logged once, by rank zero.
     assert [len(run["log"]) for run in tuned] == [1, 0]
     assert tuned[0]["log"][0].startswith(f"Bagua autotune chose {decision.describe()}")

@@ -356,8 +356,12 @@ def endless_batches(world_size: int, rank: int) -> Iterator[Any]:
         epoch += 1
 
 
-def telemetry_run(algorithm: str, steps: int, loggers=None, **kwargs: Any) -> dict[str, Any]:
-    """Train with the Fabric strategy, reading (and logging, if a logger is given) the telemetry after each step."""
+def telemetry_run(algorithm: str, steps: int, loggers=None, compiled: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """Train with the Fabric strategy, reading (and logging, if a logger is given) the telemetry after each step.
+
+    ``compiled`` passes the network through ``torch.compile`` (eager backend) before ``fabric.setup``, which
+    compiles the wrapper in turn.
+    """
     from lightning_bagua.engine import telemetry as telemetry_module
 
     clock_reads = 0
@@ -372,11 +376,17 @@ def telemetry_run(algorithm: str, steps: int, loggers=None, **kwargs: Any) -> di
     fabric = new_fabric(fabric_strategy(algorithm, **kwargs), loggers=loggers)
     strategy = fabric.strategy
     network = make_network()
-    model, optimizer = fabric.setup(network, make_optimizer(network.parameters()))
+    model, optimizer = fabric.setup(
+        torch.compile(network, backend="eager") if compiled else network, make_optimizer(network.parameters())
+    )
+
+    def called_wrapper() -> Any:
+        return model._forward_module._orig_mod if compiled else model._forward_module
+
     batches = endless_batches(fabric.world_size, fabric.global_rank)
     records, metrics, wrappers = [], [], []
     for step in range(steps):
-        wrappers.append(id(model._forward_module))
+        wrappers.append(id(called_wrapper()))
         train_steps(fabric, model, optimizer, batches, 1)
         records.append(None if strategy.telemetry is None else strategy.telemetry.last_step)
         metrics.append(strategy.telemetry_metrics)
@@ -391,8 +401,8 @@ def telemetry_run(algorithm: str, steps: int, loggers=None, **kwargs: Any) -> di
         "clock_reads": clock_reads,
         "bytes_by_op": strategy.communication_counter.bytes_by_op,
         "wrappers": len(set(wrappers)),
-        "calls_current_wrapper": model._forward_module is strategy.bagua_modules[0],
-        "bucket_cap_mb": model._forward_module.bucket_cap_mb,
+        "calls_current_wrapper": called_wrapper() is strategy.bagua_modules[0],
+        "bucket_cap_mb": called_wrapper().bucket_cap_mb,
         "decision": None if tuner is None else tuner.decision,
         "measurements": None if tuner is None else tuner.measurements,
         "steps_needed": None if tuner is None else tuner.steps_needed,
@@ -430,6 +440,9 @@ def telemetry_checks(args: argparse.Namespace) -> dict[str, Any]:
     del os.environ["BAGUA_AUTOTUNE"]
     autotune_log.removeHandler(handler)
     results["autotuned"]["log"] = messages
+    results["autotuned_compiled"] = telemetry_run(
+        "gradient_allreduce", steps, compiled=True, telemetry=True, autotune=True
+    )
     results["untuned"] = telemetry_run("gradient_allreduce", steps, telemetry=True, autotune=False)
     return results
 

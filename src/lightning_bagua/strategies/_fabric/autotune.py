@@ -85,6 +85,13 @@ class FabricAutotuning:
             # module, and registering anew would record the holder twice.
             if holder is not None and holder._modules.get(name) is old:
                 holder._modules[name] = new
+                initialize = getattr(holder, "_initialize", None)
+                if name == "_orig_mod" and callable(initialize):
+                    # A torch.compile'd module bound its forward to the old wrapper when it was built: bind it anew.
+                    # Fabric's record of the compile arguments was forwarded to the wrapper too; it moves along.
+                    initialize()
+                    if hasattr(old, "_compile_kwargs"):
+                        new._compile_kwargs = old._compile_kwargs
         self._holders[id(new)] = holders
         self._on_replace(old, new)
 
