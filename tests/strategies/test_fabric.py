@@ -287,7 +287,12 @@ def test_setup_apart_in_either_order_qadam_check_reduce_and_teardown(lifecycle):
         assert result["optimizer_first_bound"]
         torch.testing.assert_close(result["module_first"], result["together"], **EXACT, msg=f"rank {rank}")
         torch.testing.assert_close(result["optimizer_first"], result["together"], **EXACT, msg=f"rank {rank}")
-        assert result["after_teardown"] == {"modules": 0, "closed": [True, True, True]}
+        for way in ["two_together", "two_apart"]:
+            # Two SGD optimizers over disjoint halves step as one over all the parameters.
+            assert result[f"{way}_bound"] == 2, way
+            torch.testing.assert_close(result[way], result["together"], **EXACT, msg=f"{way}, rank {rank}")
+        assert "none updates 2.weight, 2.bias, 4.weight, 4.bias" in result["one_of_two_error"]
+        assert result["after_teardown"] == {"modules": 0, "closed": [True] * 6}
         for way in ["together", "apart"]:
             assert result["qadam_errors"][way].startswith(
                 "Bagua QAdam can only accept one QAdamOptimizer and one LR Scheduler, got optimizers ['SGD']"
@@ -389,3 +394,26 @@ def test_autotune_under_fabric_agrees_on_every_rank_and_trains_as_untuned(teleme
     # The choice is logged once, by rank zero.
     assert [len(run["log"]) for run in tuned] == [1, 0]
     assert tuned[0]["log"][0].startswith(f"Bagua autotune chose {decision.describe()}")
+
+
+def test_closing_engines_closes_every_one_when_stopping_one_fails():
+    from types import SimpleNamespace
+
+    from lightning_bagua.strategies._fabric.engines import WrappedEngines
+
+    closed = []
+
+    def engine(name: str, stop_fails: bool) -> SimpleNamespace:
+        def stop() -> None:
+            if stop_fails:
+                raise RuntimeError(f"{name}: a peer died")
+
+        return SimpleNamespace(bagua_algorithm_impl=SimpleNamespace(stop=stop), close=lambda: closed.append(name))
+
+    engines = WrappedEngines()
+    held = [engine("a", True), engine("b", True), engine("c", False)]
+    engines._modules = [SimpleNamespace(module=lambda e=e: e) for e in held]
+    with pytest.raises(RuntimeError, match="a: a peer died"):
+        engines.close()
+    assert closed == ["a", "b", "c"]
+    assert engines.modules == []

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_bagua._lightning_compat import SCHEDULER_NOT_PASSED, fabric_load_checkpoint_keywords, fabric_setup_result
@@ -111,6 +112,8 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         )
         # Every module wrapped and every optimizer set up so far, held weakly (see `WrappedEngines`).
         self._engines = WrappedEngines()
+        # Modules whose optimizers do not yet update all their parameters: bound at their first forward pass.
+        self._unbound: dict[int, RemovableHandle] = {}
         self._closes_at_exit = False
         self._remove_failure_hook: Callable[[], None] | None = None
         self._autotuning = FabricAutotuning(on_replace=self._replace_wrapper)
@@ -207,8 +210,11 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         schedulers = [] if scheduler is None or scheduler is SCHEDULER_NOT_PASSED else [scheduler]
         # Checked before wrapping, so that a wrong optimizer fails before the engine creates communicators.
         self._check_optimizers(optimizers, schedulers)
+        # Held before wrapping, so that the module is bound once to all of them: a weight-exchanging algorithm
+        # checks that its optimizers together update every parameter, which a part of them would fail.
+        for optimizer in optimizers:
+            self._engines.add_optimizer(optimizer)
         wrapped = self._wrap(module)
-        optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
         wrapped.bagua_algorithm_impl.start()
         return fabric_setup_result(wrapped, optimizers, scheduler)
 
@@ -355,11 +361,14 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
     def teardown(self) -> None:
         """Stop each wrapped module's algorithm and close its engine; the modules themselves stay usable."""
         _ = self.auto_decision  # kept for scripts that read it after the run
-        self._close_engines()
-        if self._remove_failure_hook is not None:
-            self._remove_failure_hook()
-            self._remove_failure_hook = None
-        super().teardown()
+        try:
+            self._close_engines()
+        finally:
+            # A failure of background work that stopping raised still leaves the strategy torn down.
+            if self._remove_failure_hook is not None:
+                self._remove_failure_hook()
+                self._remove_failure_hook = None
+            super().teardown()
 
     @override
     def _bagua_wrapped_modules(self) -> list[BaguaDistributedDataParallel]:
@@ -390,6 +399,27 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
     def _bind(self, wrapped: BaguaDistributedDataParallel) -> None:
         optimizers = self._engines.optimizers_of(wrapped)
         self._check_optimizers(optimizers, [])
+        updated = {
+            id(parameter)
+            for optimizer in optimizers
+            for group in optimizer.param_groups
+            for parameter in group["params"]
+        }
+        if all(id(parameter) in updated for _, parameter in wrapped.bagua_algorithm_impl.context.named_parameters):
+            self._bind_now(wrapped, optimizers)
+        elif id(wrapped) not in self._unbound:
+            # `fabric.setup_optimizers(a, b)` sets them up one at a time, and a weight-exchanging algorithm refuses
+            # optimizers that leave parameters out: the rest may still come. Bound at the first forward pass with
+            # what is set up by then (such an algorithm then names the parameters no optimizer updates).
+            self._unbound[id(wrapped)] = wrapped.register_forward_pre_hook(
+                lambda module, _: self._bind_now(module, self._engines.optimizers_of(module))
+            )
+
+    def _bind_now(self, wrapped: Module, optimizers: list[Optimizer]) -> None:
+        assert isinstance(wrapped, BaguaDistributedDataParallel)
+        handle = self._unbound.pop(id(wrapped), None)
+        if handle is not None:
+            handle.remove()
         wrapped.bind_optimizers(optimizers)
 
     def _close_engines_at_exit(self) -> None:
@@ -415,8 +445,13 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         return self._engines.modules
 
     def _close_engines(self) -> None:
-        self._engines.close()
-        self._autotuning.clear()
+        try:
+            self._engines.close()
+        finally:
+            self._autotuning.clear()
+            for handle in self._unbound.values():
+                handle.remove()
+            self._unbound = {}
 
 
 class BaguaStrategy(_FabricBaguaStrategyLogic, DDPStrategy):

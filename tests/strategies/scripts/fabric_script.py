@@ -107,6 +107,21 @@ def train_steps(fabric, model, optimizer, batches, steps: int, accumulate: int =
         optimizer.step()
 
 
+class Steps:
+    """Several optimizers stepped as one, for :func:`train_steps`."""
+
+    def __init__(self, optimizers: list[Any]) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
 def cpu_state(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     return {prefix + key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
 
@@ -296,6 +311,30 @@ def setup_checks(args: argparse.Namespace) -> dict[str, Any]:
     results["optimizer_first_bound"] = model._forward_module.bagua_optimizers == [optimizer.optimizer]
     train_steps(fabric, model, optimizer, iter(rank_loader(2, fabric.global_rank)), STEPS)
     results["optimizer_first"] = cpu_state(network, prefix="net.")
+    kept.append(model)
+    # Two optimizers over disjoint halves, set up with the module or after it: bound once both are there (the
+    # algorithm refuses optimizers that leave parameters out).
+    for way in ("two_together", "two_apart"):
+        network = make_network()
+        parameters = list(network.parameters())
+        optimizers = [make_optimizer(parameters[:2]), make_optimizer(parameters[2:])]
+        if way == "two_together":
+            model, *optimizers = fabric.setup(network, *optimizers)
+        else:
+            model = fabric.setup_module(network)
+            optimizers = fabric.setup_optimizers(*optimizers)
+        train_steps(fabric, model, Steps(optimizers), iter(rank_loader(2, fabric.global_rank)), STEPS)
+        results[f"{way}_bound"] = len(model._forward_module.bagua_optimizers)
+        results[way] = cpu_state(network, prefix="net.")
+        kept.append(model)
+    # One of the two never set up: the first forward pass names the parameters no optimizer updates.
+    network = make_network()
+    model = fabric.setup_module(network)
+    half = fabric.setup_optimizers(make_optimizer(list(network.parameters())[:2]))  # noqa: F841 - held weakly
+    try:
+        model(next(iter(rank_loader(2, fabric.global_rank)))[0])
+    except ValueError as error:
+        results["one_of_two_error"] = str(error)
     kept.append(model)
     # Together.
     network = make_network()

@@ -65,17 +65,32 @@ class WrappedEngines:
         """
         references, self._modules = self._modules, []
         self._optimizers = []
+        failure: BaseException | None = None
         for reference in references:
-            wrapped = reference.module()
-            if wrapped is not None:
-                wrapped.bagua_algorithm_impl.stop()
-                wrapped.close()
-            elif (impl := reference.impl()) is not None:
-                # The script let go of the module while a thread of the algorithm's own still runs it (`async`):
-                # stopped and closed as its wrapper would be, so that what the thread found out is reported.
-                impl.stop()
-                impl.close()
-                impl.context.groups.close()
+            # Every engine is closed even when stopping one raised: the first failure is raised once all are.
+            try:
+                _close(reference)
+            except BaseException as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+
+def _close(reference: "_WrappedRef") -> None:
+    wrapped = reference.module()
+    if wrapped is not None:
+        try:
+            wrapped.bagua_algorithm_impl.stop()
+        finally:
+            wrapped.close()
+    elif (impl := reference.impl()) is not None:
+        # The script let go of the module while a thread of the algorithm's own still runs it (`async`): stopped
+        # and closed as its wrapper would be, so that what the thread found out is reported.
+        try:
+            impl.stop()
+        finally:
+            impl.close()
+            impl.context.groups.close()
 
 
 class _WrappedRef:
