@@ -327,6 +327,46 @@ def test_nccl_on_cpu_is_refused_when_the_trainer_is_built(framework, backend):
         build(accelerator="cpu", devices=2, strategy=strategy_cls(process_group_backend=backend))
 
 
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+def test_qadam_refuses_a_gradient_scaler_when_the_trainer_is_built(framework):
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_bagua.strategies.fabric import BaguaStrategy as FabricBaguaStrategy
+
+    build, strategy_cls, precision_cls = {
+        "trainer": (Trainer, BaguaStrategy, MixedPrecision),
+        "fabric": (Fabric, FabricBaguaStrategy, FabricMixedPrecision),
+    }[framework]
+    # On CPU Lightning gives 16-mixed no scaler; on GPUs it does. The plugin the GPU run would get:
+    precision = precision_cls("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    with pytest.raises(MisconfigurationException, match="gradient scaler of precision='16-mixed' leaves scaled"):
+        build(accelerator="cpu", devices=2, plugins=[precision], strategy=strategy_cls(algorithm="qadam"))
+    build(accelerator="cpu", devices=2, plugins=[precision], strategy=strategy_cls(algorithm="bytegrad"))
+
+
+def test_qadam_refuses_gradient_clipping():
+    from types import SimpleNamespace
+
+    from lightning_bagua.strategies.fabric import BaguaStrategy as FabricBaguaStrategy
+
+    clipping = "clipping `.grad` would change nothing from then on"
+    with pytest.raises(MisconfigurationException, match=clipping):
+        BaguaStrategy(algorithm="qadam").setup(SimpleNamespace(gradient_clip_val=1.0))
+    model = nn.Linear(2, 1)
+    optimizer = QAdamOptimizer(model.parameters())
+    with pytest.raises(MisconfigurationException, match=clipping):
+        FabricBaguaStrategy(algorithm="qadam").clip_gradients_norm(model, optimizer, max_norm=1.0)
+    with pytest.raises(MisconfigurationException, match=clipping):
+        FabricBaguaStrategy(algorithm="qadam").clip_gradients_value(model, optimizer, clip_val=1.0)
+    # Where the optimizer steps from `.grad`, clipping goes through as with Fabric's DDP strategy.
+    model(torch.ones(1, 2)).sum().backward()
+    FabricBaguaStrategy(algorithm="bytegrad").clip_gradients_value(model, optimizer, clip_val=1e-3)
+    assert model.weight.grad.abs().max().item() == pytest.approx(1e-3)
+
+
 def test_a_per_device_backend_with_gloo_for_cpu_is_taken_on_cpu():
     from lightning.pytorch import Trainer
 

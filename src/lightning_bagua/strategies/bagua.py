@@ -154,6 +154,8 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        if trainer.gradient_clip_val:
+            self._refuse_gradient_clipping()
         super().setup(trainer)
         self._last_links = LastCheckpointLinks()
         self._last_links.install(trainer.checkpoint_callbacks)

@@ -252,6 +252,33 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
         return optimizer
 
     @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip the gradients by their norm, as Fabric's DDP strategy does, where the algorithm steps from them.
+
+        Raises:
+            MisconfigurationException: the optimizer steps from something else (``qadam`` after its warm-up).
+        """
+        self._refuse_gradient_clipping()
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clip the gradients by value, as Fabric's DDP strategy does, where the algorithm steps from them.
+
+        Raises:
+            MisconfigurationException: the optimizer steps from something else (``qadam`` after its warm-up).
+        """
+        self._refuse_gradient_clipping()
+        super().clip_gradients_value(module, optimizer, clip_val)
+
+    @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """Step the optimizer, then tell each module it updates, close its telemetry step and advance its autotuner.
 

@@ -291,6 +291,15 @@ class Algorithm(ABC):
         """
         return self.impl_class(self, context)
 
+    def steps_from_gradients(self) -> bool:
+        """Whether the bound optimizers step from the parameters' ``.grad`` in every phase (``True`` by default).
+
+        ``qadam`` says ``False``: after its warm-up the optimizer steps from a momentum the communication computes
+        from the raw gradients, which a gradient scaler's unscaling and gradient clipping, both acting on ``.grad``,
+        do not reach. The strategies refuse those with such an algorithm.
+        """
+        return True
+
     def check_optimizers(self, optimizers: Sequence[Optimizer], lr_schedulers: Sequence[Any]) -> None:  # noqa: B027
         """Raise a ``ValueError`` unless the algorithm can train with these optimizers and LR schedulers.
 

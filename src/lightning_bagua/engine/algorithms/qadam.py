@@ -556,6 +556,10 @@ class QAdamAlgorithm(Algorithm):
         """The optimizer given as ``q_adam_optimizer`` (Bagua's name for it); ``None`` when bound later."""
         return self.q_adam_optimizer
 
+    def steps_from_gradients(self) -> bool:
+        """``False``: after the warm-up the optimizer steps from the momentum the hook computes (see the base)."""
+        return False
+
 
 def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Communicate one bucket: its gradients during warm-up, its parameters' momenta afterwards.

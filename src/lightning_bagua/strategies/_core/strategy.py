@@ -259,7 +259,24 @@ class BaguaStrategyCore(_CoreBase):
                     f" {device_type!r}. Pass process_group_backend='gloo' (or leave it out to choose from the"
                     " device), or train on GPUs with accelerator='gpu'."
                 )
+        precision = getattr(self, self._precision_keyword, None)
+        if getattr(precision, "scaler", None) is not None and not self._algorithm.steps_from_gradients():
+            raise self._configuration_error(
+                f"Algorithm {self._algorithm.name!r} steps the optimizer from a momentum it computes from the raw"
+                " gradients, which the gradient scaler of precision='16-mixed' leaves scaled (and an overflow would"
+                " stay in the momentum). Train with precision='bf16-mixed' or '32-true', or choose another algorithm."
+            )
         super()._configure_launcher()
+
+    def _refuse_gradient_clipping(self) -> None:
+        """Raise when the algorithm's optimizer steps from something other than ``.grad``, which clipping changes."""
+        if not self._algorithm.steps_from_gradients():
+            raise self._configuration_error(
+                f"Algorithm {self._algorithm.name!r} steps the optimizer from a momentum it computes from the raw"
+                " gradients after its warm-up, so clipping `.grad` would change nothing from then on. Train without"
+                " gradient clipping (lower the learning rate or lengthen the warm-up instead), or choose another"
+                " algorithm."
+            )
 
     def _join_process_group(self, set_world_ranks: Callable[[], None], join: Callable[[], None]) -> None:
         """Run the framework's ``join`` of the default group, bounded by the timeout and safe across restarts.
