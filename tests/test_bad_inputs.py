@@ -187,6 +187,17 @@ IN_PROCESS: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
         ValueError,
         r"`timeout` must be positive",
     ),
+    "engine: an algorithm keyword given to the wrapper": (
+        lambda: BaguaDistributedDataParallel(nn.Linear(2, 1), algorithm="bytegrad", hierarchical=False),
+        TypeError,
+        r"hierarchical configures the algorithm 'bytegrad', not the wrapper: pass"
+        r" algorithm=Algorithm.init\('bytegrad', hierarchical=False\)",
+    ),
+    "engine: an unknown keyword": (
+        lambda: BaguaDistributedDataParallel(nn.Linear(2, 1), static_graf=True),
+        TypeError,
+        r"Unknown keyword argument\(s\) 'static_graf' for BaguaDistributedDataParallel.*static_graph",
+    ),
     "codec: chunks not an int": (
         lambda: MinMaxUInt8Codec().compress(torch.ones(8), num_chunks=2.5),  # type: ignore[arg-type]
         TypeError,

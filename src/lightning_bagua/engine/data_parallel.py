@@ -1,6 +1,7 @@
 """``BaguaDistributedDataParallel``: torch's DDP reducer driven by a Bagua algorithm."""
 
 import functools
+import inspect
 import logging
 import math
 import os
@@ -233,6 +234,7 @@ class BaguaDistributedDataParallel(DistributedDataParallel):
             )
         check_bucket_cap_mb(bucket_cap_mb)
         check_timeout(timeout)
+        _check_ddp_keywords(ddp_kwargs, algorithm)
         _merge_ignored_parameters(module)
         _refuse_sparse_gradients(module)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
@@ -447,6 +449,27 @@ def _merge_ignored_parameters(module: Module) -> None:
     ddp_ignored = getattr(module, "_ddp_params_and_buffers_to_ignore", ())
     merged = list(dict.fromkeys([*ddp_ignored, *bagua_ignored]))
     module._ddp_params_and_buffers_to_ignore = merged  # type: ignore[assignment]
+
+
+def _check_ddp_keywords(ddp_kwargs: dict[str, Any], algorithm: Algorithm) -> None:
+    # Checked before torch's constructor, which would fail only after the first collectives of the wrapper began.
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    unknown = [name for name in ddp_kwargs if name not in accepted]
+    if not unknown:
+        return
+    of_algorithm = [name for name in unknown if name in algorithm.keywords()]
+    if of_algorithm:
+        settings = ", ".join(f"{name}={ddp_kwargs[name]!r}" for name in of_algorithm)
+        verb = "configures" if len(of_algorithm) == 1 else "configure"
+        raise TypeError(
+            f"{', '.join(of_algorithm)} {verb} the algorithm {algorithm.name!r}, not the wrapper: pass"
+            f" algorithm=Algorithm.init({algorithm.name!r}, {settings})."
+        )
+    raise TypeError(
+        f"Unknown keyword argument(s) {', '.join(map(repr, unknown))} for BaguaDistributedDataParallel. Beside its own"
+        " it takes torch's DistributedDataParallel keywords: "
+        f"{', '.join(name for name in accepted if name not in ('self', 'module'))}."
+    )
 
 
 def _refuse_sparse_gradients(module: Module) -> None:
