@@ -394,26 +394,3 @@ def test_autotune_under_fabric_agrees_on_every_rank_and_trains_as_untuned(teleme
     # The choice is logged once, by rank zero.
     assert [len(run["log"]) for run in tuned] == [1, 0]
     assert tuned[0]["log"][0].startswith(f"Bagua autotune chose {decision.describe()}")
-
-
-def test_closing_engines_closes_every_one_when_stopping_one_fails():
-    from types import SimpleNamespace
-
-    from lightning_bagua.strategies._fabric.engines import WrappedEngines
-
-    closed = []
-
-    def engine(name: str, stop_fails: bool) -> SimpleNamespace:
-        def stop() -> None:
-            if stop_fails:
-                raise RuntimeError(f"{name}: a peer died")
-
-        return SimpleNamespace(bagua_algorithm_impl=SimpleNamespace(stop=stop), close=lambda: closed.append(name))
-
-    engines = WrappedEngines()
-    held = [engine("a", True), engine("b", True), engine("c", False)]
-    engines._modules = [SimpleNamespace(module=lambda e=e: e) for e in held]
-    with pytest.raises(RuntimeError, match="a: a peer died"):
-        engines.close()
-    assert closed == ["a", "b", "c"]
-    assert engines.modules == []

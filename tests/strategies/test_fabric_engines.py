@@ -1,7 +1,9 @@
 """The Fabric strategy's weakly held modules and optimizers, and the closing of their engines."""
 
 import gc
+from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
@@ -93,3 +95,22 @@ def test_close_stops_and_closes_every_module_and_an_orphaned_algorithm_then_lets
     log.clear()
     engines.close()
     assert log == []
+
+
+def test_closing_engines_closes_every_one_when_stopping_one_fails():
+    closed = []
+
+    def engine(name: str, stop_fails: bool) -> SimpleNamespace:
+        def stop() -> None:
+            if stop_fails:
+                raise RuntimeError(f"{name}: a peer died")
+
+        return SimpleNamespace(bagua_algorithm_impl=SimpleNamespace(stop=stop), close=lambda: closed.append(name))
+
+    engines = WrappedEngines()
+    held = [engine("a", True), engine("b", True), engine("c", False)]
+    engines._modules = [SimpleNamespace(module=lambda e=e: e) for e in held]
+    with pytest.raises(RuntimeError, match="a: a peer died"):
+        engines.close()
+    assert closed == ["a", "b", "c"]
+    assert engines.modules == []

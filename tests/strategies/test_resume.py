@@ -45,6 +45,7 @@ def test_resumed_run_ends_where_the_uninterrupted_run_ends(runs, case):
         torch.testing.assert_close(resumed["state"], full["state"], **EXACT)
         assert resumed["algorithm_state"]["algorithm"] == full["algorithm_state"]["algorithm"] == CASES[case][0]
         torch.testing.assert_close(resumed["algorithm_state"]["state"], full["algorithm_state"]["state"], **EXACT)
+        torch.testing.assert_close(resumed["next_draws"], full["next_draws"], **EXACT)
 
 
 @pytest.mark.timeout(320)

@@ -506,7 +506,9 @@ class _BaguaStrategyLogic(BaguaStrategyCore, _TrainerBase):
                     entry["batches"],
                 )
             return None
-        return DataResume(entry, self.global_rank)
+        # Lightning restores its epoch count, and sets a finished epoch again when the checkpoint was written at its
+        # last batch (validation there), before the next one's.
+        return DataResume(entry, self.global_rank, framework_counts_epochs=True)
 
     def _algorithm_impl(self) -> AlgorithmImpl | None:
         return self.model.bagua_algorithm_impl if isinstance(self.model, BaguaDistributedDataParallel) else None

@@ -42,7 +42,11 @@ CASES: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     # Flat on one node (hierarchical would all-reduce at full precision), compressing from step 2 on; several buckets,
     # so the resumed wrapper's all-in-one first bucket differs from the saved run's (the math is per tensor).
     "low_rank": ("low_rank", {"hierarchical": False, "warmup_steps": 1, "bucket_cap_mb": 0.004}, "sgd", False),
+    # Shuffled data, validated at each epoch's last batch, where the checkpoint is written: resuming, Lightning sets
+    # the finished epoch again before the next one, whose shuffle and generator draws must be the undisturbed run's.
+    "shuffled_validated_at_last_batch": ("gradient_allreduce", {}, "sgd", False),
 }
+VALIDATED_AT_LAST_BATCH = {"shuffled_validated_at_last_batch"}
 
 
 def main() -> None:
@@ -93,14 +97,17 @@ def main() -> None:
         callbacks: list[Callback] = [record]
         if args.phase == "full":
             callbacks.append(ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+        validated = case in VALIDATED_AT_LAST_BATCH
+        validation = {"val_check_interval": BATCHES_PER_EPOCH, "check_val_every_n_epoch": None} if validated else {}
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
             strategy=BaguaStrategy(algorithm=algorithm, average_before_save=average, **kwargs),
             max_epochs=EPOCHS,
             limit_train_batches=BATCHES_PER_EPOCH,
-            limit_val_batches=0,
+            limit_val_batches=1 if validated else 0,
             num_sanity_val_steps=0,
+            **validation,
             logger=False,
             enable_checkpointing=args.phase == "full",
             enable_progress_bar=False,
@@ -108,10 +115,12 @@ def main() -> None:
             callbacks=callbacks,
         )
         model = Regression(optimizer)
-        loader = DataLoader(make_dataset(), batch_size=BATCH, shuffle=False)
+        loader = DataLoader(make_dataset(), batch_size=BATCH, shuffle=validated)
         ckpt_path = directory / "epoch=0.ckpt" if args.phase == "resume" else None
-        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        trainer.fit(model, loader, loader if validated else None, ckpt_path=ckpt_path)
         result = {
+            # The next draws of the global generator: equal if the resumed run drew what the undisturbed one did.
+            "next_draws": torch.rand(4),
             "state": {key: value.detach().clone() for key, value in model.state_dict().items()},
             "algorithm_state": record.state,
             "global_step": trainer.global_step,

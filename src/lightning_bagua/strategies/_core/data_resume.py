@@ -115,6 +115,8 @@ class PositionedSampler(Sampler[int]):
         # (Fabric's loader counts its epochs from 0 again in a new process).
         self._pinned_epoch: int | None = None
         self._epoch_offset = 0
+        # A finished epoch resumed, the generator states at its end, and whether the framework set it again.
+        self._finished: tuple[int, Mapping[str, Any], bool] | None = None
         self.seed_state: Tensor | None = None
         """The torch CPU generator's state before the current iterator drew its base seed; ``None`` if unknown."""
 
@@ -122,16 +124,23 @@ class PositionedSampler(Sampler[int]):
         """Note the global torch generator's state: a dataloader iterator may draw its base seed from it next."""
         self._candidate = torch.get_rng_state()
 
-    def resume_at(self, epoch: int, batches: int, rng: Mapping[str, Any] | None) -> None:
+    def resume_at(
+        self, epoch: int, batches: int, rng: Mapping[str, Any] | None, framework_counts_epochs: bool = False
+    ) -> None:
         """Resume at a saved position: the next iteration is of ``epoch``, without its first ``batches`` batches.
 
         Args:
-            epoch: the epoch to resume; the framework's next ``set_epoch`` means it, whatever number it passes.
+            epoch: the epoch to resume.
             batches: how many of its batches were already trained on.
             rng: the generator states to restore once the resumed iterator has drawn its base seed, if any.
+            framework_counts_epochs: the framework's ``set_epoch`` numbers are the run's own (the Trainer restores
+                its epoch count, and may set a finished epoch again before the next); otherwise its next
+                ``set_epoch`` means ``epoch``, whatever number it passes (Fabric's loop counts from 0 again).
         """
         self._set_inner_epoch(epoch)
-        self._pinned_epoch = epoch
+        self._pinned_epoch = None if framework_counts_epochs else epoch
+        self._epoch_offset = 0
+        self._finished = None
         self._skip_batches = batches
         self._pending_rng = rng
 
@@ -144,7 +153,29 @@ class PositionedSampler(Sampler[int]):
         if self._pinned_epoch is not None:
             self._epoch_offset, self._pinned_epoch = self._pinned_epoch - epoch, None
         self._set_inner_epoch(epoch + self._epoch_offset)
+        if self._finished is not None:
+            finished, rng, set_again = self._finished
+            if epoch == finished:
+                self._finished = (finished, rng, True)
+            elif epoch == finished + 1 and set_again:
+                # The framework went through the finished epoch again, after making an iterator for it when it
+                # prepared the data: the next epoch's iterator draws its base seed next, as in the undisturbed run
+                # right after the checkpoint.
+                restore_rng_states(rng)
+                self._finished = None
         self.note_generator()
+
+    def resume_after_finished_epoch(self, epoch: int, rng: Mapping[str, Any]) -> None:
+        """Note that the resumed checkpoint was written once ``epoch`` had all its batches, with generators ``rng``.
+
+        If the framework sets ``epoch`` again (the Trainer does when the checkpoint was written before the epoch's
+        end, by a validation at its last batch), the generators are restored once more when it sets the next.
+
+        Args:
+            epoch: the finished epoch, as the framework counts it.
+            rng: the generator states at the checkpoint.
+        """
+        self._finished = (epoch, rng, False)
 
     def _set_inner_epoch(self, epoch: int) -> None:
         set_epoch = getattr(self.sampler, "set_epoch", None)
@@ -241,9 +272,11 @@ class DataResume:
     Args:
         entry: the checkpoint's ``"data"`` entry.
         rank: this process's rank.
+        framework_counts_epochs: see :meth:`PositionedSampler.resume_at` (the Trainer: ``True``).
     """
 
-    def __init__(self, entry: Mapping[str, Any], rank: int) -> None:
+    def __init__(self, entry: Mapping[str, Any], rank: int, framework_counts_epochs: bool = False) -> None:
+        self.framework_counts_epochs = framework_counts_epochs
         self.epoch_done = bool(entry["epoch_done"])
         # A finished epoch resumes at the start of the next one.
         self.epoch = int(entry["epoch"]) + (1 if self.epoch_done else 0)
@@ -266,7 +299,9 @@ class DataResume:
         if self.epoch_done:
             # The undisturbed run drew the next iterator's base seed after the checkpoint, from these states.
             self.restore_rng()
-            positioned.resume_at(self.epoch, 0, None)
+            positioned.resume_at(self.epoch, 0, None, self.framework_counts_epochs)
+            if self.framework_counts_epochs:
+                positioned.resume_after_finished_epoch(self.epoch - 1, self.rng)
         else:
             if self.seed_state is not None:
                 # The undisturbed run's iterator for this epoch drew its base seed from this state; so does the
@@ -275,7 +310,7 @@ class DataResume:
                 positioned.seed_state = self.seed_state
             # The epoch is set now, not only when the framework does at the epoch's start: worker processes take
             # their first indices when the iterator is created.
-            positioned.resume_at(self.epoch, self.batches, self.rng)
+            positioned.resume_at(self.epoch, self.batches, self.rng, self.framework_counts_epochs)
         positioned.note_generator()
 
     def restore_rng(self) -> None:
