@@ -198,6 +198,12 @@ IN_PROCESS: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
         TypeError,
         r"Unknown keyword argument\(s\) 'static_graf' for BaguaDistributedDataParallel.*static_graph",
     ),
+    "qadam: an optimizer setting given to the algorithm": (
+        lambda: BaguaStrategy(algorithm="qadam", warmup_steps=10),
+        TypeError,
+        r"Unknown keyword argument\(s\) 'warmup_steps' for algorithm 'qadam'.*"
+        r"`warmup_steps` is set on the optimizer: QAdamOptimizer\(params, warmup_steps=...\)",
+    ),
     "codec: chunks not an int": (
         lambda: MinMaxUInt8Codec().compress(torch.ones(8), num_chunks=2.5),  # type: ignore[arg-type]
         TypeError,

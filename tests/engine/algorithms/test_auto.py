@@ -166,11 +166,11 @@ def test_candidates_follow_the_layout():
         ({"max_trial_steps": 0}, ValueError, r"`max_trial_steps` must be at least 1, got 0"),
         ({"max_trial_steps": 3}, ValueError, r"max_trial_steps=3.*at least 4"),
         ({"trial_steps": -1}, ValueError, r"`trial_steps` must be at least 1"),
-        ({"trial_steps": 2.5}, TypeError, r"`trial_steps` must be a int"),
+        ({"trial_steps": 2.5}, TypeError, r"`trial_steps` must be an int"),
         ({"min_trial_s": -1}, ValueError, r"`min_trial_s` must be a number of seconds >= 0, got -1"),
         ({"min_trial_s": "1s"}, ValueError, r"`min_trial_s` must be .* got '1s'.*Pass 0"),
         ({"run_steps": 0}, ValueError, r"`run_steps` must be at least 1, got 0"),
-        ({"run_steps": 1e3}, TypeError, r"`run_steps` must be a int"),
+        ({"run_steps": 1e3}, TypeError, r"`run_steps` must be an int"),
     ],
 )
 def test_bad_input_fails_at_construction(kwargs, error, match):

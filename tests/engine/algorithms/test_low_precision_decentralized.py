@@ -417,7 +417,7 @@ def test_rebinding_replaces_the_step_hooks_and_training_without_an_optimizer_fai
     ("kwargs", "error", "match"),
     [
         ({"communication_interval": 0}, ValueError, "at least 1, got 0"),
-        ({"communication_interval": "2"}, TypeError, "`communication_interval` must be a int"),
+        ({"communication_interval": "2"}, TypeError, "`communication_interval` must be an int"),
         ({"hierarchical": 1}, TypeError, "`hierarchical` must be a bool"),
         ({"peer_selection_mode": "all"}, TypeError, "Unknown keyword argument.*'peer_selection_mode'"),
     ],

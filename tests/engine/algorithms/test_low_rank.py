@@ -521,10 +521,10 @@ def test_low_rank_trains_close_to_full_precision():
     ("kwargs", "error", "shown"),
     [
         ({"rank": 0}, ValueError, "`rank` must be at least 1, got 0"),
-        ({"rank": 1.5}, TypeError, "`rank` must be a int, got 1.5"),
-        ({"rank": True}, TypeError, "`rank` must be a int, got True"),
+        ({"rank": 1.5}, TypeError, "`rank` must be an int, got 1.5"),
+        ({"rank": True}, TypeError, "`rank` must be an int, got True"),
         ({"warmup_steps": -1}, ValueError, "`warmup_steps` must be at least 0, got -1"),
-        ({"warmup_steps": "10"}, TypeError, "`warmup_steps` must be a int, got '10'"),
+        ({"warmup_steps": "10"}, TypeError, "`warmup_steps` must be an int, got '10'"),
         ({"hierarchical": 1}, TypeError, "`hierarchical` must be a bool"),
         ({"average": None}, TypeError, "`average` must be a bool"),
         ({"alternate": 1}, TypeError, "`alternate` must be a bool"),

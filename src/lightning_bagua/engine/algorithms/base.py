@@ -277,6 +277,9 @@ class Algorithm(ABC):
     """Whether the ranks' weights (and so their optimizer states) differ between steps, as with weight-averaging
     algorithms; checkpoints then carry every rank's weights and optimizer state, not rank 0's alone."""
 
+    misplaced_keywords: ClassVar[dict[str, str]] = {}
+    """Keywords users pass to the algorithm that belong elsewhere, and where (said when such a keyword is refused)."""
+
     impl_class: ClassVar[type[AlgorithmImpl]]
     """The implementation :meth:`reify` builds, as ``impl_class(algorithm, context)``."""
 
@@ -331,9 +334,14 @@ class Algorithm(ABC):
         accepted = algorithm_cls.keywords()
         unknown = sorted(set(kwargs) - set(accepted))
         if unknown:
+            hints = "".join(
+                f" {algorithm_cls.misplaced_keywords[key]}"
+                for key in unknown
+                if key in algorithm_cls.misplaced_keywords
+            )
             raise TypeError(
                 f"Unknown keyword argument(s) {', '.join(map(repr, unknown))} for algorithm {name!r}."
-                f" It accepts: {_describe_keywords(accepted)}."
+                f" It accepts: {_describe_keywords(accepted)}.{hints}"
             )
         return algorithm_cls(**kwargs)
 
@@ -417,8 +425,9 @@ def check_keyword_type(algorithm: str, keyword: str, value: Any, expected: type 
     wrong_bool = isinstance(value, bool) and bool not in types
     if wrong_bool or not isinstance(value, types):
         names = " or ".join(t.__name__ for t in types)
+        article = "an" if names[0] in "aeiou" else "a"
         raise TypeError(
-            f"Algorithm {algorithm!r}: `{keyword}` must be a {names}, got {value!r} ({type(value).__name__})."
+            f"Algorithm {algorithm!r}: `{keyword}` must be {article} {names}, got {value!r} ({type(value).__name__})."
         )
 
 

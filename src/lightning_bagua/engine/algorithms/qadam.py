@@ -41,7 +41,7 @@ import logging
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -530,6 +530,10 @@ class QAdamAlgorithm(Algorithm):
 
     single_node_effect = "nothing is compressed: after the warm-up, the momentum is all-reduced at full precision"
     impl_class = QAdamImpl
+    misplaced_keywords: ClassVar[dict[str, str]] = {
+        key: f"`{key}` is set on the optimizer: QAdamOptimizer(params, {key}=...)."
+        for key in ("lr", "warmup_steps", "betas", "eps", "weight_decay")
+    }
 
     def check_optimizers(self, optimizers: Sequence[Optimizer], lr_schedulers: Sequence[Any]) -> None:
         """Require exactly one :class:`QAdamOptimizer` and at most one LR scheduler (Bagua's rule).

@@ -432,7 +432,11 @@ def _log_resize(name: str, algorithm: str, saved_world_size: int, world_size: in
     except ValueError:  # not registered in this process: the load itself names the problem
         effect = "its state is re-sharded by its resize_state"
     weights = (
-        f"every rank resumes from the average of the {saved_world_size} ranks' weights and optimizer states"
+        (
+            f"every rank resumes from the average of the {saved_world_size} ranks' weights and optimizer states"
+            if saved_world_size > 1
+            else "every rank resumes from the one saved rank's weights and optimizer state"
+        )
         if per_rank
         else "every rank resumes from the shared weights and optimizer state"
     )
