@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_bagua._lightning_compat import SCHEDULER_NOT_PASSED, fabric_load_checkpoint_keywords, fabric_setup_result
 from lightning_bagua.engine import Algorithm, BaguaDistributedDataParallel
+from lightning_bagua.engine.algorithms.weights import parameters_not_updated
 from lightning_bagua.engine.autotune import BucketAutotuner
 from lightning_bagua.engine.telemetry import CommunicationTelemetry
 from lightning_bagua.environments.bagua import BaguaEnvironment
@@ -426,13 +427,7 @@ class _FabricBaguaStrategyLogic(BaguaStrategyCore, _FabricBase):
     def _bind(self, wrapped: BaguaDistributedDataParallel) -> None:
         optimizers = self._engines.optimizers_of(wrapped)
         self._check_optimizers(optimizers, [])
-        updated = {
-            id(parameter)
-            for optimizer in optimizers
-            for group in optimizer.param_groups
-            for parameter in group["params"]
-        }
-        if all(id(parameter) in updated for _, parameter in wrapped.bagua_algorithm_impl.context.named_parameters):
+        if not parameters_not_updated(wrapped.bagua_algorithm_impl.context.named_parameters, optimizers):
             self._bind_now(wrapped, optimizers)
         elif id(wrapped) not in self._unbound:
             # `fabric.setup_optimizers(a, b)` sets them up one at a time, and a weight-exchanging algorithm refuses

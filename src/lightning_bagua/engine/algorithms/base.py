@@ -277,6 +277,11 @@ class Algorithm(ABC):
     """Whether the ranks' weights (and so their optimizer states) differ between steps, as with weight-averaging
     algorithms; checkpoints then carry every rank's weights and optimizer state, not rank 0's alone."""
 
+    steps_from_gradients: ClassVar[bool] = True
+    """Whether the bound optimizers step from the parameters' ``.grad`` in every phase. ``qadam``'s do not: after its
+    warm-up the optimizer steps from a momentum the communication computes from the raw gradients, which a gradient
+    scaler's unscaling and gradient clipping, both acting on ``.grad``, do not reach; the strategies refuse those."""
+
     misplaced_keywords: ClassVar[dict[str, str]] = {}
     """Keywords users pass to the algorithm that belong elsewhere, and where (said when such a keyword is refused)."""
 
@@ -293,15 +298,6 @@ class Algorithm(ABC):
             The bound implementation, ``impl_class(self, context)``; override to build it another way.
         """
         return self.impl_class(self, context)
-
-    def steps_from_gradients(self) -> bool:
-        """Whether the bound optimizers step from the parameters' ``.grad`` in every phase (``True`` by default).
-
-        ``qadam`` says ``False``: after its warm-up the optimizer steps from a momentum the communication computes
-        from the raw gradients, which a gradient scaler's unscaling and gradient clipping, both acting on ``.grad``,
-        do not reach. The strategies refuse those with such an algorithm.
-        """
-        return True
 
     def check_optimizers(self, optimizers: Sequence[Optimizer], lr_schedulers: Sequence[Any]) -> None:  # noqa: B027
         """Raise a ``ValueError`` unless the algorithm can train with these optimizers and LR schedulers.

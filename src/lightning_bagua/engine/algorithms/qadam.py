@@ -530,6 +530,7 @@ class QAdamAlgorithm(Algorithm):
 
     single_node_effect = "nothing is compressed: after the warm-up, the momentum is all-reduced at full precision"
     impl_class = QAdamImpl
+    steps_from_gradients = False
     misplaced_keywords: ClassVar[dict[str, str]] = {
         key: f"`{key}` is set on the optimizer: QAdamOptimizer(params, {key}=...)."
         for key in ("lr", "warmup_steps", "betas", "eps", "weight_decay")
@@ -559,10 +560,6 @@ class QAdamAlgorithm(Algorithm):
     def optimizer(self) -> QAdamOptimizer | None:
         """The optimizer given as ``q_adam_optimizer`` (Bagua's name for it); ``None`` when bound later."""
         return self.q_adam_optimizer
-
-    def steps_from_gradients(self) -> bool:
-        """``False``: after the warm-up the optimizer steps from the momentum the hook computes (see the base)."""
-        return False
 
 
 def qadam_hook(state: QAdamState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
-__all__ = ["FlatWeights", "check_optimizers_cover", "group_by_dtype", "views_like"]
+__all__ = ["FlatWeights", "check_optimizers_cover", "group_by_dtype", "parameters_not_updated", "views_like"]
 
 
 class FlatWeights:
@@ -151,8 +151,7 @@ def check_optimizers_cover(
         named_parameters: the participating parameters.
         optimizers: the bound optimizers.
     """
-    optimized = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-    missing = [name for name, parameter in named_parameters if id(parameter) not in optimized]
+    missing = parameters_not_updated(named_parameters, optimizers)
     if missing:
         raise ValueError(
             f"Algorithm {algorithm!r} exchanges weights around the optimizer step, so every parameter that takes"
@@ -160,6 +159,22 @@ def check_optimizers_cover(
             " Add them to an optimizer, freeze them (requires_grad=False), or list them in the module's"
             " `_bagua_params_and_buffers_to_ignore`."
         )
+
+
+def parameters_not_updated(
+    named_parameters: Sequence[tuple[str, Parameter]], optimizers: Sequence[Optimizer]
+) -> list[str]:
+    """Return the names of the parameters that none of ``optimizers`` updates, in order.
+
+    Args:
+        named_parameters: the participating parameters.
+        optimizers: the optimizers.
+
+    Returns:
+        The names; empty when the optimizers together update every parameter.
+    """
+    optimized = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    return [name for name, parameter in named_parameters if id(parameter) not in optimized]
 
 
 def views_like(flat: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:

@@ -260,7 +260,7 @@ class BaguaStrategyCore(_CoreBase):
                     " device), or train on GPUs with accelerator='gpu'."
                 )
         precision = getattr(self, self._precision_keyword, None)
-        if getattr(precision, "scaler", None) is not None and not self._algorithm.steps_from_gradients():
+        if getattr(precision, "scaler", None) is not None and not self._algorithm.steps_from_gradients:
             raise self._configuration_error(
                 f"Algorithm {self._algorithm.name!r} steps the optimizer from a momentum it computes from the raw"
                 " gradients, which the gradient scaler of precision='16-mixed' leaves scaled (and an overflow would"
@@ -270,7 +270,7 @@ class BaguaStrategyCore(_CoreBase):
 
     def _refuse_gradient_clipping(self) -> None:
         """Raise when the algorithm's optimizer steps from something other than ``.grad``, which clipping changes."""
-        if not self._algorithm.steps_from_gradients():
+        if not self._algorithm.steps_from_gradients:
             raise self._configuration_error(
                 f"Algorithm {self._algorithm.name!r} steps the optimizer from a momentum it computes from the raw"
                 " gradients after its warm-up, so clipping `.grad` would change nothing from then on. Train without"
